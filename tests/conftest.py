@@ -1,0 +1,1 @@
+"""Shared pytest setup. Service fixtures (redis-server, SeaweedFS) live in tests/services.py."""

@@ -1,0 +1,117 @@
+"""CacheConfig: how big each tier is and which policies run it, validated once at construction.
+
+Sizes are bytes as ints or strings like "8GiB"; L3 tiers are URLs. Validation happens here so
+that every later layer can trust the values; this file never touches memory, files or sockets.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from urllib.parse import parse_qs, urlsplit
+
+from .errors import ConfigError
+
+EVICTION_POLICIES = ("lru", "lfu", "s3fifo", "priority")
+WRITE_POLICIES = ("write_through", "write_back", "selective")
+L3_SCHEMES = ("file", "redis", "rediss", "s3")
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1024, "kib": 1024, "kb": 1000,
+    "m": 1024**2, "mib": 1024**2, "mb": 1000**2,
+    "g": 1024**3, "gib": 1024**3, "gb": 1000**3,
+    "t": 1024**4, "tib": 1024**4, "tb": 1000**4,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: int | float | str, field_name: str = "size") -> int:
+    """Bytes from an int or a string such as "8GiB", "500MB", "1.5G" (K/M/G/T alone are binary)."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{field_name} must be a size like 8589934592 or '8GiB', got {value!r}")
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise ConfigError(f"{field_name} must not be negative, got {value!r}")
+        return int(value)
+    if isinstance(value, str):
+        match = _SIZE_RE.match(value)
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _UNITS:
+            if value.strip().startswith("-"):
+                raise ConfigError(f"{field_name} must not be negative, got {value!r}")
+            raise ConfigError(
+                f"{field_name} must be a size like '8GiB', '512MiB', '2GB' or a number of bytes, "
+                f"got {value!r} (units: B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)"
+            )
+        return int(float(match.group(1)) * _UNITS[unit])
+    raise ConfigError(f"{field_name} must be an int or a string like '8GiB', got {type(value).__name__}")
+
+
+def validate_l3_url(url: str, field_name: str = "l3") -> str:
+    """Check that `url` names a known L3 tier with the parts it needs; return it unchanged."""
+    if not isinstance(url, str) or "://" not in url:
+        raise ConfigError(
+            f"{field_name} entry {url!r} is not a URL; use file:///path?size=100GiB, "
+            "redis://host:port/db, rediss://..., or s3://bucket/prefix?endpoint=http://host:port"
+        )
+    parts = urlsplit(url)
+    if parts.scheme not in L3_SCHEMES:
+        raise ConfigError(
+            f"{field_name} entry {url!r} has scheme {parts.scheme!r}; accepted schemes: {', '.join(L3_SCHEMES)}"
+        )
+    if parts.scheme == "file" and not parts.path.startswith("/"):
+        raise ConfigError(f"{field_name} entry {url!r} needs an absolute path: file:///var/cache/tierkv?size=100GiB")
+    if parts.scheme in ("redis", "rediss") and not parts.hostname:
+        raise ConfigError(f"{field_name} entry {url!r} needs a host: redis://127.0.0.1:6379/0")
+    if parts.scheme == "s3" and not parts.netloc:
+        raise ConfigError(f"{field_name} entry {url!r} needs a bucket: s3://bucket/prefix?endpoint=http://127.0.0.1:8333")
+    try:
+        parts.port  # noqa: B018 - raises on a port that is not a number
+    except ValueError:
+        raise ConfigError(f"{field_name} entry {url!r} has a port that is not a number") from None
+    query = parse_qs(parts.query)
+    if "size" in query:
+        parse_size(query["size"][0], f"{field_name} entry {url!r} size")
+    return url
+
+
+@dataclass(slots=True)
+class CacheConfig:
+    """Sizes and policies of the three tiers.
+
+    l1: bytes of the GPU (or CPU, for tests) paged pool; None picks 1 GiB on CPU and 50% of
+        the free memory on a GPU.
+    l2: bytes of the pinned host pool; 0 disables L2.
+    l3: URLs of the shared tiers, searched in order.
+    eviction: one of EVICTION_POLICIES, used by every tier.
+    write_policy: when a block is copied down a tier: "write_through" (as soon as it is full),
+        "write_back" (when it is evicted), "selective" (after `selective_min_hits` hits).
+    """
+
+    l1: int | str | None = None
+    l2: int | str = 0
+    l3: list[str] = field(default_factory=list)
+    eviction: str = "lru"
+    write_policy: str = "write_through"
+    selective_min_hits: int = 2
+
+    def __post_init__(self) -> None:
+        if self.l1 is not None:
+            self.l1 = parse_size(self.l1, "CacheConfig.l1")
+        self.l2 = parse_size(self.l2, "CacheConfig.l2")
+        if isinstance(self.l3, str):
+            self.l3 = [self.l3]
+        self.l3 = [validate_l3_url(u, "CacheConfig.l3") for u in self.l3]
+        if self.eviction not in EVICTION_POLICIES:
+            raise ConfigError(
+                f"CacheConfig.eviction {self.eviction!r} is unknown; accepted: {', '.join(EVICTION_POLICIES)}"
+            )
+        if self.write_policy not in WRITE_POLICIES:
+            raise ConfigError(
+                f"CacheConfig.write_policy {self.write_policy!r} is unknown; accepted: {', '.join(WRITE_POLICIES)}"
+            )
+        if not isinstance(self.selective_min_hits, int) or self.selective_min_hits < 1:
+            raise ConfigError(
+                f"CacheConfig.selective_min_hits must be an int >= 1, got {self.selective_min_hits!r}"
+            )

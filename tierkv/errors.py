@@ -1,0 +1,25 @@
+"""The exceptions tierkv raises to its users.
+
+Every error a user can cause says what to change. Internal faults of a tier (a dead Redis, a
+corrupt file) are never raised from here: tiers count them and report a miss instead.
+"""
+
+
+class TierKVError(Exception):
+    """Base class of every error tierkv raises on purpose."""
+
+
+class ConfigError(TierKVError, ValueError):
+    """A configuration value is wrong; the message names the field and what it accepts."""
+
+
+class ShapeError(TierKVError, ValueError):
+    """A tensor handed to the cache has the wrong shape, dtype or device."""
+
+
+class OutOfMemoryError(TierKVError, MemoryError):
+    """A tier asked for more memory than its device or host has."""
+
+
+class CacheFullError(TierKVError):
+    """L1 has no free or evictable block left for a request (everything is pinned)."""

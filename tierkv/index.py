@@ -1,0 +1,137 @@
+"""The block index: chained hash -> where that block lives, and the longest-prefix walk.
+
+One dict from hash to BlockEntry. An entry records which tiers hold the block (its L1 and L2
+slots), how many running sequences pin it in L1, and what the eviction policies need. A prefix
+walk is a run of dict hits that stops at the first miss. Each entry keeps the block's parent
+hash, namespace and token ids, and a hit counts only if they equal the query's, so a hash
+collision (accidental or crafted by another tenant) is a miss, never someone else's KV.
+This file does bookkeeping only: it never touches tensors or moves data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .policies import EvictionPolicy, make_policy
+
+TIERS = ("l1", "l2")
+
+
+@dataclass(slots=True, eq=False)
+class BlockEntry:
+    hash: int
+    parent: int  # hash of the previous block in the chain, 0 for a first block
+    ns: bytes  # namespace digest (model, layout, TP rank, salt)
+    tokens: bytes  # the block's token ids, little-endian int32
+    priority: int = 0
+    l1: int = -1  # slot in the L1 pool, -1 when not there
+    l2: int = -1  # slot in the L2 pool, -1 when not there
+    ref: int = 0  # running sequences holding it in L1; never evicted from L1 while > 0
+    hits: int = 0  # times a request reused it (selective write policy)
+    loading: Any = None  # Transfer filling its L1 slot, None once known complete
+
+    def slot(self, tier: str) -> int:
+        return self.l1 if tier == "l1" else self.l2
+
+    def tier(self) -> str:
+        """The fastest tier holding the block."""
+        return "l1" if self.l1 >= 0 else "l2"
+
+    def matches(self, parent: int, ns: bytes, tokens) -> bool:
+        return self.parent == parent and self.ns == ns and self.tokens == tokens
+
+
+@dataclass(slots=True)
+class BlockIndex:
+    eviction: str = "lru"
+    entries: dict[int, BlockEntry] = field(default_factory=dict)
+    policies: dict[str, EvictionPolicy] = field(default_factory=dict)
+    collisions: int = 0
+
+    def __post_init__(self) -> None:
+        self.policies = {tier: make_policy(self.eviction) for tier in TIERS}
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def walk(self, hashes: list[int], ns: bytes, tokens: bytes, block_size: int) -> list[BlockEntry]:
+        """Entries of the longest prefix of `hashes` held in some tier (stops at the first miss)."""
+        stride = 4 * block_size
+        view = memoryview(tokens)
+        found: list[BlockEntry] = []
+        parent = 0
+        for i, h in enumerate(hashes):
+            entry = self.entries.get(h)
+            if entry is None:
+                break
+            if not entry.matches(parent, ns, view[i * stride : (i + 1) * stride]):
+                self.collisions += 1
+                break
+            found.append(entry)
+            parent = h
+        return found
+
+    def lookup(self, h: int, parent: int, ns: bytes, tokens) -> tuple[BlockEntry | None, bool]:
+        """(entry, collided): the entry for `h` if it holds exactly this block."""
+        entry = self.entries.get(h)
+        if entry is None:
+            return None, False
+        if entry.matches(parent, ns, tokens):
+            return entry, False
+        self.collisions += 1
+        return None, True
+
+    def create(self, h: int, parent: int, ns: bytes, tokens: bytes, priority: int = 0) -> BlockEntry:
+        entry = BlockEntry(h, parent, ns, bytes(tokens), priority)
+        self.entries[h] = entry
+        return entry
+
+    def place(self, entry: BlockEntry, tier: str, slot: int) -> None:
+        """`entry` now lives in `slot` of `tier`; pinned there if it has L1 references."""
+        if tier == "l1":
+            entry.l1 = slot
+        else:
+            entry.l2 = slot
+        pinned = tier == "l1" and entry.ref > 0
+        self.policies[tier].insert(entry.hash, priority=entry.priority, pinned=pinned)
+
+    def unplace(self, entry: BlockEntry, tier: str) -> int:
+        """`entry` leaves `tier`; returns the slot it held. An entry in no tier leaves the index."""
+        slot = entry.slot(tier)
+        self.policies[tier].remove(entry.hash)
+        if tier == "l1":
+            entry.l1, entry.loading = -1, None
+        else:
+            entry.l2 = -1
+        if entry.l1 < 0 and entry.l2 < 0:
+            del self.entries[entry.hash]
+        return slot
+
+    def victim(self, tier: str) -> BlockEntry | None:
+        """The next block the policy of `tier` gives up, already out of the policy, or None."""
+        h = self.policies[tier].evict()
+        if h is None:
+            return None
+        return self.entries[h]  # unplace() will remove() it again: a no-op for an evicted key
+
+    def pin(self, entry: BlockEntry) -> None:
+        entry.ref += 1
+        if entry.ref == 1:
+            self.policies["l1"].pin(entry.hash)
+
+    def unpin(self, entry: BlockEntry) -> None:
+        assert entry.ref > 0, "unpin of a block that is not pinned"
+        entry.ref -= 1
+        if entry.ref == 0:
+            self.policies["l1"].unpin(entry.hash)
+
+    def touch(self, entry: BlockEntry, priority: int = 0) -> None:
+        entry.hits += 1
+        entry.priority = max(entry.priority, priority)
+        for tier in TIERS:
+            if entry.slot(tier) >= 0:
+                self.policies[tier].touch(entry.hash, priority=priority)
+
+    def evictable(self, tier: str) -> int:
+        return len(self.policies[tier])
