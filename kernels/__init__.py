@@ -2,18 +2,32 @@
 
 Triton kernels run on CUDA tensors and the torch reference everywhere else. The environment
 variable TIERKV_KERNELS=reference|triton forces one implementation (triton on CPU means the
-Triton interpreter, which also needs TRITON_INTERPRET=1). Kernels know nothing of tiers.
+Triton interpreter, which also needs TRITON_INTERPRET=1 set before the first import). The Triton
+modules are imported lazily, so CPU-only installs without triton work. Kernels know nothing of tiers.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
+from types import ModuleType
 
 import torch
 
 from . import reference
 
-__all__ = ["gather_blocks", "scatter_blocks", "backend_for"]
+__all__ = [
+    "backend_for",
+    "kv_write",
+    "paged_decode",
+    "paged_prefill",
+    "gather_blocks",
+    "scatter_blocks",
+]
+
+# public name -> module of this package that holds its Triton version; a name missing here
+# has no Triton version yet and is served by the reference on every device.
+_TRITON_HOME: dict[str, str] = {}
 
 
 def backend_for(tensor: torch.Tensor) -> str:
@@ -24,11 +38,33 @@ def backend_for(tensor: torch.Tensor) -> str:
     return "triton" if tensor.is_cuda else "reference"
 
 
+def _impl(name: str, tensor: torch.Tensor):
+    if backend_for(tensor) == "reference" or name not in _TRITON_HOME:
+        return getattr(reference, name)
+    module: ModuleType = importlib.import_module(f".{_TRITON_HOME[name]}", __name__)
+    return getattr(module, name)
+
+
+def kv_write(k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write k, v [T, Hkv, D] into kv [num_blocks, 2, bs, Hkv, D] at slot_mapping [T] (-1 = skip)."""
+    return _impl("kv_write", kv)(k, v, kv, slot_mapping)
+
+
+def paged_decode(q, kv, block_tables, seq_lens, scale: float, sliding_window: int | None = None):
+    """q [B, Hq, D] over the paged kv through block_tables [B, max_blocks]; see reference.paged_decode."""
+    return _impl("paged_decode", q)(q, kv, block_tables, seq_lens, scale, sliding_window)
+
+
+def paged_prefill(q, kv, block_tables, cu_seqlens_q, seq_lens, scale: float, sliding_window: int | None = None):
+    """Flat varlen q [T, Hq, D], causal over the paged kv; see reference.paged_prefill."""
+    return _impl("paged_prefill", q)(q, kv, block_tables, cu_seqlens_q, seq_lens, scale, sliding_window)
+
+
 def gather_blocks(pool: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """[layers, slots, 2, bs, h, d] pool -> [n, layers, 2, bs, h, d] out (see reference.gather_blocks)."""
-    return reference.gather_blocks(pool, slots, out)
+    return _impl("gather_blocks", pool)(pool, slots, out)
 
 
 def scatter_blocks(src: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """[n, layers, 2, bs, h, d] src -> pool slots (see reference.scatter_blocks)."""
-    return reference.scatter_blocks(src, pool, slots)
+    return _impl("scatter_blocks", pool)(src, pool, slots)

@@ -1,0 +1,121 @@
+"""Argument checks shared by the reference and the Triton kernels.
+
+Every public kernel validates its inputs here first so that a wrong shape, dtype or device is a
+clear `tierkv.errors.ShapeError` naming the argument, never a silent out-of-bounds read. This file
+only inspects metadata (shapes, dtypes, devices); it must never read tensor contents, which would
+force a GPU sync on the hot path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tierkv.errors import ShapeError
+
+ATTN_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _fail(msg: str) -> None:
+    raise ShapeError(msg)
+
+
+def check_tensor(name: str, t: object, ndim: int, dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        _fail(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        names = ", ".join(str(d) for d in dtypes)
+        _fail(f"{name} has dtype {t.dtype}; use one of {names}")
+    return t
+
+
+def check_same_device(**tensors: torch.Tensor) -> None:
+    devices = {name: t.device for name, t in tensors.items()}
+    if len(set(devices.values())) > 1:
+        listing = ", ".join(f"{n} on {d}" for n, d in devices.items())
+        _fail(f"all tensors must be on one device, got {listing}")
+
+
+def check_kv(kv: object) -> tuple[int, int, int, int]:
+    """kv: [num_blocks, 2, block_size, kv_heads, head_dim] -> (num_blocks, bs, Hkv, D)."""
+    check_tensor("kv", kv, 5, ATTN_DTYPES)
+    nb, two, bs, hkv, d = kv.shape
+    if two != 2:
+        _fail(f"kv dim 1 must be 2 (K, V), got shape {tuple(kv.shape)}")
+    return nb, bs, hkv, d
+
+
+def check_kv_write(k, v, kv, slot_mapping) -> None:
+    _, _, hkv, d = check_kv(kv)
+    check_tensor("k", k, 3, ATTN_DTYPES)
+    check_tensor("v", v, 3, ATTN_DTYPES)
+    check_tensor("slot_mapping", slot_mapping, 1, INDEX_DTYPES)
+    if k.shape != v.shape:
+        _fail(f"k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if tuple(k.shape[1:]) != (hkv, d):
+        _fail(f"k/v are [T, {k.shape[1]}, {k.shape[2]}] but kv holds [.., {hkv}, {d}] heads x dim")
+    if slot_mapping.shape[0] != k.shape[0]:
+        _fail(f"slot_mapping has {slot_mapping.shape[0]} entries for {k.shape[0]} tokens")
+    if k.dtype != kv.dtype or v.dtype != kv.dtype:
+        _fail(f"k/v dtype ({k.dtype}, {v.dtype}) must equal the pool dtype {kv.dtype}")
+    check_same_device(k=k, v=v, kv=kv, slot_mapping=slot_mapping)
+
+
+def check_attention(q, kv, block_tables, seq_lens, q_ndim_name: str) -> tuple[int, int, int]:
+    """Common checks of paged_decode / paged_prefill; returns (Hq, Hkv, D)."""
+    _, _, hkv, d = check_kv(kv)
+    check_tensor(q_ndim_name, q, 3, ATTN_DTYPES)
+    check_tensor("block_tables", block_tables, 2, INDEX_DTYPES)
+    check_tensor("seq_lens", seq_lens, 1, INDEX_DTYPES)
+    hq = q.shape[1]
+    if q.shape[2] != d:
+        _fail(f"q head_dim {q.shape[2]} != kv head_dim {d}")
+    if hq % hkv != 0:
+        _fail(f"query heads ({hq}) must be a multiple of kv heads ({hkv})")
+    if q.dtype != kv.dtype:
+        _fail(f"q dtype {q.dtype} must equal the pool dtype {kv.dtype}")
+    if block_tables.shape[0] != seq_lens.shape[0]:
+        _fail(f"block_tables has {block_tables.shape[0]} rows for {seq_lens.shape[0]} sequences")
+    return hq, hkv, d
+
+
+def check_window(sliding_window) -> None:
+    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window <= 0):
+        _fail(f"sliding_window must be None or a positive int, got {sliding_window!r}")
+
+
+def check_decode(q, kv, block_tables, seq_lens, sliding_window) -> tuple[int, int, int]:
+    dims = check_attention(q, kv, block_tables, seq_lens, "q")
+    if q.shape[0] != seq_lens.shape[0]:
+        _fail(f"q has {q.shape[0]} rows (one per sequence) but seq_lens has {seq_lens.shape[0]}")
+    check_window(sliding_window)
+    check_same_device(q=q, kv=kv, block_tables=block_tables, seq_lens=seq_lens)
+    return dims
+
+
+def check_prefill(q, kv, block_tables, cu_seqlens_q, seq_lens, sliding_window) -> tuple[int, int, int]:
+    dims = check_attention(q, kv, block_tables, seq_lens, "q")
+    check_tensor("cu_seqlens_q", cu_seqlens_q, 1, INDEX_DTYPES)
+    if cu_seqlens_q.shape[0] != seq_lens.shape[0] + 1:
+        _fail(f"cu_seqlens_q needs B+1 = {seq_lens.shape[0] + 1} entries, got {cu_seqlens_q.shape[0]}")
+    check_window(sliding_window)
+    check_same_device(q=q, kv=kv, block_tables=block_tables, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens)
+    return dims
+
+
+def check_blocks(pool, slots, staged, staged_name: str) -> None:
+    """pool [layers, num_slots, 2, bs, h, d] and staged [n, layers, 2, bs, h, d] must agree."""
+    check_tensor("pool", pool, 6, ATTN_DTYPES + (torch.float8_e4m3fn, torch.float8_e5m2))
+    check_tensor("slots", slots, 1, INDEX_DTYPES)
+    check_tensor(staged_name, staged, 6, (pool.dtype,))
+    if staged.shape[0] != slots.shape[0]:
+        _fail(f"{staged_name} holds {staged.shape[0]} blocks but slots lists {slots.shape[0]}")
+    if staged.shape[1] != pool.shape[0] or tuple(staged.shape[2:]) != tuple(pool.shape[2:]):
+        _fail(
+            f"{staged_name} shape {tuple(staged.shape)} does not match pool {tuple(pool.shape)} "
+            "(expected [n, layers, 2, block_size, kv_heads, head_dim])"
+        )
+    if slots.device != pool.device:
+        _fail(f"slots must be on the pool's device {pool.device}, got {slots.device}")
