@@ -126,6 +126,16 @@ class BlockIndex:
         if entry.ref == 0:
             self.policies["l1"].unpin(entry.hash)
 
+    def hold(self, entries: list[BlockEntry], tier: str) -> None:
+        """Keep `entries` out of `tier`'s eviction order for a moment (while moving blocks around them)."""
+        for e in entries:
+            self.policies[tier].pin(e.hash)
+
+    def release(self, entries: list[BlockEntry], tier: str) -> None:
+        for e in entries:
+            if e.slot(tier) >= 0:
+                self.policies[tier].unpin(e.hash)
+
     def touch(self, entry: BlockEntry, priority: int = 0) -> None:
         entry.hits += 1
         entry.priority = max(entry.priority, priority)

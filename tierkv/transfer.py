@@ -33,7 +33,7 @@ class Transfer:
     def wait(self) -> None:
         """Make the current CUDA stream wait for this transfer (no host sync)."""
         if self.event is not None:
-            torch.cuda.current_stream(self.event.device if hasattr(self.event, "device") else None).wait_event(self.event)
+            torch.cuda.current_stream().wait_event(self.event)
 
     def synchronize(self) -> None:
         """Block the calling thread until the copies are complete (needed before the CPU reads L2)."""

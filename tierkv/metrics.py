@@ -1,0 +1,35 @@
+"""Counters the cache keeps about itself, reported by `TieredKVCache.stats()`.
+
+Plain integers updated in place on the hot path (no locks, no allocation); the server layer
+turns them into Prometheus metrics. This file must never import anything above it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(slots=True)
+class TierCounters:
+    hit_tokens: int = 0  # prefix tokens found in this tier by match()
+    blocks_in: int = 0  # blocks written into this tier
+    blocks_out: int = 0  # blocks read out of this tier (loads to a faster tier, retrieve)
+    bytes_in: int = 0
+    bytes_out: int = 0
+    evictions: int = 0  # blocks this tier gave up, demoted or not
+    drops: int = 0  # evictions that left no copy in any tier
+    errors: int = 0  # failed reads/writes (L3), counted, never raised
+
+
+@dataclass(slots=True)
+class CacheCounters:
+    queries: int = 0  # match() calls
+    query_tokens: int = 0  # tokens those calls could have hit (the limit of each)
+    hit_tokens: int = 0  # tokens they hit, all tiers together
+    stored_blocks: int = 0  # new blocks entered into the index (store or commit)
+    tiers: dict[str, TierCounters] = field(default_factory=lambda: {t: TierCounters() for t in ("l1", "l2", "l3")})
+
+    def as_dict(self) -> dict:
+        out = asdict(self)
+        out["hit_rate"] = self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+        return out
