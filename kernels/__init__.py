@@ -27,7 +27,13 @@ __all__ = [
 
 # public name -> module of this package that holds its Triton version; a name missing here
 # has no Triton version yet and is served by the reference on every device.
-_TRITON_HOME: dict[str, str] = {}
+_TRITON_HOME: dict[str, str] = {
+    "kv_write": "write",
+    "paged_decode": "decode",
+    "paged_prefill": "prefill",
+    "gather_blocks": "block_copy",
+    "scatter_blocks": "block_copy",
+}
 
 
 def backend_for(tensor: torch.Tensor) -> str:

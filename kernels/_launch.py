@@ -1,0 +1,45 @@
+"""Launch helpers shared by the Triton kernel modules: device facts and tile-size arithmetic.
+
+Holds no kernels. Must never import triton.language or launch anything itself, so that the
+kernel modules stay the only place where a kernel is defined.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+import triton
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of `device`; a small fixed number under the interpreter (CPU)."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def pow2(n: int, at_least: int = 1) -> int:
+    return max(at_least, triton.next_power_of_2(max(1, n)))
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs must not silently drop to tf32 (10-bit mantissa); fp16/bf16 ignore this."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def check_triton_device(*tensors: torch.Tensor) -> None:
+    """Triton kernels run on CUDA, or on CPU only under TRITON_INTERPRET=1."""
+    from tierkv.errors import ShapeError
+
+    for t in tensors:
+        if t.device.type != "cuda" and not INTERPRETING:
+            raise ShapeError(
+                f"the Triton kernels need CUDA tensors, got one on {t.device}; "
+                "use tierkv.kernels (which picks the reference on CPU) or set TRITON_INTERPRET=1"
+            )

@@ -1,0 +1,185 @@
+"""Triton paged decode attention: split-KV (flash-decoding) with a log-sum-exp merge.
+
+One query token per sequence reads its K/V through a block table. Each program owns one
+(sequence, kv head, split) and loads every K/V tile once for all the query heads of that kv head
+(GQA). A second small kernel merges the splits. This file must never read a block-table entry past
+a sequence's length, and never syncs the host (the split count comes from tensor shapes only).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _checks
+from ._launch import check_triton_device, dot_precision, pow2, sm_count
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_split_kernel(
+    Q, KV, BT, SL, Out, Part, Lse,
+    stride_qb, stride_qh, stride_qd,
+    stride_kvb, stride_kvs, stride_kvt, stride_kvh, stride_kvd,
+    stride_btb, stride_btn,
+    stride_ob, stride_oh, stride_od,
+    stride_pb, stride_ph, stride_ps,
+    stride_lb, stride_lh,
+    qk_scale, window, tokens_per_split,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, DIRECT: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    b = tl.program_id(0)
+    hkv = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(SL + b)
+    lo = split * tokens_per_split
+    hi = tl.minimum(seq_len, lo + tokens_per_split)
+    if HAS_WINDOW:
+        # the query sits at seq_len - 1 and sees positions > seq_len - 1 - window
+        lo = tl.maximum(lo, seq_len - window)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_D
+    heads = hkv * GROUP + offs_g                                   # [BLOCK_G] query heads
+    q_ptr = Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd
+    q = tl.load(q_ptr, mask=g_mask[:, None] & d_mask[None, :], other=0.0)   # [BLOCK_G, BLOCK_D]
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    bt_row = BT + b.to(tl.int64) * stride_btb
+    head_off = hkv.to(tl.int64) * stride_kvh
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)                     # [BLOCK_N] token positions
+        n_mask = offs_n < hi
+        # block-table entries are read only for positions < seq_len
+        blk = tl.load(bt_row + (offs_n // PAGE) * stride_btn, mask=n_mask, other=0).to(tl.int64)
+        row = blk * stride_kvb + (offs_n % PAGE) * stride_kvt + head_off      # [BLOCK_N]
+        ld_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(KV + row[:, None] + offs_d[None, :] * stride_kvd, mask=ld_mask, other=0.0)
+        v = tl.load(KV + stride_kvs + row[:, None] + offs_d[None, :] * stride_kvd, mask=ld_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale     # [BLOCK_G, BLOCK_N], log2 units
+        qk = tl.where(n_mask[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
+
+    out_mask = g_mask[:, None] & d_mask[None, :]
+    if DIRECT:
+        # one split: normalise here; an empty range (seq_len 0) gives zeros, as the reference does
+        l_safe = tl.where(l_i > 0, l_i, 1.0)
+        o_ptr = Out + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :] * stride_od
+        tl.store(o_ptr, (acc / l_safe[:, None]).to(Out.dtype.element_ty), mask=out_mask)
+    else:
+        # unnormalised partial output and its log2-sum-exp; an empty split has lse = -inf
+        base = b.to(tl.int64) * stride_pb + heads * stride_ph + split * stride_ps    # [BLOCK_G]
+        l_safe = tl.where(l_i > 0, l_i, 1.0)
+        tl.store(Part + base[:, None] + offs_d[None, :], acc / l_safe[:, None], mask=out_mask)
+        lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(Lse + b.to(tl.int64) * stride_lb + heads * stride_lh + split, lse, mask=g_mask)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    Part, Lse, Out,
+    stride_pb, stride_ph, stride_ps,
+    stride_lb, stride_lh,
+    stride_ob, stride_oh, stride_od,
+    num_splits,
+    HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < num_splits
+    lse = tl.load(Lse + b * stride_lb + h * stride_lh + offs_s, mask=s_mask, other=float("-inf"))  # [BLOCK_S]
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)           # every split empty: weights 0, output 0
+    w = tl.exp2(lse - m)                               # [BLOCK_S]
+    total = tl.sum(w, 0)
+    w = w / tl.where(total > 0, total, 1.0)
+    part = tl.load(
+        Part + b * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :],
+        mask=s_mask[:, None] & (offs_d[None, :] < HEAD_D), other=0.0,
+    )                                                  # [BLOCK_S, BLOCK_D]
+    out = tl.sum(part * w[:, None], 0)                 # [BLOCK_D]
+    tl.store(Out + b * stride_ob + h * stride_oh + offs_d * stride_od, out.to(Out.dtype.element_ty),
+             mask=offs_d < HEAD_D)
+
+
+def choose_splits(batch: int, kv_heads: int, max_tokens: int, device: torch.device, block_n: int) -> int:
+    """Splits per sequence so that batch * kv_heads * splits fills the GPU about twice over.
+
+    Sized from the block table's width (an upper bound of every length, known without a host
+    sync) and the SM count; a split never gets fewer than 4 tiles of work.
+    """
+    programs = batch * kv_heads
+    want = math.ceil(2 * sm_count(device) / programs)
+    most = max(1, math.ceil(max_tokens / (4 * block_n)))
+    return max(1, min(want, most, 256))
+
+
+def _paged_decode(q, kv, block_tables, seq_lens, scale, sliding_window=None, *,
+                  num_splits=None, block_n=None, num_warps=None, num_stages=None):
+    """paged_decode with its launch choices exposed (tests and benchmarks sweep them)."""
+    hq, hkv, d = _checks.check_decode(q, kv, block_tables, seq_lens, sliding_window)
+    check_triton_device(q, kv, block_tables, seq_lens)
+    batch, page = q.shape[0], kv.shape[2]
+    group = hq // hkv
+    out = torch.empty_like(q)
+    if batch == 0:
+        return out
+    block_n = block_n or (64 if d <= 128 else 32)
+    max_tokens = block_tables.shape[1] * page
+    splits = num_splits or choose_splits(batch, hkv, max_tokens, q.device, block_n)
+    # whole tiles per split, so tiles of one split never straddle another's
+    per_split = triton.cdiv(triton.cdiv(max(max_tokens, 1), splits), block_n) * block_n
+    splits = max(1, triton.cdiv(max(max_tokens, 1), per_split))
+    direct = splits == 1
+    if direct:
+        part, lse = out, out  # unused placeholders
+        part_strides, lse_strides = (0, 0, 0), (0, 0)
+    else:
+        part = torch.empty(batch, hq, splits, d, dtype=torch.float32, device=q.device)
+        lse = torch.empty(batch, hq, splits, dtype=torch.float32, device=q.device)
+        part_strides, lse_strides = part.stride()[:3], lse.stride()[:2]
+    block_d = pow2(d, 16)
+    _decode_split_kernel[(batch, hkv, splits)](
+        q, kv, block_tables, seq_lens, out, part, lse,
+        *q.stride(), *kv.stride(), *block_tables.stride(), *out.stride(),
+        *part_strides, *lse_strides,
+        scale * _LOG2E, sliding_window or 0, per_split,
+        GROUP=group, BLOCK_G=pow2(group, 16), HEAD_D=d, BLOCK_D=block_d, PAGE=page, BLOCK_N=block_n,
+        HAS_WINDOW=sliding_window is not None, DIRECT=direct, DOT_PREC=dot_precision(q.dtype),
+        num_warps=num_warps or 4, num_stages=num_stages or 3,
+    )
+    if not direct:
+        _decode_merge_kernel[(batch, hq)](
+            part, lse, out, *part.stride()[:3], *lse.stride()[:2], *out.stride(), splits,
+            HEAD_D=d, BLOCK_D=block_d, BLOCK_S=pow2(splits), num_warps=4,
+        )
+    return out
+
+
+def paged_decode(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """q [B, Hq, D] attends to its sequence in kv [num_blocks, 2, bs, Hkv, D]; see reference.paged_decode."""
+    return _paged_decode(q, kv, block_tables, seq_lens, scale, sliding_window)

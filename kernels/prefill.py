@@ -1,0 +1,160 @@
+"""Triton paged prefill (extend) attention over a flat varlen batch of new tokens.
+
+New tokens attend causally to themselves and fully to their sequence's cached prefix, all read
+from the paged pool through the block table: plain prefill, chunked prefill and prefix-cache hits
+are one kernel. Each program owns (query tile of one sequence, query head). This file must never
+read a block-table entry past a sequence's length, and never syncs the host.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _checks
+from ._launch import INTERPRETING, check_triton_device, dot_precision, pow2
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _tile(KV, bt_row, stride_btn, offs_n, n_mask, head_off, offs_d, d_mask,
+          stride_kvb, stride_kvt, stride_kvd, PAGE: tl.constexpr):
+    """Row offsets into KV of token positions offs_n [BLOCK_N] (K at +0, V at +stride_kvs)."""
+    blk = tl.load(bt_row + (offs_n // PAGE) * stride_btn, mask=n_mask, other=0).to(tl.int64)
+    row = blk * stride_kvb + (offs_n % PAGE) * stride_kvt + head_off
+    return row[:, None] + offs_d[None, :] * stride_kvd
+
+
+@triton.jit
+def _prefill_kernel(
+    Q, KV, BT, CU, SL, TileSeq, TileIdx, Out,
+    stride_qt, stride_qh, stride_qd,
+    stride_kvb, stride_kvs, stride_kvt, stride_kvh, stride_kvd,
+    stride_btb, stride_btn,
+    stride_ot, stride_oh, stride_od,
+    qk_scale, window, num_seqs,
+    GROUP: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.load(TileSeq + tile)
+    if b >= num_seqs:
+        return  # the grid is an upper bound on tiles; spare programs leave at once
+    t = tl.load(TileIdx + tile)
+    q_start = tl.load(CU + b)
+    q_len = tl.load(CU + b + 1) - q_start
+    seq_len = tl.load(SL + b)
+    ctx = seq_len - q_len                                   # position of the first new token
+
+    offs_m = t * BLOCK_M + tl.arange(0, BLOCK_M)            # [BLOCK_M] row within the sequence
+    offs_d = tl.arange(0, BLOCK_D)
+    m_mask = offs_m < q_len
+    d_mask = offs_d < HEAD_D
+    pos = ctx + offs_m                                      # [BLOCK_M] token positions
+    q_rows = (q_start + offs_m).to(tl.int64)
+    q = tl.load(Q + q_rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :] * stride_qd,
+                mask=m_mask[:, None] & d_mask[None, :], other=0.0)           # [BLOCK_M, BLOCK_D]
+
+    first_pos = ctx + t * BLOCK_M                           # smallest position in this tile
+    last_pos = ctx + tl.minimum((t + 1) * BLOCK_M, q_len) - 1
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(0, first_pos - window + 1)
+    # keys in [lo, mid) are visible to every row (causally); [mid, last_pos] need the causal mask
+    mid = lo + tl.maximum(0, first_pos - lo) // BLOCK_N * BLOCK_N
+    hi = last_pos + 1
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    bt_row = BT + b.to(tl.int64) * stride_btb
+    head_off = (h // GROUP).to(tl.int64) * stride_kvh
+    for phase in tl.static_range(2):
+        start_at = lo if phase == 0 else mid
+        end_at = mid if phase == 0 else hi
+        for start in range(start_at, end_at, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < end_at
+            ptrs = _tile(KV, bt_row, stride_btn, offs_n, n_mask, head_off, offs_d, d_mask,
+                         stride_kvb, stride_kvt, stride_kvd, PAGE)
+            ld_mask = n_mask[:, None] & d_mask[None, :]
+            k = tl.load(KV + ptrs, mask=ld_mask, other=0.0)                  # [BLOCK_N, BLOCK_D]
+            v = tl.load(KV + stride_kvs + ptrs, mask=ld_mask, other=0.0)
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [BLOCK_M, BLOCK_N]
+            if phase == 0:
+                visible = n_mask[None, :]
+            else:
+                visible = n_mask[None, :] & (offs_n[None, :] <= pos[:, None])
+            if HAS_WINDOW:
+                visible = visible & (offs_n[None, :] > pos[:, None] - window)
+            qk = tl.where(visible, qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            # a row that has seen nothing yet keeps m = -inf; subtract 0 so exp2 gives 0, not NaN
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_sub)
+            p = tl.exp2(qk - m_sub[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+            m_i = m_new
+
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    o_ptr = Out + q_rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :] * stride_od
+    tl.store(o_ptr, (acc / l_safe[:, None]).to(Out.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+
+
+def _tile_map(cu_seqlens_q: torch.Tensor, num_tokens: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(sequence, tile within it) of every program, built on the device without a host sync.
+
+    Sequence b needs ceil(q_len_b / block_m) tiles; their sum is at most ceil(T / block_m) + B,
+    which sizes the grid. Programs past the real count get sequence index B and return.
+    """
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    grid = triton.cdiv(num_tokens, block_m) + num_seqs
+    q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).to(torch.int64)          # [B]
+    ends = torch.cumsum((q_lens + block_m - 1) // block_m, 0)                # [B] tiles up to b
+    ids = torch.arange(grid, device=cu_seqlens_q.device)
+    seq = torch.searchsorted(ends, ids, right=True)                          # [grid] in [0, B]
+    starts = torch.cat([ends.new_zeros(1), ends])                            # [B+1]
+    idx = ids - starts[seq]
+    return seq.to(torch.int32), idx.to(torch.int32), grid
+
+
+def _paged_prefill(q, kv, block_tables, cu_seqlens_q, seq_lens, scale, sliding_window=None, *,
+                   block_m=None, block_n=None, num_warps=None, num_stages=None):
+    """paged_prefill with its launch choices exposed (tests and benchmarks sweep them)."""
+    hq, hkv, d = _checks.check_prefill(q, kv, block_tables, cu_seqlens_q, seq_lens, sliding_window)
+    check_triton_device(q, kv, block_tables, cu_seqlens_q, seq_lens)
+    out = torch.empty_like(q)
+    num_seqs = seq_lens.shape[0]
+    if q.shape[0] == 0 or num_seqs == 0:
+        return out
+    if INTERPRETING:
+        block_m, block_n = block_m or 16, block_n or 16
+    block_m = block_m or (128 if d <= 128 else 64)
+    block_n = block_n or (64 if d <= 128 else 32)
+    seq_of_tile, tile_in_seq, grid = _tile_map(cu_seqlens_q, q.shape[0], block_m)
+    _prefill_kernel[(grid, hq)](
+        q, kv, block_tables, cu_seqlens_q, seq_lens, seq_of_tile, tile_in_seq, out,
+        *q.stride(), *kv.stride(), *block_tables.stride(), *out.stride(),
+        scale * _LOG2E, sliding_window or 0, num_seqs,
+        GROUP=hq // hkv, HEAD_D=d, BLOCK_D=pow2(d, 16), PAGE=kv.shape[2], BLOCK_M=block_m,
+        BLOCK_N=block_n, HAS_WINDOW=sliding_window is not None, DOT_PREC=dot_precision(q.dtype),
+        num_warps=num_warps or (8 if block_m >= 128 else 4), num_stages=num_stages or 3,
+    )
+    return out
+
+
+def paged_prefill(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Flat varlen q [T, Hq, D] over the paged kv, causal; see reference.paged_prefill."""
+    return _paged_prefill(q, kv, block_tables, cu_seqlens_q, seq_lens, scale, sliding_window)
