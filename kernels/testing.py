@@ -30,20 +30,23 @@ def make_paged(
     spare_blocks: int = 3,
     table_pad: int = 2,
     generator: torch.Generator | None = None,
+    fill: float = float("nan"),
+    table_fill: int = -1,
 ) -> PagedBatch:
     """Random K/V for each sequence, written into a pool whose blocks are handed out shuffled.
 
-    The pool has `spare_blocks` more blocks than needed (filled with large garbage, so a kernel
-    reading a block it does not own gives a visibly wrong answer), block tables are padded with
-    `table_pad` columns of -1 past the longest sequence, and block ids are in random order.
+    The pool has `spare_blocks` more blocks than needed, and every slot no sequence owns (spare
+    blocks, the tail of each last block) holds `fill` (NaN by default), so a kernel that reads
+    memory it does not own returns NaN instead of a plausible answer. Block tables are padded with
+    `table_pad` columns of `table_fill` past the longest sequence, and block ids are in random order.
     """
     need = [(n + block_size - 1) // block_size for n in seq_lens]
     num_blocks = sum(need) + spare_blocks
     perm = torch.randperm(num_blocks, generator=generator)
-    # garbage everywhere first: 1e4 in every slot no sequence owns (and in the tail of last blocks)
-    kv = torch.full((num_blocks, 2, block_size, num_kv_heads, head_dim), 1e4, dtype=dtype)
+    kv = torch.full((num_blocks, 2, block_size, num_kv_heads, head_dim), fill, dtype=dtype)
     max_blocks = max(need, default=0) + table_pad
-    tables = torch.full((len(seq_lens), max_blocks), -1, dtype=torch.int32)
+    # entries past each sequence's blocks: -1 by default; a huge id makes any read of them fault
+    tables = torch.full((len(seq_lens), max_blocks), table_fill, dtype=torch.int32)
     keys, values, used = [], [], 0
     for b, n in enumerate(seq_lens):
         k = torch.randn(n, num_kv_heads, head_dim, generator=generator).to(dtype)
