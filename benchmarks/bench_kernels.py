@@ -1,0 +1,302 @@
+"""bench_kernels: tierkv's paged kernels vs torch on the same data, in one run (H200 via the device tool).
+
+decode:  paged_decode vs SDPA on the same K/V made contiguous, Llama-3.1-8B layer shape; GB/s of KV
+         read, ratio to SDPA and to the d2d copy bandwidth measured in this run.
+prefill: paged_prefill vs SDPA causal on contiguous K/V, TFLOP/s and ratio.
+blocks:  16-token block moves L1<->L2 (Triton gather/scatter, staged or zero-copy) vs one contiguous
+         pinned copy of the same bytes, and vs one cudaMemcpyAsync per contiguous run.
+Writes benchmarks/results/bench_kernels-<machine>.json (or --out DIR) and a PNG. Prints a table.
+Usage: python benchmarks/bench_kernels.py [--out DIR] [--quick] [--sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from triton.testing import do_bench
+
+from tierkv.kernels import block_copy, decode, prefill, reference
+
+HQ, HKV, D, PAGE, DT = 32, 8, 128, 16, torch.bfloat16   # Llama-3.1-8B layer, bf16, 16-token blocks
+DECODE_SHAPES = [(1, 131072), (8, 32768), (32, 8192), (128, 2048)]
+PREFILL_LENS = [4096, 8192, 16384, 32768]
+GB = 1e9
+
+
+FAST_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+
+
+def sdpa(*args, **kwargs):
+    """torch SDPA restricted to its fused backends (the math one would be neither fair nor fit)."""
+    with sdpa_kernel(FAST_SDPA):
+        return F.scaled_dot_product_attention(*args, **kwargs)
+
+
+def ms(fn, reps=50) -> float:
+    return do_bench(fn, warmup=10, rep=reps, return_mode="median")
+
+
+def copy_bandwidth() -> float:
+    """d2d copy of 2 GiB: GB/s of bytes read + written (the HBM ceiling in this run)."""
+    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    t = ms(lambda: dst.copy_(src))
+    del src, dst
+    return 2 * (2 << 30) / (t * 1e-3) / GB
+
+
+def paged_pool(batch: int, length: int, gen: torch.Generator):
+    """A shuffled paged pool holding `batch` sequences of `length` tokens, and the same K/V contiguous."""
+    per_seq = triton.cdiv(length, PAGE)
+    n = batch * per_seq
+    kv = torch.randn(n, 2, PAGE, HKV, D, device="cuda", dtype=DT, generator=gen)
+    tables = torch.randperm(n, device="cuda", generator=gen).to(torch.int32).view(batch, per_seq)
+    lens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
+    # contiguous copy for SDPA: [B, Hkv, L, D]
+    pages = kv[tables.long()]                                   # [B, per_seq, 2, PAGE, Hkv, D]
+    k = pages[:, :, 0].reshape(batch, per_seq * PAGE, HKV, D)[:, :length].transpose(1, 2).contiguous()
+    v = pages[:, :, 1].reshape(batch, per_seq * PAGE, HKV, D)[:, :length].transpose(1, 2).contiguous()
+    del pages
+    return kv, tables, lens, k, v
+
+
+def bench_decode(copy_gbps: float, sweep: bool) -> list[dict]:
+    rows = []
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for batch, length in DECODE_SHAPES:
+        kv, tables, lens, k, v = paged_pool(batch, length, gen)
+        q = torch.randn(batch, HQ, D, device="cuda", dtype=DT, generator=gen)
+        scale = D**-0.5
+        kv_bytes = 2 * batch * length * HKV * D * kv.element_size()
+        ours = lambda: decode.paged_decode(q, kv, tables, lens, scale)  # noqa: E731
+        # SDPA two ways, the faster one is the peer: GQA flag, and query heads folded into rows
+        q4 = q.view(batch, HQ, 1, D)
+        sdpa_gqa = lambda: sdpa(q4, k, v, scale=scale, enable_gqa=True)  # noqa: E731
+        qf = q.view(batch, HKV, HQ // HKV, D)
+        sdpa_fold = lambda: sdpa(qf, k, v, scale=scale)  # noqa: E731
+        err = (ours().float() - sdpa_fold().reshape(batch, HQ, D).float()).abs().max().item()
+        t_ours, t_fold = ms(ours), ms(sdpa_fold)
+        try:
+            t_gqa = ms(sdpa_gqa)
+        except RuntimeError:  # no fused backend takes enable_gqa here
+            t_gqa = float("inf")
+        t_sdpa = min(t_gqa, t_fold)
+        row = dict(
+            batch=batch, seq_len=length, kv_bytes=kv_bytes, max_abs_diff_vs_sdpa=err,
+            tierkv_ms=t_ours, sdpa_ms=t_sdpa, sdpa_gqa_ms=t_gqa, sdpa_folded_ms=t_fold,
+            tierkv_gbps=kv_bytes / (t_ours * 1e-3) / GB, sdpa_gbps=kv_bytes / (t_sdpa * 1e-3) / GB,
+            splits=decode.choose_splits(batch, HKV, tables.shape[1] * PAGE, q.device, 64),
+        )
+        row["ratio_vs_sdpa"] = t_sdpa / t_ours
+        row["ratio_vs_copy"] = row["tierkv_gbps"] / copy_gbps
+        if sweep:
+            row["sweep"] = sweep_decode(q, kv, tables, lens, scale, kv_bytes)
+        rows.append(row)
+        print(f"decode B={batch:4d} L={length:6d}: tierkv {row['tierkv_gbps']:7.0f} GB/s  sdpa "
+              f"{row['sdpa_gbps']:7.0f} GB/s  x{row['ratio_vs_sdpa']:.2f} sdpa  "
+              f"{100 * row['ratio_vs_copy']:.0f}% copy  (max|diff| {err:.1e})", flush=True)
+        del kv, tables, k, v
+        torch.cuda.empty_cache()
+    return rows
+
+
+def sweep_decode(q, kv, tables, lens, scale, kv_bytes) -> list[dict]:
+    out = []
+    base = decode.choose_splits(q.shape[0], HKV, tables.shape[1] * PAGE, q.device, 64)
+    for block_n in (32, 64, 128):
+        for warps, stages in ((4, 2), (4, 3), (4, 4), (8, 3)):
+            for mult in (0.5, 1, 2, 4):
+                splits = max(1, int(base * mult))
+                try:
+                    t = ms(lambda: decode._paged_decode(q, kv, tables, lens, scale, num_splits=splits,
+                                                        block_n=block_n, num_warps=warps, num_stages=stages), 20)
+                except Exception as e:  # a config that does not compile is recorded, not fatal
+                    out.append(dict(block_n=block_n, warps=warps, stages=stages, splits=splits, error=str(e)[:200]))
+                    continue
+                out.append(dict(block_n=block_n, warps=warps, stages=stages, splits=splits,
+                                gbps=kv_bytes / (t * 1e-3) / GB))
+    best = max((r for r in out if "gbps" in r), key=lambda r: r["gbps"])
+    print(f"   sweep best: {best}", flush=True)
+    return out
+
+
+def bench_prefill(sweep: bool) -> list[dict]:
+    rows = []
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for n in PREFILL_LENS:
+        kv, tables, lens, k, v = paged_pool(1, n, gen)
+        q = torch.randn(n, HQ, D, device="cuda", dtype=DT, generator=gen)
+        cu = torch.tensor([0, n], dtype=torch.int32, device="cuda")
+        scale = D**-0.5
+        flops = 4 * HQ * D * n * n / 2                           # QK^T and PV, causal half
+        ours = lambda: prefill.paged_prefill(q, kv, tables, cu, lens, scale)  # noqa: E731
+        qs = q.transpose(0, 1).unsqueeze(0)                     # [1, Hq, n, D]
+        # peer: SDPA with enable_gqa, and with K/V expanded to Hq heads; the faster one counts
+        ke = k.repeat_interleave(HQ // HKV, 1)                  # [1, Hq, n, D]
+        ve = v.repeat_interleave(HQ // HKV, 1)
+        sdpa_exp = lambda: sdpa(qs, ke, ve, is_causal=True, scale=scale)  # noqa: E731
+        sdpa_gqa = lambda: sdpa(qs, k, v, is_causal=True, scale=scale, enable_gqa=True)  # noqa: E731
+        err = (ours().float() - sdpa_exp()[0].transpose(0, 1).float()).abs().max().item()
+        t_ours, t_exp = ms(ours, 30), ms(sdpa_exp, 30)
+        try:
+            t_gqa = ms(sdpa_gqa, 30)
+        except RuntimeError:
+            t_gqa = float("inf")
+        t_sdpa = min(t_exp, t_gqa)
+        row = dict(tokens=n, tierkv_ms=t_ours, sdpa_ms=t_sdpa, sdpa_expanded_ms=t_exp, sdpa_gqa_ms=t_gqa,
+                   max_abs_diff_vs_sdpa=err,
+                   tierkv_tflops=flops / (t_ours * 1e-3) / 1e12, sdpa_tflops=flops / (t_sdpa * 1e-3) / 1e12,
+                   ratio_vs_sdpa=t_sdpa / t_ours)
+        if sweep and n == 16384:
+            row["sweep"] = []
+            for bm, bn, warps, stages in ((128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3),
+                                          (128, 32, 8, 3), (64, 128, 4, 2), (128, 64, 4, 3), (128, 128, 8, 3)):
+                try:
+                    t = ms(lambda: prefill._paged_prefill(q, kv, tables, cu, lens, scale, block_m=bm, block_n=bn,
+                                                          num_warps=warps, num_stages=stages), 20)
+                    row["sweep"].append(dict(bm=bm, bn=bn, warps=warps, stages=stages,
+                                             tflops=flops / (t * 1e-3) / 1e12))
+                except Exception as e:
+                    row["sweep"].append(dict(bm=bm, bn=bn, warps=warps, stages=stages, error=str(e)[:200]))
+            print(f"   sweep: {row['sweep']}", flush=True)
+        rows.append(row)
+        print(f"prefill N={n:6d}: tierkv {row['tierkv_tflops']:6.1f} TFLOP/s  sdpa {row['sdpa_tflops']:6.1f}"
+              f"  x{row['ratio_vs_sdpa']:.2f}  (max|diff| {err:.1e})", flush=True)
+        del kv, tables, k, v, ke, ve
+        torch.cuda.empty_cache()
+    return rows
+
+
+def bench_blocks(quick: bool) -> dict:
+    """Llama-3.1-8B blocks (32 layers x 64 KiB per layer-block = 2 MiB per block)."""
+    layers, slots, n = 32, 4096, 256 if quick else 1024
+    pool = torch.randn(layers, slots, 2, PAGE, HKV, D, device="cuda").to(DT)
+    ids = torch.randperm(slots, device="cuda")[:n]
+    nbytes = n * pool[:, 0].numel() * pool.element_size()
+    host = torch.empty((n, layers, 2, PAGE, HKV, D), dtype=DT, pin_memory=True)
+    flat_host = host.view(-1)
+    stage = torch.empty(host.shape, dtype=DT, device="cuda")
+    flat_dev = stage.view(-1)
+    gbps = lambda t: nbytes / (t * 1e-3) / GB  # noqa: E731
+    res = dict(blocks=n, bytes=nbytes, block_bytes_per_layer=pool[0, 0].numel() * 2)
+    res["d2h_contiguous_gbps"] = gbps(ms(lambda: flat_host.copy_(flat_dev, non_blocking=True), 10))
+    res["h2d_contiguous_gbps"] = gbps(ms(lambda: flat_dev.copy_(flat_host, non_blocking=True), 10))
+    res["d2h_triton_gather_then_copy_gbps"] = gbps(ms(lambda: (block_copy.gather_blocks(pool, ids, stage),
+                                                               flat_host.copy_(flat_dev, non_blocking=True)), 10))
+    res["h2d_copy_then_triton_scatter_gbps"] = gbps(ms(lambda: (flat_dev.copy_(flat_host, non_blocking=True),
+                                                                block_copy.scatter_blocks(stage, pool, ids)), 10))
+    try:  # the GPU reading/writing pinned host memory directly over PCIe
+        res["d2h_triton_zero_copy_gbps"] = gbps(ms(lambda: block_copy.gather_blocks(pool, ids, host), 10))
+        res["h2d_triton_zero_copy_gbps"] = gbps(ms(lambda: block_copy.scatter_blocks(host, pool, ids), 10))
+    except Exception as e:
+        res["zero_copy_error"] = str(e)[:300]
+    res["d2d_triton_gather_gbps"] = 2 * gbps(ms(lambda: block_copy.gather_blocks(pool, ids, stage)))
+    res["d2d_reference_gather_gbps"] = 2 * gbps(ms(lambda: reference.gather_blocks(pool, ids, stage)))
+    # one cudaMemcpyAsync per contiguous run (a 64 KiB layer-block), on a subset: 32 blocks x 32 layers
+    few = ids[:32].tolist()
+    per_run_bytes = 32 * pool[:, 0].numel() * pool.element_size()
+
+    def per_run():
+        for i, s in enumerate(few):
+            for layer in range(layers):
+                host[i, layer].copy_(pool[layer, s], non_blocking=True)
+
+    res["d2h_memcpy_per_run_gbps"] = per_run_bytes / (ms(per_run, 10) * 1e-3) / GB
+    for key in list(res):
+        if key.endswith("_gbps") and key.startswith(("d2h_", "h2d_")) and "contiguous" not in key:
+            base = res["d2h_contiguous_gbps"] if key.startswith("d2h") else res["h2d_contiguous_gbps"]
+            res[key.replace("_gbps", "_ratio_vs_contiguous")] = res[key] / base
+    for key, val in res.items():
+        if key.endswith(("_gbps", "_contiguous")):
+            print(f"blocks {key:45s} {val:8.2f}", flush=True)
+    del pool, stage
+    torch.cuda.empty_cache()
+    return res
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    dec = result["decode"]
+    labels = [f"{r['batch']}x{r['seq_len'] // 1024}K" for r in dec]
+    x = range(len(dec))
+    a.bar([i - 0.2 for i in x], [r["tierkv_gbps"] for r in dec], 0.4, label="tierkv paged_decode")
+    a.bar([i + 0.2 for i in x], [r["sdpa_gbps"] for r in dec], 0.4, label="SDPA, contiguous KV")
+    a.axhline(result["d2d_copy_gbps"], color="k", ls="--", label="d2d copy (read+write)")
+    a.set_xticks(list(x), labels)
+    a.set_ylabel("GB/s of KV read")
+    a.set_title("decode, 32q/8kv heads, d=128, bf16")
+    a.legend(fontsize=8)
+    pre = result["prefill"]
+    x = range(len(pre))
+    b.bar([i - 0.2 for i in x], [r["tierkv_tflops"] for r in pre], 0.4, label="tierkv paged_prefill")
+    b.bar([i + 0.2 for i in x], [r["sdpa_tflops"] for r in pre], 0.4, label="SDPA causal, contiguous")
+    b.set_xticks(list(x), [f"{r['tokens'] // 1024}K" for r in pre])
+    b.set_ylabel("TFLOP/s")
+    b.set_title("prefill, one sequence")
+    b.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    ap.add_argument("--quick", action="store_true", help="fewer blocks in the block-copy test")
+    ap.add_argument("--sweep", action="store_true", help="also sweep launch configs (tuning data)")
+    ap.add_argument("--only", default="decode,prefill,blocks")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_kernels needs a CUDA GPU")
+    machine = os.environ.get("TIERKV_MACHINE", "h200")
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = ""
+    result = dict(
+        benchmark="bench_kernels", machine=machine, gpu=torch.cuda.get_device_name(),
+        torch=torch.__version__, triton=triton.__version__,
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        git_commit=os.environ.get("GIT_COMMIT", commit), host=platform.node(),
+    )
+    result["d2d_copy_gbps"] = copy_bandwidth()
+    print(f"d2d copy: {result['d2d_copy_gbps']:.0f} GB/s (read + written)", flush=True)
+    parts = args.only.split(",")
+    sections = dict(decode=lambda: bench_decode(result["d2d_copy_gbps"], args.sweep),
+                    prefill=lambda: bench_prefill(args.sweep), blocks=lambda: bench_blocks(args.quick))
+    for name, run in sections.items():
+        if name not in parts:
+            continue
+        try:  # one broken section must not lose the others' figures
+            result[name] = run()
+        except Exception as e:
+            import traceback
+
+            traceback.print_exc()
+            result[f"{name}_error"] = repr(e)[:500]
+            torch.cuda.empty_cache()
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"bench_kernels-{machine}.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    if "decode" in result and "prefill" in result:
+        plot(result, os.path.join(args.out, f"bench_kernels-{machine}.png"))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
