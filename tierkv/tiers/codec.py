@@ -7,7 +7,7 @@
 The header holds the format version, the layout fingerprint, the block's hash, parent hash,
 namespace and token ids, the payload length and the xxh3-64 checksum of the payload. A reader
 checks every one of them against what it asked for; anything else raises `DecodeError`, which
-the stores turn into a counted miss. This file never pickles, never does I/O and never logs.
+the stores turn into a counted miss. It decodes only msgpack data (never Python objects), never does I/O and never logs.
 """
 
 from __future__ import annotations

@@ -178,6 +178,11 @@ class DiskStore(L3Store):
     def _put(self, ids: list[BlockId], payloads: list[memoryview]) -> list[bool]:
         return self._parallel(self._write_one, list(zip(ids, payloads)))
 
+    def _write_one(self, bid: BlockId, payload: memoryview) -> bool:
+        # Write, sync and rename one block per worker: with several workers the syncs overlap
+        # (measured: as fast as writing all files first and syncing them after, and simpler).
+        return self._finish_write(self._begin_write(bid, payload))
+
     def _head_buffer(self) -> memoryview:
         buf = getattr(self._tls, "head", None)
         if buf is None:
@@ -239,7 +244,8 @@ class DiskStore(L3Store):
             pass
         return True
 
-    def _write_one(self, bid: BlockId, payload: memoryview) -> bool:
+    def _begin_write(self, bid: BlockId, payload: memoryview) -> tuple | bool:
+        """Reserve budget and write a temp file (not yet synced); True if the block is already stored."""
         h = bid.hash
         size = self.object_size
         with self._lock:
@@ -254,29 +260,50 @@ class DiskStore(L3Store):
         self._unlink_all(victims)
         sub, path = self._path(h)
         tmp = os.path.join(sub, f".{key_hex(h)}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-        ok = False
         try:
             if sub not in self._subdirs:
                 os.makedirs(sub, exist_ok=True)
                 self._subdirs.add(sub)
-            self._write_file(tmp, encode_header(self.layout, bid, payload, ALIGN), payload)
-            os.rename(tmp, path)  # atomic: readers see the whole object or none
-            ok = True
+            fd = self._write_file(tmp, encode_header(self.layout, bid, payload, ALIGN), payload)
         except OSError as err:
-            log.warning("disk L3 %s: write of %s failed: %s", self.root, key_hex(h), err)
-            self._stats.error("io")
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-        with self._lock:
-            self._reserved -= size
-            if ok and h not in self._lru:
-                self._lru[h] = size
-                self._used += size
-        return ok
+            self._write_failed(h, tmp, err)
+            return False
+        return (h, fd, tmp, path)
 
-    def _write_file(self, tmp: str, header: bytes, payload: memoryview) -> None:
+    def _finish_write(self, pending: tuple | bool) -> bool:
+        """fdatasync, then rename to the real name (atomic: readers see all or nothing)."""
+        if isinstance(pending, bool):
+            return pending
+        h, fd, tmp, path = pending
+        try:
+            try:
+                if self.fsync:
+                    os.fdatasync(fd)  # the data is on disk before the name makes it visible
+            finally:
+                os.close(fd)
+            os.rename(tmp, path)
+        except OSError as err:
+            self._write_failed(h, tmp, err)
+            return False
+        with self._lock:
+            self._reserved -= self.object_size
+            if h not in self._lru:
+                self._lru[h] = self.object_size
+                self._used += self.object_size
+        return True
+
+    def _write_failed(self, h: int, tmp: str, err: OSError) -> None:
+        log.warning("disk L3 %s: write of %s failed: %s", self.root, key_hex(h), err)
+        self._stats.error("io")
+        with self._lock:
+            self._reserved -= self.object_size
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+
+    def _write_file(self, tmp: str, header: bytes, payload: memoryview) -> int:
+        """Create `tmp` and write header + payload; return the open fd (the caller syncs and closes)."""
         direct = self.direct and _aligned(payload)
         if direct:
             head = self._head_buffer()
@@ -303,10 +330,10 @@ class DiskStore(L3Store):
                     parts.pop(0)
                 if parts and n:
                     parts[0] = parts[0][n:]
-            if self.fsync:
-                os.fdatasync(fd)  # data on disk before the rename makes the name visible
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        return fd
 
     def _extra_stats(self) -> dict:
         with self._lock:
