@@ -283,6 +283,8 @@ class L3Store(ABC):
 
         Waits for every started call before returning (they may be writing into caller buffers).
         """
+        if deadline is not None and time.monotonic() >= deadline:
+            return [False] * len(args)
         if len(args) == 1 and deadline is None:
             return [self._guard(fn, *args[0])]
         futures: list[Future[bool]] = [self._pool.submit(self._guard, fn, *a) for a in args]

@@ -1,0 +1,271 @@
+"""tierkv/tiers/disk.py: round trips, warm restart, budget, and faults (damaged files, read-only, SIGKILL)."""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from services import block_chain, empty_like_blocks, same_bytes
+
+from tierkv.layout import KVLayout
+from tierkv.tiers.codec import key_hex
+from tierkv.tiers.l3 import open_store
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16, block_size=16)  # 16 KiB
+TESTS = Path(__file__).parent
+
+
+def _store(path, size="64MiB", **opts):
+    extra = "".join(f"&{k}={v}" for k, v in opts.items())
+    return open_store(f"file://{path}?size={size}{extra}", LAYOUT)
+
+
+def _file(root, h) -> Path:
+    hx = key_hex(h)
+    return Path(root) / hx[:2] / f"{hx}.kv"
+
+
+def _check(store, ids, pays) -> list[bool]:
+    """get_many, asserting that every hit is byte-identical to what was stored."""
+    outs = empty_like_blocks(LAYOUT, len(ids))
+    ok = store.get_many(ids, outs)
+    for hit, out, pay in zip(ok, outs, pays):
+        assert not hit or same_bytes(out, pay)
+    return ok
+
+
+def test_roundtrip_and_lookup(tmp_path):
+    ids, pays = block_chain(LAYOUT, 12)
+    s = _store(tmp_path)
+    assert s.contains_many([b.hash for b in ids]) == [False] * 12
+    assert s.put_many(ids, pays) == [True] * 12
+    assert s.contains_many([b.hash for b in ids] + [12345]) == [True] * 12 + [False]
+    assert _check(s, ids, pays) == [True] * 12
+    st = s.stats()
+    assert st["hits"] == 12 and st["bytes_read"] == 12 * LAYOUT.bytes_per_block and st["blocks"] == 12
+    assert s.estimate_load_seconds(10) > 0
+    with pytest.raises(ValueError):
+        s.get_many(ids[:1], [torch.empty(3)])
+    s.close()
+
+
+def test_warm_restart_finds_blocks_without_reading_payloads(tmp_path):
+    ids, pays = block_chain(LAYOUT, 8)
+    s = _store(tmp_path)
+    s.put_many(ids, pays)
+    s.close()
+    s2 = _store(tmp_path)
+    assert s2.stats()["blocks"] == 8 and s2.stats()["bytes_read"] == 0
+    assert _check(s2, ids, pays) == [True] * 8
+    s2.close()
+
+
+def test_truncated_and_flipped_files_are_counted_misses_and_dropped(tmp_path):
+    ids, pays = block_chain(LAYOUT, 4)
+    s = _store(tmp_path)
+    s.put_many(ids, pays)
+    f0, f1, f2 = (_file(tmp_path, b.hash) for b in ids[:3])
+    os.truncate(f0, f0.stat().st_size - 100)
+    data = bytearray(f1.read_bytes())
+    data[-5] ^= 0x10  # inside the payload
+    f1.write_bytes(bytes(data))
+    data = bytearray(f2.read_bytes())
+    data[40] ^= 0x10  # inside the msgpack header
+    f2.write_bytes(bytes(data))
+    assert _check(s, ids, pays) == [False, False, False, True]
+    err = s.stats()["errors"]
+    assert err["truncated"] == 1 and err["checksum"] == 1 and err["mismatch"] + err["garbage"] + err["layout"] == 1
+    assert not f0.exists() and not f1.exists() and not f2.exists()
+    assert s.contains_many([b.hash for b in ids]) == [False, False, False, True]
+    s.close()
+
+
+def test_foreign_files_are_ignored_and_left_alone(tmp_path):
+    ids, pays = block_chain(LAYOUT, 3)
+    s = _store(tmp_path)
+    s.put_many(ids[:2], pays[:2])
+    s.close()
+    (tmp_path / "README").write_text("not a block")
+    (tmp_path / "ab").mkdir(exist_ok=True)
+    (tmp_path / "ab" / "notes.txt").write_text("mine")
+    impostor = _file(tmp_path, ids[2].hash)  # a block's name holding something else
+    impostor.parent.mkdir(exist_ok=True)
+    impostor.write_bytes(os.urandom(LAYOUT.bytes_per_block + 4096))
+    s2 = _store(tmp_path)
+    assert _check(s2, ids, pays) == [True, True, False]
+    assert s2.stats()["errors"]["garbage"] == 1
+    assert (tmp_path / "README").exists() and (tmp_path / "ab" / "notes.txt").exists()
+    s2.close()
+
+
+def test_budget_evicts_least_recently_used_and_never_grows(tmp_path):
+    s = _store(tmp_path, size="1KiB")
+    size = s.object_size
+    s.close()
+    s = _store(tmp_path, size=str(5 * size))
+    ids, pays = block_chain(LAYOUT, 20)
+    s.put_many(ids[:5], pays[:5])
+    assert _check(s, ids[:1], pays[:1]) == [True]  # block 0 becomes the most recent
+    for i in range(5, 20):
+        assert s.put_many([ids[i]], [pays[i]]) == [True]
+        on_disk = sum(f.stat().st_size for f in tmp_path.rglob("*.kv"))
+        assert on_disk <= 5 * size and s.stats()["used_bytes"] <= 5 * size
+    present = s.contains_many([b.hash for b in ids])
+    assert present[15:] == [True] * 5 and sum(present) == 5
+    assert s.stats()["evictions"] == 15
+    s.close()
+    # A block larger than the whole budget is refused, not written.
+    tiny = _store(tmp_path / "tiny", size="4KiB")
+    assert tiny.put_many(ids[:1], pays[:1]) == [False]
+    assert tiny.stats()["errors"]["too_large"] == 1 and not list((tmp_path / "tiny").rglob("*.kv"))
+    tiny.close()
+
+
+def test_restart_rebuilds_lru_order_from_mtimes(tmp_path):
+    s = _store(tmp_path)
+    size = s.object_size
+    ids, pays = block_chain(LAYOUT, 4)
+    for i in range(3):
+        s.put_many([ids[i]], [pays[i]])
+        os.utime(_file(tmp_path, ids[i].hash), (1000 + i, 1000 + i))
+    _check(s, ids[:1], pays[:1])  # a read refreshes block 0's mtime: it is now the newest
+    s.close()
+    s2 = _store(tmp_path, size=str(3 * size))
+    s2.put_many([ids[3]], [pays[3]])
+    assert s2.contains_many([b.hash for b in ids]) == [True, False, True, True]
+    s2.close()
+
+
+def test_past_deadline_reads_nothing(tmp_path):
+    ids, pays = block_chain(LAYOUT, 6)
+    s = _store(tmp_path, threads=1)
+    s.put_many(ids, pays)
+    assert s.get_many(ids, empty_like_blocks(LAYOUT, 6), deadline=time.monotonic() - 1) == [False] * 6
+    s.close()
+
+
+def test_two_live_stores_on_one_directory_see_each_others_blocks(tmp_path):
+    ids, pays = block_chain(LAYOUT, 3)
+    a, b = _store(tmp_path), _store(tmp_path)
+    a.put_many(ids, pays)
+    assert b.contains_many([x.hash for x in ids]) == [True] * 3
+    assert _check(b, ids, pays) == [True] * 3
+    a.close()
+    b.close()
+
+
+def test_direct_io_option_roundtrips(tmp_path):
+    # Falls back to buffered I/O where the filesystem refuses O_DIRECT (tmpfs); bytes must match either way.
+    big = KVLayout(num_layers=2, num_kv_heads=2, head_dim=128, dtype=torch.bfloat16, block_size=16)  # 32 KiB
+    ids, pays = block_chain(big, 4)
+    s = open_store(f"file://{tmp_path}?size=16MiB&direct=1", big)
+    assert s.put_many(ids, pays) == [True] * 4
+    outs = empty_like_blocks(big, 4)
+    assert s.get_many(ids, outs) == [True] * 4
+    assert all(same_bytes(o, p) for o, p in zip(outs, pays))
+    s.close()
+
+
+def _drop_write_override_caps() -> None:
+    """Root ignores directory permissions (CAP_DAC_OVERRIDE): drop that power in this process so a
+    0555 directory really refuses writes, as it would for any other user."""
+    class Hdr(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+    class Data(ctypes.Structure):
+        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    hdr, data = Hdr(0x20080522, 0), (Data * 2)()
+    assert libc.capget(ctypes.byref(hdr), data) == 0
+    mask = ~((1 << 1) | (1 << 2) | (1 << 3))  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, CAP_FOWNER
+    data[0].effective &= mask
+    data[0].permitted &= mask
+    assert libc.capset(ctypes.byref(hdr), data) == 0
+
+
+def _readonly_child(root: str, conn) -> None:
+    _drop_write_override_caps()
+    try:
+        open(os.path.join(root, "probe"), "w")
+        conn.send(("fault not real: a write succeeded",))
+        return
+    except PermissionError:
+        pass
+    ids, pays = block_chain(LAYOUT, 6)
+    s = _store(root)
+    puts = s.put_many(ids[3:], pays[3:])
+    gets = _check(s, ids[:3], pays[:3])
+    conn.send((puts, gets, s.stats()["errors"]["io"], sorted(p.name for p in Path(root).rglob("*"))))
+    s.close()
+
+
+def test_read_only_directory_fails_puts_and_still_serves_reads(tmp_path):
+    ids, pays = block_chain(LAYOUT, 6)
+    s = _store(tmp_path)
+    s.put_many(ids[:3], pays[:3])
+    s.close()
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    for d in [tmp_path, *(p for p in tmp_path.iterdir() if p.is_dir())]:
+        d.chmod(0o555)
+    try:
+        ctx = multiprocessing.get_context("fork")
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_readonly_child, args=(str(tmp_path), child))
+        proc.start()
+        result = parent.recv()
+        proc.join(30)
+    finally:
+        for d in [tmp_path, *(p for p in tmp_path.iterdir() if p.is_dir())]:
+            d.chmod(0o755)
+    assert len(result) == 4, result[0]
+    puts, gets, io_errors, after = result
+    assert puts == [False] * 3 and gets == [True] * 3 and io_errors >= 3
+    assert after == before  # no temp file or half object left behind
+
+
+_WRITER = textwrap.dedent(
+    """
+    import os, sys, torch
+    from services import block_chain
+    from tierkv.layout import KVLayout
+    from tierkv.tiers.l3 import open_store
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16, block_size=16)
+    ids, pays = block_chain(layout, 400, seed=3)
+    s = open_store("file://" + sys.argv[1] + "?size=64MiB&threads=4", layout)
+    log = open(sys.argv[2], "a")
+    for i in range(0, 400, 4):
+        ok = s.put_many(ids[i:i + 4], pays[i:i + 4])
+        log.write("".join(f"{i + k}\\n" for k, o in enumerate(ok) if o))
+        log.flush()
+    """
+)
+
+
+def test_sigkill_while_writing_leaves_no_corrupt_block_and_keeps_completed_ones(tmp_path):
+    store_dir, done_log = tmp_path / "store", tmp_path / "done.txt"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    child = subprocess.Popen([sys.executable, "-c", _WRITER, str(store_dir), str(done_log)], env=env)
+    end = time.monotonic() + 60
+    while time.monotonic() < end and (not done_log.exists() or len(done_log.read_text().split()) < 40):
+        time.sleep(0.01)
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    completed = {int(x) for x in done_log.read_text().split()}
+    assert 40 <= len(completed) < 400, "the child must be killed mid-run"
+    ids, pays = block_chain(LAYOUT, 400, seed=3)
+    s = _store(store_dir)
+    assert not list(store_dir.rglob("*.tmp")), "temp files of the dead writer must be cleaned at start"
+    ok = _check(s, ids, pays)  # asserts every hit is byte-identical
+    assert all(ok[i] for i in completed)
+    assert sum(s.stats()["errors"].values()) == 0
+    s.close()
