@@ -111,7 +111,7 @@ class SeaweedFS:
             f"-filer.port={p['filer']}", f"-filer.port.grpc={p['filer_grpc']}",
             f"-s3.port={p['s3']}", f"-s3.port.grpc={p['s3_grpc']}",
             f"-admin.port={p['admin']}", f"-admin.port.grpc={p['admin_grpc']}",
-            "-admin.ui=false", "-webdav=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
+            "-admin.ui=false", "-webdav=false", "-s3.autoCreateBucket=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
         ]
         (self.workdir / "data").mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "AWS_ACCESS_KEY_ID": S3_KEY, "AWS_SECRET_ACCESS_KEY": S3_SECRET}
@@ -220,7 +220,7 @@ def seaweed_private(tmp_path: Path, s3_env: None) -> Iterator[SeaweedFS]:
     yield sw
     if sw.proc and sw.proc.poll() is None:
         sw.thaw()
-    sw.stop()
+    sw.stop(signal.SIGKILL)  # its data is thrown away: no need to wait for a clean shutdown
 
 
 # -- blocks to store: a real hash chain and random payloads --------------------------------------
