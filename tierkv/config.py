@@ -60,7 +60,7 @@ def validate_l3_url(url: str, field_name: str = "l3") -> str:
         raise ConfigError(
             f"{field_name} entry {url!r} has scheme {parts.scheme!r}; accepted schemes: {', '.join(L3_SCHEMES)}"
         )
-    if parts.scheme == "file" and not parts.path.startswith("/"):
+    if parts.scheme == "file" and (parts.netloc not in ("", "localhost") or not parts.path.startswith("/")):
         raise ConfigError(f"{field_name} entry {url!r} needs an absolute path: file:///var/cache/tierkv?size=100GiB")
     if parts.scheme in ("redis", "rediss") and not parts.hostname:
         raise ConfigError(f"{field_name} entry {url!r} needs a host: redis://127.0.0.1:6379/0")

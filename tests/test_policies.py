@@ -1,0 +1,194 @@
+"""Eviction policies: each one's order, pins, and the shared contract (property-tested)."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from tierkv.config import EVICTION_POLICIES
+from tierkv.errors import ConfigError
+from tierkv.policies import LFUPolicy, LRUPolicy, PriorityPolicy, S3FIFOPolicy, make_policy
+
+
+def drain(policy) -> list:
+    out = []
+    while (key := policy.evict()) is not None:
+        out.append(key)
+    return out
+
+
+def test_lru_evicts_least_recently_used():
+    p = LRUPolicy()
+    for k in "abcd":
+        p.insert(k)
+    p.touch("a")  # a is now the most recent
+    p.pin("b")
+    p.unpin("b")  # an unpin counts as a use
+    assert drain(p) == ["c", "d", "a", "b"]
+
+
+def test_lru_never_evicts_pinned():
+    p = LRUPolicy()
+    p.insert("a", pinned=True)
+    p.insert("b")
+    p.pin("b")
+    assert p.evict() is None and len(p) == 0
+    p.unpin("a")
+    assert p.evict() == "a"
+
+
+def test_lfu_counts_hits_and_breaks_ties_by_age():
+    p = LFUPolicy()
+    for k in "abcd":
+        p.insert(k)
+    for k, hits in (("a", 3), ("b", 1), ("d", 1)):
+        for _ in range(hits):
+            p.touch(k)
+    assert drain(p) == ["c", "b", "d", "a"]
+
+
+def test_lfu_keeps_counts_across_pins():
+    p = LFUPolicy()
+    p.insert("hot")
+    p.insert("cold")
+    for _ in range(5):
+        p.touch("hot")
+    p.pin("hot")
+    p.touch("hot")  # hits while pinned count too
+    p.unpin("hot")
+    assert p.evict() == "cold"
+
+
+def test_priority_evicts_lowest_priority_then_lru():
+    p = PriorityPolicy()
+    p.insert("a", priority=5)
+    p.insert("b", priority=0)
+    p.insert("c", priority=5)
+    p.insert("d", priority=0)
+    p.touch("b")  # b becomes more recent than d within priority 0
+    p.touch("d", priority=9)  # a hit from a higher-priority request lifts d
+    assert drain(p) == ["b", "a", "c", "d"]
+
+
+def replay(policy, accesses, capacity: int) -> set:
+    """Run `accesses` through a cache of `capacity` blocks ordered by `policy`; return what stays resident."""
+    resident = set()
+    for k in accesses:
+        if k in resident:
+            policy.touch(k)
+            continue
+        if len(resident) >= capacity:
+            resident.remove(policy.evict())
+        policy.insert(k)
+        resident.add(k)
+    return resident
+
+
+def test_s3fifo_keeps_reused_blocks_through_a_scan():
+    hot = [("hot", k) for k in range(10)]
+    accesses = hot + hot + [("scan", k) for k in range(200)]  # reused once, then a scan nobody reuses
+    assert set(hot) <= replay(S3FIFOPolicy(), accesses, capacity=20)
+    assert not set(hot) & replay(LRUPolicy(), accesses, capacity=20)  # LRU loses them all
+
+
+def test_s3fifo_ghost_hit_goes_to_main():
+    p = S3FIFOPolicy()
+    p.insert("a")
+    p.insert("b")
+    assert p.evict() == "a"  # never hit: dropped, remembered in the ghost list
+    p.insert("a")  # comes back: straight to main
+    for k in range(20):
+        p.insert(k)
+    # small queue (b, 0..19) drains before anything in main
+    assert "a" not in [p.evict() for _ in range(21)]
+    assert p.evict() == "a"
+
+
+def test_make_policy_rejects_unknown():
+    assert {type(make_policy(n)) for n in EVICTION_POLICIES} == {LRUPolicy, LFUPolicy, S3FIFOPolicy, PriorityPolicy}
+    with pytest.raises(ConfigError, match="accepted: lru, lfu, s3fifo, priority"):
+        make_policy("random")
+
+
+class PolicyContract(RuleBasedStateMachine):
+    """Every policy, whatever its order: only resident unpinned keys are evicted, each once; len is exact."""
+
+    def __init__(self):
+        super().__init__()
+        self.policy = None
+        self.resident: set[int] = set()
+        self.pinned: set[int] = set()
+
+    @precondition(lambda self: self.policy is None)
+    @rule(name=st.sampled_from(EVICTION_POLICIES))
+    def choose(self, name):
+        self.policy = make_policy(name)
+
+    @precondition(lambda self: self.policy is not None)
+    @rule(key=st.integers(0, 30), priority=st.integers(0, 3), pinned=st.booleans())
+    def insert(self, key, priority, pinned):
+        if key in self.resident:
+            return
+        self.policy.insert(key, priority=priority, pinned=pinned)
+        self.resident.add(key)
+        if pinned:
+            self.pinned.add(key)
+
+    @precondition(lambda self: self.policy is not None)
+    @rule(key=st.integers(0, 30))
+    def pin(self, key):
+        if key in self.resident:
+            self.policy.pin(key)
+            self.pinned.add(key)
+
+    @precondition(lambda self: self.policy is not None)
+    @rule(key=st.integers(0, 30))
+    def unpin(self, key):
+        if key in self.pinned:
+            self.policy.unpin(key)
+            self.pinned.discard(key)
+
+    @precondition(lambda self: self.policy is not None)
+    @rule(key=st.integers(0, 30), priority=st.integers(0, 3))
+    def touch(self, key, priority):
+        self.policy.touch(key, priority=priority)
+
+    @precondition(lambda self: self.policy is not None)
+    @rule(key=st.integers(0, 30))
+    def remove(self, key):
+        self.policy.remove(key)
+        self.resident.discard(key)
+        self.pinned.discard(key)
+
+    @precondition(lambda self: self.policy is not None)
+    @rule()
+    def evict(self):
+        key = self.policy.evict()
+        evictable = self.resident - self.pinned
+        if key is None:
+            assert not evictable
+        else:
+            assert key in evictable
+            self.resident.discard(key)
+
+    @invariant()
+    def length_is_the_evictable_count(self):
+        if self.policy is not None:
+            assert len(self.policy) == len(self.resident - self.pinned)
+
+
+TestPolicyContract = PolicyContract.TestCase
+TestPolicyContract.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
+
+
+@given(st.lists(st.integers(0, 50), max_size=200))
+def test_lru_matches_a_reference_model(accesses):
+    p, model = LRUPolicy(), []
+    for k in accesses:
+        if k in model:
+            p.touch(k)
+            model.remove(k)
+        else:
+            p.insert(k)
+        model.append(k)
+    assert drain(p) == model
