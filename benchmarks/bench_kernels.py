@@ -115,7 +115,7 @@ def sweep_decode(q, kv, tables, lens, scale, kv_bytes) -> list[dict]:
     base = decode.choose_splits(q.shape[0], HKV, tables.shape[1] * PAGE, q.device, 64)
     for block_n in (32, 64, 128):
         for warps, stages in ((4, 2), (4, 3), (4, 4), (8, 3)):
-            for mult in (0.5, 1, 2, 4):
+            for mult in (0.5, 1, 2):
                 splits = max(1, int(base * mult))
                 try:
                     t = ms(lambda: decode._paged_decode(q, kv, tables, lens, scale, num_splits=splits,
@@ -159,8 +159,9 @@ def bench_prefill(sweep: bool) -> list[dict]:
                    ratio_vs_sdpa=t_sdpa / t_ours)
         if sweep and n == 16384:
             row["sweep"] = []
-            for bm, bn, warps, stages in ((128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3),
-                                          (128, 32, 8, 3), (64, 128, 4, 2), (128, 64, 4, 3), (128, 128, 8, 3)):
+            for bm, bn, warps, stages in ((128, 64, 4, 2), (128, 64, 4, 3), (128, 64, 4, 4), (128, 128, 4, 2),
+                                          (128, 128, 4, 3), (128, 32, 4, 4), (128, 64, 8, 3), (128, 128, 8, 2),
+                                          (128, 128, 8, 3), (64, 64, 4, 3), (64, 128, 4, 3), (256, 64, 8, 3)):
                 try:
                     t = ms(lambda: prefill._paged_prefill(q, kv, tables, cu, lens, scale, block_m=bm, block_n=bn,
                                                           num_warps=warps, num_stages=stages), 20)

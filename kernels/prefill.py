@@ -20,9 +20,12 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _tile(KV, bt_row, stride_btn, offs_n, n_mask, head_off, offs_d, d_mask,
-          stride_kvb, stride_kvt, stride_kvd, PAGE: tl.constexpr):
-    """Row offsets into KV of token positions offs_n [BLOCK_N] (K at +0, V at +stride_kvs)."""
-    blk = tl.load(bt_row + (offs_n // PAGE) * stride_btn, mask=n_mask, other=0).to(tl.int64)
+          stride_kvb, stride_kvt, stride_kvd, PAGE: tl.constexpr, MASKED: tl.constexpr):
+    """Offsets into KV of token positions offs_n [BLOCK_N] x dims (K at +0, V at +stride_kvs)."""
+    if MASKED:
+        blk = tl.load(bt_row + (offs_n // PAGE) * stride_btn, mask=n_mask, other=0).to(tl.int64)
+    else:
+        blk = tl.load(bt_row + (offs_n // PAGE) * stride_btn).to(tl.int64)
     row = blk * stride_kvb + (offs_n % PAGE) * stride_kvt + head_off
     return row[:, None] + offs_d[None, :] * stride_kvd
 
@@ -38,8 +41,10 @@ def _prefill_kernel(
     GROUP: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    tile = tl.program_id(0)
-    h = tl.program_id(1)
+    # query head varies fastest: the GROUP heads sharing a kv head run side by side and read the
+    # same K/V tiles (hits in L2), rather than each streaming them at different times
+    h = tl.program_id(0)
+    tile = tl.program_id(1)
     b = tl.load(TileSeq + tile)
     if b >= num_seqs:
         return  # the grid is an upper bound on tiles; spare programs leave at once
@@ -78,26 +83,41 @@ def _prefill_kernel(
         for start in range(start_at, end_at, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             n_mask = offs_n < end_at
-            ptrs = _tile(KV, bt_row, stride_btn, offs_n, n_mask, head_off, offs_d, d_mask,
-                         stride_kvb, stride_kvt, stride_kvd, PAGE)
-            ld_mask = n_mask[:, None] & d_mask[None, :]
-            k = tl.load(KV + ptrs, mask=ld_mask, other=0.0)                  # [BLOCK_N, BLOCK_D]
-            v = tl.load(KV + stride_kvs + ptrs, mask=ld_mask, other=0.0)
-            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [BLOCK_M, BLOCK_N]
-            if phase == 0:
-                visible = n_mask[None, :]
+            if phase == 0:  # whole tiles: unmasked loads
+                ptrs = _tile(KV, bt_row, stride_btn, offs_n, n_mask, head_off, offs_d, d_mask,
+                             stride_kvb, stride_kvt, stride_kvd, PAGE, False)
+                if BLOCK_D == HEAD_D:
+                    k = tl.load(KV + ptrs)                                      # [BLOCK_N, BLOCK_D]
+                    v = tl.load(KV + stride_kvs + ptrs)
+                else:
+                    k = tl.load(KV + ptrs, mask=d_mask[None, :], other=0.0)
+                    v = tl.load(KV + stride_kvs + ptrs, mask=d_mask[None, :], other=0.0)
             else:
+                ptrs = _tile(KV, bt_row, stride_btn, offs_n, n_mask, head_off, offs_d, d_mask,
+                             stride_kvb, stride_kvt, stride_kvd, PAGE, True)
+                ld_mask = n_mask[:, None] & d_mask[None, :]
+                k = tl.load(KV + ptrs, mask=ld_mask, other=0.0)
+                v = tl.load(KV + stride_kvs + ptrs, mask=ld_mask, other=0.0)
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)            # [BLOCK_M, BLOCK_N]
+            # phase 0 tiles are whole and causally visible to every row: no mask (unless a window)
+            if phase == 1:
                 visible = n_mask[None, :] & (offs_n[None, :] <= pos[:, None])
+                if HAS_WINDOW:
+                    visible = visible & (offs_n[None, :] > pos[:, None] - window)
+                qk = tl.where(visible, qk, float("-inf"))
+            elif HAS_WINDOW:
+                qk = tl.where(offs_n[None, :] > pos[:, None] - window, qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)                   # log2 units
             if HAS_WINDOW:
-                visible = visible & (offs_n[None, :] > pos[:, None] - window)
-            qk = tl.where(visible, qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            # a row that has seen nothing yet keeps m = -inf; subtract 0 so exp2 gives 0, not NaN
-            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_sub)
-            p = tl.exp2(qk - m_sub[:, None])
+                # a row may see nothing in a tile yet (m = -inf): subtract 0 so exp2 gives 0, not NaN;
+                # without a window every row's first tile holds at least one visible key
+                m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            else:
+                m_new_safe = m_new
+            alpha = tl.exp2(m_i - m_new_safe)
+            p = tl.exp2(qk * qk_scale - m_new_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
             m_i = m_new
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
@@ -109,7 +129,8 @@ def _tile_map(cu_seqlens_q: torch.Tensor, num_tokens: int, block_m: int) -> tupl
     """(sequence, tile within it) of every program, built on the device without a host sync.
 
     Sequence b needs ceil(q_len_b / block_m) tiles; their sum is at most ceil(T / block_m) + B,
-    which sizes the grid. Programs past the real count get sequence index B and return.
+    which sizes the grid. Programs past the real count get sequence index B and return. The map
+    is reversed so that late (causally heaviest) tiles start first and light ones fill the tail.
     """
     num_seqs = cu_seqlens_q.shape[0] - 1
     grid = triton.cdiv(num_tokens, block_m) + num_seqs
@@ -119,7 +140,7 @@ def _tile_map(cu_seqlens_q: torch.Tensor, num_tokens: int, block_m: int) -> tupl
     seq = torch.searchsorted(ends, ids, right=True)                          # [grid] in [0, B]
     starts = torch.cat([ends.new_zeros(1), ends])                            # [B+1]
     idx = ids - starts[seq]
-    return seq.to(torch.int32), idx.to(torch.int32), grid
+    return seq.flip(0).to(torch.int32), idx.flip(0).to(torch.int32), grid
 
 
 def _paged_prefill(q, kv, block_tables, cu_seqlens_q, seq_lens, scale, sliding_window=None, *,
@@ -136,13 +157,13 @@ def _paged_prefill(q, kv, block_tables, cu_seqlens_q, seq_lens, scale, sliding_w
     block_m = block_m or (128 if d <= 128 else 64)
     block_n = block_n or (64 if d <= 128 else 32)
     seq_of_tile, tile_in_seq, grid = _tile_map(cu_seqlens_q, q.shape[0], block_m)
-    _prefill_kernel[(grid, hq)](
+    _prefill_kernel[(hq, grid)](
         q, kv, block_tables, cu_seqlens_q, seq_lens, seq_of_tile, tile_in_seq, out,
         *q.stride(), *kv.stride(), *block_tables.stride(), *out.stride(),
         scale * _LOG2E, sliding_window or 0, num_seqs,
         GROUP=hq // hkv, HEAD_D=d, BLOCK_D=pow2(d, 16), PAGE=kv.shape[2], BLOCK_M=block_m,
         BLOCK_N=block_n, HAS_WINDOW=sliding_window is not None, DOT_PREC=dot_precision(q.dtype),
-        num_warps=num_warps or (8 if block_m >= 128 else 4), num_stages=num_stages or 3,
+        num_warps=num_warps or 4, num_stages=num_stages or 3,  # H200 sweep: 4 warps beat 8 at 128x64
     )
     return out
 

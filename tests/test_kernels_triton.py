@@ -111,7 +111,7 @@ def test_prefill_sliding_window(tk, window):
     _prefill_case(tk, [45, 30], [30, 30], 2, 4, 16, 16, torch.float32, window=window)
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 40])
 def test_prefill_head_dims(tk, d):
     _prefill_case(tk, [40], [24], 1, 2, d, 16, torch.float16)
 
