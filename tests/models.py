@@ -141,3 +141,23 @@ def truncate_at_eos(tokens: list[int], eos: int | None) -> list[int]:
     if eos is not None and eos in tokens:
         return tokens[: tokens.index(eos) + 1]
     return tokens
+
+
+_BUNDLED_CACHE: list[Path] = []
+
+
+def bundled_cache_dir() -> Path:
+    """One temporary cache dir per test process holding the converted bundled SmolLM2, so the
+    GGUF is converted once per run however many tests use it (removed at exit)."""
+    if not _BUNDLED_CACHE:
+        import atexit
+        import shutil
+        import tempfile
+
+        from tierkv.engine.loader import bundled_model_dir
+
+        root = Path(tempfile.mkdtemp(prefix="tierkv-test-cache-"))
+        atexit.register(shutil.rmtree, root, True)
+        bundled_model_dir(root)
+        _BUNDLED_CACHE.append(root)
+    return _BUNDLED_CACHE[0]

@@ -44,7 +44,7 @@ class ModelLoadError(ConfigError):
 class LoadedModel:
     model: CausalLM
     config: ModelConfig
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | None  # None when the directory ships no tokenizer files
     model_dir: Path
     fingerprint: str  # stable id of these weights, for the cache's hash namespace
     device: torch.device

@@ -16,6 +16,8 @@ from tierkv.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
 
 class Tokenizer:
     """Encode, decode and chat-template with one model's tokenizer."""
@@ -25,11 +27,15 @@ class Tokenizer:
         self.eos_token_ids = eos_token_ids
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> Tokenizer:
-        """Load tokenizer.json / tokenizer_config.json (and its chat template) from a model dir."""
+    def from_dir(cls, model_dir: str | Path) -> Tokenizer | None:
+        """Load tokenizer.json / tokenizer_config.json (and its chat template) from a model dir;
+        None when the directory has no tokenizer (random-weight benchmark models)."""
         from transformers import AutoTokenizer
 
         model_dir = Path(model_dir)
+        if not any((model_dir / f).is_file() for f in TOKENIZER_FILES):
+            log.warning("%s has no tokenizer; only token-id prompts can be used", model_dir)
+            return None
         hf = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
         eos: list[int] = []
         gen_path = model_dir / "generation_config.json"

@@ -1,0 +1,160 @@
+"""The engine's decoder equals Hugging Face transformers on the same weights (CPU, fp32).
+
+Logits are compared directly and greedy decoding token for token against `generate`, for the
+bundled SmolLM2 and tiny random-weight Llama (incl. llama3 RoPE scaling), Qwen2, Qwen3 and
+Mistral (sliding window) checkpoints; prefill in one go and in chunks must agree exactly.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models import bundled_cache_dir, paged_greedy, save_tiny_checkpoint, truncate_at_eos
+from tierkv.errors import ConfigError
+from tierkv.engine.attention import AttentionMetadata
+from tierkv.engine.loader import load_model
+from tierkv.engine.model import ModelConfig, rope_inv_freq
+
+transformers = pytest.importorskip("transformers")
+
+KINDS = ["llama", "llama3", "qwen2", "qwen3", "mistral"]
+NEW_TOKENS = 16
+
+
+def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                      eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def assert_logits_close(mine: torch.Tensor, ref: torch.Tensor) -> None:
+    # fp32 on both sides; only summation order differs (paged attention, fused GEMMs)
+    torch.testing.assert_close(mine, ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def tiny(request, tmp_path_factory):
+    path = save_tiny_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
+    loaded = load_model(path, device="cpu")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return request.param, loaded, hf
+
+
+def random_prompts(vocab: int, lengths=(5, 23, 40)) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1234)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+@torch.inference_mode()
+def test_tiny_models_match_transformers(tiny):
+    kind, loaded, hf = tiny
+    prompts = random_prompts(loaded.config.vocab_size)
+    # block_size 4: sequences span many non-adjacent blocks of the pool
+    ours, prompt_logits = paged_greedy(loaded.model, prompts, NEW_TOKENS, block_size=4)
+    for prompt, tokens, logits in zip(prompts, ours, prompt_logits):
+        assert_logits_close(logits, hf(torch.tensor([prompt])).logits[0, -1])
+        assert tokens == hf_greedy(hf, prompt, NEW_TOKENS), kind
+
+
+@torch.inference_mode()
+def test_chunked_prefill_gives_identical_tokens(tiny):
+    _, loaded, _ = tiny
+    prompts = random_prompts(loaded.config.vocab_size)
+    whole, _ = paged_greedy(loaded.model, prompts, NEW_TOKENS, block_size=4)
+    # chunks of 7 over block size 4: chunk edges fall inside blocks, and short prompts start
+    # decoding while long ones still prefill (mixed batches)
+    chunked, _ = paged_greedy(loaded.model, prompts, NEW_TOKENS, chunk=7, block_size=4)
+    assert chunked == whole
+
+
+@torch.inference_mode()
+def test_all_position_logits_and_index_selection(tiny):
+    """Logits of every prompt position equal transformers'; logits_indices picks rows only."""
+    _, loaded, hf = tiny
+    model = loaded.model
+    prompt = random_prompts(loaded.config.vocab_size, lengths=(30,))[0]
+    t = len(prompt)
+    pool = torch.zeros(model.config.num_layers, 8, 2, 4, model.config.num_kv_heads, model.config.head_dim)
+    # blocks deliberately out of order in the pool
+    table = torch.tensor([[7, 2, 5, 0, 1, 3, 6, 4]], dtype=torch.int32)
+    pos = torch.arange(t)
+    slots = table[0, pos // 4].long() * 4 + pos % 4
+
+    def run(indices: list[int]) -> torch.Tensor:
+        meta = AttentionMetadata(slot_mapping=slots, block_tables=table, seq_lens=torch.tensor([t], dtype=torch.int32),
+                                 cu_seqlens_q=torch.tensor([0, t], dtype=torch.int32),
+                                 logits_indices=torch.tensor(indices), is_decode=False)
+        return model(torch.tensor(prompt), pos, pool, meta)
+
+    ref = hf(torch.tensor([prompt])).logits[0]  # [T, V]
+    everything = run(list(range(t)))
+    assert everything.shape == (t, loaded.config.vocab_size)
+    assert_logits_close(everything, ref)
+    picked = run([3, t - 1])
+    assert picked.shape == (2, loaded.config.vocab_size)
+    torch.testing.assert_close(picked, everything[[3, t - 1]])
+
+
+def test_rope_frequencies_match_transformers(tiny):
+    _, loaded, hf = tiny
+    ours = rope_inv_freq(loaded.config)
+    torch.testing.assert_close(ours, hf.model.rotary_emb.inv_freq.float(), rtol=0, atol=0)
+
+
+def test_old_style_config_is_parsed():
+    """Checkpoints written by transformers 4.x carry rope_theta + rope_scaling."""
+    hf = {"model_type": "llama", "vocab_size": 10, "hidden_size": 64, "intermediate_size": 8,
+          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "rope_theta": 500000.0,
+          "rope_scaling": {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                           "original_max_position_embeddings": 8192}}
+    cfg = ModelConfig.from_hf(hf)
+    assert cfg.rope_theta == 500000.0 and cfg.rope_scaling["rope_type"] == "llama3"
+    assert cfg.head_dim == 16 and cfg.layer_windows == [None, None]
+    qwen = dict(hf, model_type="qwen2", rope_scaling=None, sliding_window=4096, use_sliding_window=False)
+    cfg = ModelConfig.from_hf(qwen)
+    assert cfg.qkv_bias and not cfg.o_bias and cfg.layer_windows == [None, None]
+    cfg = ModelConfig.from_hf(dict(qwen, use_sliding_window=True, max_window_layers=1))
+    assert cfg.layer_windows == [None, 4096]
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"model_type": "gpt2"}, ["gpt2", "llama", "qwen3"]),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, ["yarn", "llama3"]),
+])
+def test_unsupported_configs_say_what_is_supported(change, words):
+    hf = {"model_type": "llama", "vocab_size": 10, "hidden_size": 64, "intermediate_size": 8,
+          "num_hidden_layers": 2, "num_attention_heads": 4, **change}
+    with pytest.raises(ConfigError) as err:
+        ModelConfig.from_hf(hf)
+    for word in words:
+        assert word in str(err.value)
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    loaded = load_model(None, device="cpu", dtype=torch.float32, cache_dir=bundled_cache_dir())
+    hf = transformers.AutoModelForCausalLM.from_pretrained(loaded.model_dir, dtype=torch.float32).eval()
+    return loaded, hf
+
+
+@torch.inference_mode()
+def test_bundled_smollm2_matches_transformers(smollm):
+    loaded, hf = smollm
+    tok = loaded.tokenizer
+    prompts = [
+        tok.encode("The capital of France is"),
+        tok.apply_chat_template([{"role": "user", "content": "What is 2+2?"}]),
+        tok.encode("def fibonacci(n):"),
+    ]
+    ours, prompt_logits = paged_greedy(loaded.model, prompts, NEW_TOKENS)
+    chunked, _ = paged_greedy(loaded.model, prompts, NEW_TOKENS, chunk=6)
+    assert chunked == ours
+    eos = loaded.tokenizer.eos_token_ids[0]
+    for prompt, tokens, logits in zip(prompts, ours, prompt_logits):
+        assert_logits_close(logits, hf(torch.tensor([prompt])).logits[0, -1])
+        ids = torch.tensor([prompt])
+        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False)
+        assert truncate_at_eos(tokens, eos) == ref[0, len(prompt):].tolist()
+    assert "Paris" in tok.decode(ours[0])
