@@ -6,10 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PY=${PYTHON:-python3}
-# torch first, pinned: on this machine kind torch==2.13.0 is a local CPU build; an unpinned
-# torch pulled in by the next line would download a multi-GB CUDA build instead.
-$PY -m pip install -q "torch==2.13.0"
-$PY -m pip install -q -e ".[all,test]"
+EXTRAS=test bash scripts/install.sh
 
 if ! command -v redis-server >/dev/null 2>&1; then
   if command -v apt-get >/dev/null 2>&1; then
@@ -21,6 +18,6 @@ set +e
 $PY -m pytest -m "not gpu" "$@"
 rc=$?
 set -e
-# pytest exits 5 when it collected no test; that is not a pass worth hiding, but not a crash either.
+# pytest exits 5 when it collected no test: a suite that ran nothing must fail, not pass silently.
 if [ "$rc" -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi
 exit "$rc"

@@ -70,6 +70,14 @@ class SequenceBlocks:
         return self.slots[position // block_size] * block_size + position % block_size
 
 
+def _put_blocks(out: torch.Tensor, positions: list[int], blocks: torch.Tensor) -> None:
+    """out[:, :, positions] = blocks, as one plain copy when the positions are all of out's blocks."""
+    if len(positions) == out.shape[2]:
+        out.copy_(blocks)
+    else:
+        out[:, :, torch.tensor(positions, device=out.device)] = blocks
+
+
 class TieredKVCache:
     def __init__(
         self,
@@ -199,7 +207,7 @@ class TieredKVCache:
         m = self.match(tokens, salt, limit=limit)
         L, _, bs, H, D = self.layout.block_shape
         n = len(m.blocks)
-        out = torch.empty((n, *self.layout.block_shape), dtype=self.layout.dtype, device=self.device)  # [n, L, 2, bs, H, D]
+        out = torch.empty((L, 2, n, bs, H, D), dtype=self.layout.dtype, device=self.device)
         in_l1 = [i for i, e in enumerate(m.blocks) if e.l1 >= 0]
         in_l2 = [i for i, e in enumerate(m.blocks) if e.l1 < 0]
         for i in in_l1:
@@ -207,16 +215,15 @@ class TieredKVCache:
                 m.blocks[i].loading.wait()
         if in_l1:
             slots = torch.tensor([m.blocks[i].l1 for i in in_l1], device=self.device)
-            out[torch.tensor(in_l1, device=self.device)] = kernels.gather_blocks(
-                self.l1.kv, slots, torch.empty((len(in_l1), *self.layout.block_shape), dtype=self.layout.dtype, device=self.device)
-            )
+            # [L, k, 2, bs, H, D] -> [L, 2, k, bs, H, D]
+            _put_blocks(out, in_l1, self.l1.kv[:, slots].transpose(1, 2))
         if in_l2:
-            out[torch.tensor(in_l2, device=self.device)] = self.mover.read_l2([m.blocks[i].l2 for i in in_l2])
+            # [k, L, 2, bs, H, D] -> [L, 2, k, bs, H, D]
+            _put_blocks(out, in_l2, self.mover.read_l2([m.blocks[i].l2 for i in in_l2]).permute(1, 2, 0, 3, 4, 5))
         self._count_out("l1", len(in_l1))
         self._count_out("l2", len(in_l2))
         self._use(m.blocks, 0)
-        # [n, L, 2, bs, H, D] -> [L, 2, n * bs, H, D]
-        return n * bs, out.permute(1, 2, 0, 3, 4, 5).reshape(L, 2, n * bs, H, D)
+        return n * bs, out.view(L, 2, n * bs, H, D)
 
     # ------------------------------------------------------------------ block-level API
 

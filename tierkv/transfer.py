@@ -90,9 +90,9 @@ class BlockMover:
 
     def read_l2(self, l2_slots: list[int]) -> torch.Tensor:
         """L2 blocks copied to the L1 device: [n, layers, 2, bs, h, d]. Ordered after earlier moves."""
-        out = torch.empty((len(l2_slots), *self.l1.layout.block_shape), dtype=self.l1.layout.dtype, device=self.device)
         if not self.cuda:
-            return out.copy_(self.l2.kv[torch.tensor(l2_slots, dtype=torch.int64)])
+            return self.l2.kv.index_select(0, torch.tensor(l2_slots, dtype=torch.int64))
+        out = torch.empty((len(l2_slots), *self.l1.layout.block_shape), dtype=self.l1.layout.dtype, device=self.device)
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             for pos, first, n in runs(l2_slots):
