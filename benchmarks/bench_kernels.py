@@ -95,7 +95,7 @@ def bench_decode(copy_gbps: float, sweep: bool) -> list[dict]:
             batch=batch, seq_len=length, kv_bytes=kv_bytes, max_abs_diff_vs_sdpa=err,
             tierkv_ms=t_ours, sdpa_ms=t_sdpa, sdpa_gqa_ms=t_gqa, sdpa_folded_ms=t_fold,
             tierkv_gbps=kv_bytes / (t_ours * 1e-3) / GB, sdpa_gbps=kv_bytes / (t_sdpa * 1e-3) / GB,
-            splits=decode.choose_splits(batch, HKV, tables.shape[1] * PAGE, q.device, 64),
+            splits_and_block_n=decode.choose_launch(batch, HKV, tables.shape[1] * PAGE, D, q.device),
         )
         row["ratio_vs_sdpa"] = t_sdpa / t_ours
         row["ratio_vs_copy"] = row["tierkv_gbps"] / copy_gbps
@@ -112,7 +112,7 @@ def bench_decode(copy_gbps: float, sweep: bool) -> list[dict]:
 
 def sweep_decode(q, kv, tables, lens, scale, kv_bytes) -> list[dict]:
     out = []
-    base = decode.choose_splits(q.shape[0], HKV, tables.shape[1] * PAGE, q.device, 64)
+    base = decode.choose_launch(q.shape[0], HKV, tables.shape[1] * PAGE, D, q.device)[0]
     for block_n in (32, 64, 128):
         for warps, stages in ((4, 2), (4, 3), (4, 4), (8, 3)):
             for mult in (0.5, 1, 2):
@@ -159,9 +159,8 @@ def bench_prefill(sweep: bool) -> list[dict]:
                    ratio_vs_sdpa=t_sdpa / t_ours)
         if sweep and n == 16384:
             row["sweep"] = []
-            for bm, bn, warps, stages in ((128, 64, 4, 2), (128, 64, 4, 3), (128, 64, 4, 4), (128, 128, 4, 2),
-                                          (128, 128, 4, 3), (128, 32, 4, 4), (128, 64, 8, 3), (128, 128, 8, 2),
-                                          (128, 128, 8, 3), (64, 64, 4, 3), (64, 128, 4, 3), (256, 64, 8, 3)):
+            for bm, bn, warps, stages in ((128, 64, 4, 3), (128, 64, 4, 4), (256, 64, 8, 2), (256, 64, 8, 3),
+                                          (256, 64, 8, 4), (256, 128, 8, 2), (256, 32, 8, 3), (256, 32, 8, 4)):
                 try:
                     t = ms(lambda: prefill._paged_prefill(q, kv, tables, cu, lens, scale, block_m=bm, block_n=bn,
                                                           num_warps=warps, num_stages=stages), 20)
@@ -258,7 +257,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--quick", action="store_true", help="fewer blocks in the block-copy test")
-    ap.add_argument("--sweep", action="store_true", help="also sweep launch configs (tuning data)")
+    ap.add_argument("--sweep", default="", help="comma list of decode,prefill: also sweep launch configs")
     ap.add_argument("--only", default="decode,prefill,blocks")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -277,8 +276,9 @@ def main() -> None:
     result["d2d_copy_gbps"] = copy_bandwidth()
     print(f"d2d copy: {result['d2d_copy_gbps']:.0f} GB/s (read + written)", flush=True)
     parts = args.only.split(",")
-    sections = dict(decode=lambda: bench_decode(result["d2d_copy_gbps"], args.sweep),
-                    prefill=lambda: bench_prefill(args.sweep), blocks=lambda: bench_blocks(args.quick))
+    sweeps = args.sweep.split(",")
+    sections = dict(decode=lambda: bench_decode(result["d2d_copy_gbps"], "decode" in sweeps),
+                    prefill=lambda: bench_prefill("prefill" in sweeps), blocks=lambda: bench_blocks(args.quick))
     for name, run in sections.items():
         if name not in parts:
             continue

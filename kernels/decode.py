@@ -121,17 +121,23 @@ def _decode_merge_kernel(
              mask=offs_d < HEAD_D)
 
 
-def choose_splits(batch: int, kv_heads: int, max_tokens: int, device: torch.device, block_n: int) -> int:
-    """Splits per sequence so that batch * kv_heads * splits is about 4 programs per SM.
+def choose_launch(batch: int, kv_heads: int, max_tokens: int, head_dim: int, device: torch.device) -> tuple[int, int]:
+    """(splits per sequence, tokens per tile) for a decode batch, from shapes only (no host sync).
 
-    Sized from the block table's width (an upper bound of every length, known without a host
-    sync) and the SM count; a split never gets fewer than 4 tiles of work. On the H200 (132 SMs,
-    Llama-8B layer shape) 4 programs per SM read faster than 2 at B=1/128K and B=8/32K.
+    max_tokens is the block table's width in tokens, an upper bound of every length. Measured on
+    the H200 (Llama-8B layer, bench_kernels --sweep): reading is fastest when the grid is about two
+    programs per SM in total; with fewer (batch x kv heads) programs than that, each sequence is
+    split, and 128-token tiles beat 64; with more, one split and 64-token tiles beat 128 (smaller
+    tiles fit more programs per SM). A split never gets fewer than 4 tiles of work.
     """
     programs = batch * kv_heads
-    want = math.ceil(4 * sm_count(device) / programs)
+    slots = 2 * sm_count(device)
+    if head_dim > 128:
+        block_n = 32   # a [128, 256] K tile plus V would not fit shared memory with 3 stages
+    else:
+        block_n = 128 if programs <= slots else 64
     most = max(1, math.ceil(max_tokens / (4 * block_n)))
-    return max(1, min(want, most, 256))
+    return max(1, min(slots // programs, most, 256)), block_n
 
 
 def _paged_decode(q, kv, block_tables, seq_lens, scale, sliding_window=None, *,
@@ -144,9 +150,10 @@ def _paged_decode(q, kv, block_tables, seq_lens, scale, sliding_window=None, *,
     out = torch.empty_like(q)
     if batch == 0:
         return out
-    block_n = block_n or (64 if d <= 128 else 32)
     max_tokens = block_tables.shape[1] * page
-    splits = num_splits or choose_splits(batch, hkv, max_tokens, q.device, block_n)
+    auto_splits, auto_block_n = choose_launch(batch, hkv, max_tokens, d, q.device)
+    block_n = block_n or auto_block_n
+    splits = num_splits or auto_splits
     # whole tiles per split, so tiles of one split never straddle another's
     per_split = triton.cdiv(triton.cdiv(max(max_tokens, 1), splits), block_n) * block_n
     splits = max(1, triton.cdiv(max(max_tokens, 1), per_split))
