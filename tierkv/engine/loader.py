@@ -107,7 +107,7 @@ def bundled_model_dir(cache_dir: str | Path | None = None) -> Path:
     target = root / "models" / f"{BUNDLED_NAME}-Q4_1-{tag}"
     if (target / "config.json").is_file():
         return target
-    for module, package in (("gguf", "gguf"), ("transformers", "transformers"), ("accelerate", "accelerate")):
+    for module, package in (("gguf", "gguf"), ("transformers", "transformers")):
         _require(module, package, f"converting the bundled {BUNDLED_NAME} GGUF")
     log.info("converting %s to safetensors under %s (once per cache dir)", gguf_path.name, target)
     target.parent.mkdir(parents=True, exist_ok=True)
