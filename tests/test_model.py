@@ -158,3 +158,35 @@ def test_bundled_smollm2_matches_transformers(smollm):
         ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False)
         assert truncate_at_eos(tokens, eos) == ref[0, len(prompt):].tolist()
     assert "Paris" in tok.decode(ours[0])
+
+
+GPU_TOPICS = ["the ocean", "a lost key", "volcanoes", "friendship", "the moon", "bread", "a robot",
+              "winter", "trains", "music", "a garden", "honesty", "mountains", "coffee", "a library", "rain"]
+GPU_TEMPLATES = ["Write a short story about {}.", "Explain {} to a child.", "List three facts about {}.",
+                 "The most surprising thing about {} is"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run through the device tool)")
+@torch.inference_mode()
+def test_bf16_on_gpu_agrees_with_transformers():
+    """bf16 greedy: the first 32 tokens equal transformers bf16 for >= 90% of 64 prompts, and
+    prompt-end logits are close (bf16 over 30 layers: allow 1/32 of the logit range)."""
+    loaded = load_model(None, device="cuda", dtype=torch.bfloat16, cache_dir=bundled_cache_dir())
+    hf = transformers.AutoModelForCausalLM.from_pretrained(loaded.model_dir, dtype=torch.bfloat16).cuda().eval()
+    tok = loaded.tokenizer
+    prompts = []
+    for i, template in enumerate(GPU_TEMPLATES):
+        for topic in GPU_TOPICS:
+            text = template.format(topic)
+            prompts.append(tok.apply_chat_template([{"role": "user", "content": text}]) if i < 3 else tok.encode(text))
+    ours, prompt_logits = paged_greedy(loaded.model, prompts, 32)
+    eos = tok.eos_token_ids[0]
+    agree = 0
+    for prompt, tokens, logits in zip(prompts, ours, prompt_logits):
+        ids = torch.tensor([prompt], device="cuda")
+        ref_logits = hf(ids).logits[0, -1].float().cpu()
+        assert (logits - ref_logits).abs().max() <= (ref_logits.max() - ref_logits.min()) / 32
+        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False)
+        agree += truncate_at_eos(tokens, eos) == ref[0, len(prompt):].tolist()
+    assert agree >= 0.9 * len(prompts), f"{agree}/{len(prompts)} prompts agree"
