@@ -147,6 +147,9 @@ def _paged_decode(q, kv, block_tables, seq_lens, scale, sliding_window=None, *,
     check_triton_device(q, kv, block_tables, seq_lens)
     batch, page = q.shape[0], kv.shape[2]
     group = hq // hkv
+    if batch > 65535:
+        # the batch is the grid's third dimension, which CUDA caps at 65535
+        raise _checks.ShapeError(f"paged_decode takes at most 65535 sequences per call, got {batch}; split the batch")
     out = torch.empty_like(q)
     if batch == 0:
         return out

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from . import _checks
-from ._launch import INTERPRETING, check_triton_device, dot_precision, pow2
+from ._launch import INTERPRETING, check_triton_device, dot_precision, pow2, sm_count
 
 _LOG2E = 1.4426950408889634
 
@@ -143,17 +143,20 @@ def _tile_map(cu_seqlens_q: torch.Tensor, num_tokens: int, block_m: int) -> tupl
     return seq.flip(0).to(torch.int32), idx.flip(0).to(torch.int32), grid
 
 
-def _choose_tiles(num_tokens: int, num_seqs: int, head_dim: int) -> tuple[int, int, int]:
+def _choose_tiles(num_tokens: int, num_seqs: int, num_heads: int, head_dim: int,
+                  device: torch.device) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps) from shapes only (no host sync).
 
-    Measured on the H200 (bench_kernels --sweep, 16K tokens, d=128): 256x64 tiles on 8 warps ran
-    at 439 TFLOP/s, 128x64 on 4 warps at 406-410, 128x64 on 8 warps at 318, 128x128 on 4 warps at
-    ~200. 256-row tiles only pay off when sequences are long, so they are used when the average
-    new tokens per sequence is at least 1024.
+    Measured on the H200 (bench_kernels --sweep, one 16K sequence, d=128): 256x64 tiles on 8 warps
+    ran at 439-445 TFLOP/s, 128x64 on 4 warps at 406-410, 128x64 on 8 warps at 318, 128x128 on
+    4 warps at ~200. But at 4K tokens the 256-row tiles gave only 512 programs and 232 TFLOP/s
+    where 128-row tiles gave 324. So 256-row tiles need long sequences (>= 1024 new tokens each on
+    average) and enough of them to give every SM about 4 programs.
     """
     if head_dim > 128:
         return 64, 32, 4
-    if num_tokens >= 1024 * num_seqs:
+    big_programs = triton.cdiv(num_tokens, 256) * num_heads   # about; spare programs exit at once
+    if num_tokens >= 1024 * num_seqs and big_programs >= 4 * sm_count(device):
         return 256, 64, 8
     return 128, 64, 4
 
@@ -169,7 +172,7 @@ def _paged_prefill(q, kv, block_tables, cu_seqlens_q, seq_lens, scale, sliding_w
         return out
     if INTERPRETING:
         block_m, block_n = block_m or 16, block_n or 16
-    auto_m, auto_n, auto_warps = _choose_tiles(q.shape[0], num_seqs, d)
+    auto_m, auto_n, auto_warps = _choose_tiles(q.shape[0], num_seqs, hq, d, q.device)
     block_m, block_n = block_m or auto_m, block_n or auto_n
     num_warps = num_warps or (auto_warps if block_m == auto_m else 4)
     seq_of_tile, tile_in_seq, grid = _tile_map(cu_seqlens_q, q.shape[0], block_m)

@@ -140,12 +140,13 @@ def test_package_dispatches_cuda_to_triton():
 
 @pytest.mark.parametrize("d,new_tokens", [(128, 3000), (256, 700)])
 def test_prefill_long_chunk_tile_shapes(d, new_tokens):
-    # >= 1024 new tokens per sequence selects the 256-row tiles; head_dim 256 the 64x32 ones
+    # d=128: >= 1024 new tokens per sequence and 24 tiles x 32 heads select the 256-row tiles;
+    # head_dim 256 the 64x32 ones
     _, prefill, _, _ = _kernels()
     g = torch.Generator().manual_seed(5)
     lens, q_lens = [new_tokens + 77, new_tokens], [new_tokens, new_tokens]
-    pb = make_paged(lens, 2, d, 16, dtype=torch.bfloat16, device="cuda", generator=g, table_fill=FAR)
-    q = torch.randn(sum(q_lens), 8, d, generator=g).to(torch.bfloat16).cuda()
+    pb = make_paged(lens, 8, d, 16, dtype=torch.bfloat16, device="cuda", generator=g, table_fill=FAR)
+    q = torch.randn(sum(q_lens), 32, d, generator=g).to(torch.bfloat16).cuda()
     cu = cu_seqlens(q_lens, "cuda")
     got = prefill.paged_prefill(q, pb.kv, pb.block_tables, cu, pb.seq_lens, d**-0.5)
     want = ref.paged_prefill(q.float(), pb.kv.float(), pb.block_tables, cu, pb.seq_lens, d**-0.5)
