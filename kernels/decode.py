@@ -194,5 +194,9 @@ def paged_decode(
     scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """q [B, Hq, D] attends to its sequence in kv [num_blocks, 2, bs, Hkv, D]; see reference.paged_decode."""
+    """q [B, Hq, D] attends to its sequence in kv [num_blocks, 2, bs, Hkv, D]; see reference.paged_decode.
+
+    seq_lens[b] must not exceed block_tables.shape[1] * block_size; that is not checked here, as
+    checking would read seq_lens on the host (a sync per layer).
+    """
     return _paged_decode(q, kv, block_tables, seq_lens, scale, sliding_window)

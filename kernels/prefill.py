@@ -196,5 +196,9 @@ def paged_prefill(
     scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Flat varlen q [T, Hq, D] over the paged kv, causal; see reference.paged_prefill."""
+    """Flat varlen q [T, Hq, D] over the paged kv, causal; see reference.paged_prefill.
+
+    seq_lens[b] must not exceed block_tables.shape[1] * block_size and must be at least that
+    sequence's new-token count; neither is checked here, as checking would sync the host.
+    """
     return _paged_prefill(q, kv, block_tables, cu_seqlens_q, seq_lens, scale, sliding_window)
