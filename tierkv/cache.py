@@ -13,24 +13,23 @@ never knows about requests, scheduling or HTTP, and never moves bytes itself (tr
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
 
-from . import kernels
 from .config import CacheConfig
-from .errors import CacheFullError, ConfigError, ShapeError
+from .errors import CacheFullError, ShapeError
 from .hashing import hash_blocks, namespace, token_bytes
-from .index import BlockEntry, BlockIndex
+from .index import BlockEntry
 from .layout import KVLayout
-from .metrics import CacheCounters
-from .tiers import DevicePool, HostPool
-from .tiers.pool import blocks_for
-from .transfer import DONE, BlockMover, Transfer
+from .tiering import Prefetch, Tiering
+from .tiers.codec import BlockId
+from .transfer import DONE, Transfer
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CPU_L1 = 2**30
+DEFAULT_L3_DEADLINE_S = 5.0  # how long retrieve() waits for L3 reads before recomputing instead
 
 
 @dataclass(slots=True)
@@ -93,48 +92,49 @@ class TieredKVCache:
         self.device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        if config.l3:
-            raise ConfigError("CacheConfig.l3 is not supported yet: L3 tiers are not wired into the cache; use l3=[]")
         self.model, self.tp_rank = model, tp_rank
         self.block_size = layout.block_size
-        l1_bytes = config.l1 if config.l1 is not None else self._default_l1()
-        l1_blocks = blocks_for(l1_bytes, layout.bytes_per_block, "CacheConfig.l1")
-        if l1_blocks == 0:
-            raise ConfigError(f"CacheConfig.l1 must hold at least one block of {layout.bytes_per_block} bytes, got 0")
-        self.l1 = DevicePool(layout, l1_blocks, self.device)
-        l2_blocks = blocks_for(config.l2, layout.bytes_per_block, "CacheConfig.l2")
-        self.l2 = HostPool(layout, l2_blocks) if l2_blocks else None
-        self.mover = BlockMover(self.l1, self.l2) if self.l2 else None
-        self.index = BlockIndex(config.eviction)
-        self.counters = CacheCounters()
+        self.tiers = Tiering(layout, config, self.device)
+        # The parts engines and tests look at directly.
+        self.l1, self.l2, self.index, self.counters = self.tiers.l1, self.tiers.l2, self.tiers.index, self.tiers.counters
 
-    def _default_l1(self) -> int:
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            return free // 2
-        return DEFAULT_CPU_L1
+    def __enter__(self) -> TieredKVCache:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def namespace(self, salt: str | None = None) -> bytes:
         return namespace(self.model, self.layout.fingerprint, self.tp_rank, salt)
 
     # ------------------------------------------------------------------ lookups
 
-    def match(self, tokens, salt: str | None = None, *, limit: int | None = None) -> Match:
+    def match(
+        self, tokens, salt: str | None = None, *, limit: int | None = None,
+        recompute_seconds_per_token: float | None = None,
+    ) -> Match:
         """The longest prefix of `tokens` whose full blocks some tier holds.
 
         At most `limit` tokens count; by default len(tokens) - 1, because the last token of a
         prompt must be computed to get its logits. Pass limit=len(tokens) to match everything.
+        With `recompute_seconds_per_token`, the match stops where loading the rest of the hit
+        from its tiers is expected to take longer than recomputing it (load-or-recompute).
         """
+        self.tiers.reap()
         tb = token_bytes(tokens)
         n = len(tb) // 4
         limit = max(n - 1, 0) if limit is None else max(0, min(limit, n))
         ns = self.namespace(salt)
         hashes = hash_blocks(tb, self.block_size, ns)
-        blocks = self.index.walk(hashes[: limit // self.block_size], ns, tb, self.block_size)
-        by_tier = {"l1": 0, "l2": 0, "l3": 0}
+        usable = hashes[: limit // self.block_size]
+        blocks = self.index.walk(usable, ns, tb, self.block_size)
+        l3_blocks = self.tiers.l3_present(usable[len(blocks) :]) if len(blocks) < len(usable) else 0
+        if recompute_seconds_per_token is not None:
+            blocks, l3_blocks = self._worth_loading(blocks, l3_blocks, len(usable), recompute_seconds_per_token)
+        by_tier = {"l1": 0, "l2": 0, "l3": l3_blocks * self.block_size}
         for e in blocks:
             by_tier[e.tier()] += self.block_size
-        matched = len(blocks) * self.block_size
+        matched = (len(blocks) + l3_blocks) * self.block_size
         c = self.counters
         c.queries += 1
         c.query_tokens += limit
@@ -143,12 +143,45 @@ class TieredKVCache:
             c.tiers[tier].hit_tokens += hit
         return Match(matched, by_tier, ns, tb, hashes, blocks)
 
+    def _worth_loading(
+        self, blocks: list[BlockEntry], l3_blocks: int, usable: int, per_token: float
+    ) -> tuple[list[BlockEntry], int]:
+        """The prefix length k minimising load time of blocks[:k] + recompute time of the rest."""
+        per_block = per_token * self.block_size
+        tiers = [e.tier() for e in blocks] + ["l3"] * l3_blocks
+        # Loads of one tier travel together: cost of the first k = sum over tiers of load_seconds(count).
+        counts = {"l1": 0, "l2": 0, "l3": 0}
+        best_k, best = 0, usable * per_block
+        for k, tier in enumerate(tiers, start=1):
+            counts[tier] += 1
+            cost = sum(self.tiers.load_seconds(t, c) for t, c in counts.items()) + (usable - k) * per_block
+            if cost < best:
+                best_k, best = k, cost
+        return blocks[:best_k], max(0, best_k - len(blocks))
+
+    def prefetch(self, match: Match, deadline_s: float | None = None, *, priority: int = 0) -> Prefetch:
+        """Start bringing the match's L3 blocks into L2, in the background.
+
+        Returns at once; once `done()`, `match`/`allocate` find the blocks that arrived in L2.
+        What has not arrived `deadline_s` seconds from now is not read: the engine recomputes it.
+        """
+        first = len(match.blocks)
+        count = match.by_tier["l3"] // self.block_size
+        stride = 4 * self.block_size
+        ids = [
+            BlockId(match.hashes[i], match.hashes[i - 1] if i else 0, match.ns, match.token_bytes[i * stride : (i + 1) * stride])
+            for i in range(first, first + count)
+        ]
+        deadline = None if deadline_s is None else time.monotonic() + deadline_s
+        return self.tiers.prefetch(ids, deadline, priority)
+
     def store(self, tokens, kv: torch.Tensor, salt: str | None = None, *, priority: int = 0) -> int:
         """Cache the KV of the full blocks of `tokens`; returns how many leading tokens the cache now holds.
 
         kv: [layers, 2, len(tokens), kv_heads, head_dim] in the layout's dtype. Blocks already
         cached are skipped. When L1 is all pinned, only the blocks that fit are stored.
         """
+        self.tiers.reap()
         tb = token_bytes(tokens)
         expected = self.layout.kv_shape(len(tb) // 4)
         if not isinstance(kv, torch.Tensor) or tuple(kv.shape) != expected or kv.dtype != self.layout.dtype:
@@ -176,7 +209,7 @@ class TieredKVCache:
         for e in held:  # keep this chain's L1 blocks while making room for the rest of it
             self.index.pin(e)
         try:
-            slots = self._take_l1(len(missing), partial=True)
+            slots = self.tiers.take_l1(len(missing), partial=True)
         finally:
             for e in held:
                 self.index.unpin(e)
@@ -193,18 +226,19 @@ class TieredKVCache:
             entry = self.index.create(hashes[i], parent, ns, tb[i * 4 * bs : (i + 1) * 4 * bs], priority)
             self.index.place(entry, "l1", slot)
             new.append(entry)
-        self._count_in("l1", len(new))
-        self.counters.stored_blocks += len(new)
-        if self.config.write_policy == "write_through":
-            self._write_down(new[::-1])
+        self._stored(new[::-1])
         return len(self.index.walk(hashes, ns, tb, bs)) * bs
 
     def retrieve(self, tokens, salt: str | None = None, *, limit: int | None = None) -> tuple[int, torch.Tensor]:
         """(n, kv): the longest cached prefix of `tokens` (same `limit` rule as `match`) and its KV.
 
-        kv: [layers, 2, n, kv_heads, head_dim] on the cache's device, read from whichever tier holds each block.
+        kv: [layers, 2, n, kv_heads, head_dim] on the cache's device, read from whichever tier
+        holds each block; L3 blocks are read first (waiting up to DEFAULT_L3_DEADLINE_S).
         """
         m = self.match(tokens, salt, limit=limit)
+        if m.by_tier["l3"]:
+            self.prefetch(m, DEFAULT_L3_DEADLINE_S).wait()
+            m = self.match(tokens, salt, limit=limit)
         L, _, bs, H, D = self.layout.block_shape
         n = len(m.blocks)
         out = torch.empty((L, 2, n, bs, H, D), dtype=self.layout.dtype, device=self.device)
@@ -219,9 +253,10 @@ class TieredKVCache:
             _put_blocks(out, in_l1, self.l1.kv[:, slots].transpose(1, 2))
         if in_l2:
             # [k, L, 2, bs, H, D] -> [L, 2, k, bs, H, D]
-            _put_blocks(out, in_l2, self.mover.read_l2([m.blocks[i].l2 for i in in_l2]).permute(1, 2, 0, 3, 4, 5))
-        self._count_out("l1", len(in_l1))
-        self._count_out("l2", len(in_l2))
+            l2_blocks = self.tiers.mover.read_l2([m.blocks[i].l2 for i in in_l2])
+            _put_blocks(out, in_l2, l2_blocks.permute(1, 2, 0, 3, 4, 5))
+        self.tiers.count("l1", len(in_l1), into=False)
+        self.tiers.count("l2", len(in_l2), into=False)
         self._use(m.blocks, 0)
         return n * bs, out.view(L, 2, n * bs, H, D)
 
@@ -245,14 +280,17 @@ class TieredKVCache:
     ) -> SequenceBlocks:
         """Reserve L1 blocks for `tokens`: cached prefix blocks are shared (L1) or loaded (L2), the rest is fresh.
 
+        Uses what L1 and L2 hold now: L3 hits are brought up by `prefetch` first (or recomputed).
         Raises CacheFullError, changing nothing, when L1 cannot make room. Call `seq.wait()`
         before attention reads the sequence's blocks (L2 loads run asynchronously on CUDA).
         """
         m = match if match is not None else self.match(tokens, salt)
-        blocks = self.index.walk(m.hashes[: len(m.blocks)], m.ns, m.token_bytes, self.block_size)
+        self.tiers.reap()
         num_tokens = len(m.token_bytes) // 4
         if num_tokens == 0:
             raise ValueError("allocate() needs at least one token")
+        # Walk again: the index may have changed since the match (evictions, prefetches landing).
+        blocks = self.index.walk(m.hashes[: (num_tokens - 1) // self.block_size], m.ns, m.token_bytes, self.block_size)
         short = self._shortfall(num_tokens, blocks)
         if short > 0:
             raise CacheFullError(f"a sequence of {num_tokens} tokens needs {short} more L1 blocks than can be freed")
@@ -260,10 +298,10 @@ class TieredKVCache:
         l2_hits = [e for e in blocks if e.l1 < 0]
         for e in l1_hits:
             self.index.pin(e)
-        self.index.hold(l2_hits, "l2")  # the evictions below must not drop what we are about to load
-        fresh = self._take_l1(self.blocks_needed(num_tokens) - len(l1_hits))
-        self.index.release(l2_hits, "l2")
-        load = self._load_l2([e.l2 for e in l2_hits], fresh[: len(l2_hits)])
+        self.index.hold_l2(l2_hits)  # the evictions below must not drop what we are about to load
+        fresh = self.tiers.take_l1(self.blocks_needed(num_tokens) - len(l1_hits))
+        load = self.tiers.load_l2(l2_hits, fresh[: len(l2_hits)])
+        self.index.release_l2(l2_hits)
         for e, slot in zip(l2_hits, fresh):
             self.index.pin(e)
             self.index.place(e, "l1", slot)
@@ -291,7 +329,7 @@ class TieredKVCache:
         """Reserve room for `num_tokens` more tokens; raises CacheFullError (changing nothing) if L1 cannot."""
         need = self.blocks_needed(seq.num_tokens + num_tokens) - len(seq.slots)
         if need > 0:
-            slots = self._take_l1(need)
+            slots = self.tiers.take_l1(need)
             seq.slots += slots
             seq.entries += [None] * need
         seq.num_tokens += num_tokens
@@ -326,10 +364,7 @@ class TieredKVCache:
             self.index.place(entry, "l1", seq.slots[i])
             seq.entries[i] = entry
         seq.committed = full
-        self._count_in("l1", len(new))
-        self.counters.stored_blocks += len(new)
-        if self.config.write_policy == "write_through":
-            self._write_down(new)
+        self._stored(new)
         return full - start
 
     def free(self, seq: SequenceBlocks) -> None:
@@ -353,92 +388,39 @@ class TieredKVCache:
             table[row, : len(s.slots)] = torch.tensor(s.slots[:width], dtype=torch.int32)
         return table.to(self.device, non_blocking=True)
 
-    # ------------------------------------------------------------------ tier movement
+    # ------------------------------------------------------------------ policy hooks
 
-    def _take_l1(self, n: int, partial: bool = False) -> list[int]:
-        """`n` free L1 slots, evicting (and demoting) unpinned blocks as needed. Fewer only if `partial`."""
-        short = n - len(self.l1.free)
-        if short > 0:
-            if short > self.index.evictable("l1") and not partial:
-                raise CacheFullError(f"L1 needs {short} more blocks than can be evicted")
-            victims = []
-            while len(victims) < short and (e := self.index.victim("l1")) is not None:
-                victims.append(e)
-            self._evict_l1(victims)
-        return self.l1.free.take(min(n, len(self.l1.free)))
-
-    def _evict_l1(self, victims: list[BlockEntry]) -> None:
-        demote = [e for e in victims if e.l2 < 0 and self._admits_l2(e)]
-        copied = self._write_down(demote)
-        for e in victims:
-            if e.l2 < 0:
-                self.counters.tiers["l1"].drops += 1
-            self.l1.free.give([self.index.unplace(e, "l1")])
-        self.counters.tiers["l1"].evictions += len(victims)
-        if copied:
-            self.mover.fence()  # the freed slots are reused only after the copies out of them
-
-    def _admits_l2(self, entry: BlockEntry) -> bool:
-        if self.config.write_policy == "selective":
-            return entry.hits >= self.config.selective_min_hits
-        return True
-
-    def _write_down(self, entries: list[BlockEntry]) -> int:
-        """Copy L1 blocks that L2 lacks into L2 (as many as L2 can take); returns how many."""
-        if self.l2 is None:
-            return 0
-        entries = [e for e in entries if e.l2 < 0 and e.l1 >= 0]
-        slots = self._take_l2(len(entries))
-        entries = entries[: len(slots)]
-        if entries:
-            self.mover.l1_to_l2([e.l1 for e in entries], slots)
-            for e, slot in zip(entries, slots):
-                self.index.place(e, "l2", slot)
-            self._count_in("l2", len(entries))
-            self._count_out("l1", len(entries))
-        return len(entries)
-
-    def _take_l2(self, n: int) -> list[int]:
-        """Up to `n` free L2 slots, dropping L2's victims as needed."""
-        while len(self.l2.free) < n and (e := self.index.victim("l2")) is not None:
-            if e.l1 < 0:
-                self.counters.tiers["l2"].drops += 1
-            self.l2.free.give([self.index.unplace(e, "l2")])
-            self.counters.tiers["l2"].evictions += 1
-        return self.l2.free.take(min(n, len(self.l2.free)))
-
-    def _load_l2(self, l2_slots: list[int], l1_slots: list[int]) -> Transfer:
-        if not l2_slots:
-            return DONE
-        self._count_out("l2", len(l2_slots))
-        self._count_in("l1", len(l2_slots))
-        return self.mover.l2_to_l1(l2_slots, l1_slots)
+    def _stored(self, new: list[BlockEntry]) -> None:
+        """New blocks entered L1: count them, and copy them down now under write-through."""
+        self.tiers.count("l1", len(new), into=True)
+        self.counters.stored_blocks += len(new)
+        if self.config.write_policy == "write_through":
+            self.tiers.write_down(new)
 
     def _use(self, entries: list[BlockEntry], priority: int) -> None:
         """A request reused these blocks: update recency/frequency, and copy down what `selective` now admits."""
         for e in reversed(entries):  # tail first, so the head ends up most recent
             self.index.touch(e, priority)
         if self.config.write_policy == "selective":
-            self._write_down([e for e in entries if e.hits == self.config.selective_min_hits])
+            self.tiers.write_down([e for e in entries if e.hits == self.config.selective_min_hits])
 
-    def _count_in(self, tier: str, n: int) -> None:
-        c = self.counters.tiers[tier]
-        c.blocks_in += n
-        c.bytes_in += n * self.layout.bytes_per_block
-
-    def _count_out(self, tier: str, n: int) -> None:
-        c = self.counters.tiers[tier]
-        c.blocks_out += n
-        c.bytes_out += n * self.layout.bytes_per_block
-
-    # ------------------------------------------------------------------ reporting
+    # ------------------------------------------------------------------ lifecycle, reporting
 
     def synchronize(self) -> None:
-        """Block until every transfer issued so far is complete."""
-        if self.mover is not None:
-            self.mover.last.synchronize()
+        """Block until every L1<->L2 transfer issued so far is complete."""
+        if self.tiers.mover is not None:
+            self.tiers.mover.last.synchronize()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Write every block that L3 lacks to L3 and wait (shutdown); True if all landed within `timeout`."""
+        return self.tiers.flush(timeout)
+
+    def close(self) -> None:
+        """Finish pending transfers and L3 writes, then release the L3 stores."""
+        self.tiers.close()
 
     def stats(self) -> dict:
+        self.tiers.reap()
         out = self.counters.as_dict()
         out["collisions"] = self.index.collisions
         out["blocks"] = len(self.index)
@@ -452,4 +434,5 @@ class TieredKVCache:
                 capacity_bytes=cap * self.layout.bytes_per_block,
                 used_bytes=used * self.layout.bytes_per_block,
             )
+        out["l3_stores"] = self.tiers.l3.stats() if self.tiers.l3 is not None else []
         return out

@@ -30,6 +30,8 @@ class BlockEntry:
     ref: int = 0  # running sequences holding it in L1; never evicted from L1 while > 0
     hits: int = 0  # times a request reused it (selective write policy)
     loading: Any = None  # Transfer filling its L1 slot, None once known complete
+    held: int = 0  # holds on its L2 slot (an L3 write in flight, a load being set up); not evictable from L2 while > 0
+    l3: str = ""  # what this process knows of it in L3: "", "writing", "written" (or read from there), "failed"
 
     def slot(self, tier: str) -> int:
         return self.l1 if tier == "l1" else self.l2
@@ -126,15 +128,19 @@ class BlockIndex:
         if entry.ref == 0:
             self.policies["l1"].unpin(entry.hash)
 
-    def hold(self, entries: list[BlockEntry], tier: str) -> None:
-        """Keep `entries` out of `tier`'s eviction order for a moment (while moving blocks around them)."""
+    def hold_l2(self, entries: list[BlockEntry]) -> None:
+        """Keep `entries` in L2 (out of its eviction order) until as many `release_l2` calls."""
         for e in entries:
-            self.policies[tier].pin(e.hash)
+            e.held += 1
+            if e.held == 1:
+                self.policies["l2"].pin(e.hash)
 
-    def release(self, entries: list[BlockEntry], tier: str) -> None:
+    def release_l2(self, entries: list[BlockEntry]) -> None:
         for e in entries:
-            if e.slot(tier) >= 0:
-                self.policies[tier].unpin(e.hash)
+            assert e.held > 0, "release of an L2 block that is not held"
+            e.held -= 1
+            if e.held == 0 and e.l2 >= 0:
+                self.policies["l2"].unpin(e.hash)
 
     def touch(self, entry: BlockEntry, priority: int = 0) -> None:
         entry.hits += 1

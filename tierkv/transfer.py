@@ -1,20 +1,37 @@
-"""Moves blocks between L1 (device pool) and L2 (host pool).
+"""Moves blocks between tiers: L1 (device pool) <-> L2 (host pool), and L2 <-> L3 (stores).
 
-On CUDA every move runs on one dedicated copy stream, so moves never block the compute stream
-and are ordered among themselves (a slot written by one move and read by a later one needs no
-extra sync). L1 blocks are gathered into a device staging buffer by one kernel, then copied to
-host as one DMA per run of neighbouring L2 slots (and the reverse for loads). On CPU a move is
-a plain copy that is done on return. This file decides nothing about which blocks move.
+L1<->L2: on CUDA every move runs on one dedicated copy stream, so moves never block the compute
+stream and are ordered among themselves (a slot written by one move and read by a later one
+needs no extra sync). L1 blocks are gathered into a device staging buffer by one kernel, then
+copied to host as one DMA per run of neighbouring L2 slots (and the reverse for loads). On CPU
+a move is a plain copy that is done on return.
+
+L2<->L3: one writer and one reader thread call the stores' batched, internally parallel APIs on
+L2 slots that the caller holds for them, and post each finished job to a queue the caller
+drains. This file decides nothing about which blocks move, and never touches the index.
 """
 
 from __future__ import annotations
 
+import logging
+import queue
+import threading
+import time
+from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from . import kernels
 from .tiers import DevicePool, HostPool
+from .tiers.codec import BlockId
+from .tiers.l3 import L3Store
+
+log = logging.getLogger(__name__)
+EWMA_ALPHA = 0.2  # weight of the newest bandwidth sample
 
 STAGING_BYTES = 256 * 2**20  # device staging buffer: big enough for full-speed DMA, small next to L1
 
@@ -59,10 +76,25 @@ class BlockMover:
         self.device = l1.device
         self.cuda = self.device.type == "cuda"
         self.last = DONE  # the most recent move; every earlier one is complete when it is
+        # Bytes/second of finished moves (EWMA), for load-or-recompute. Starts at a typical
+        # figure (pinned PCIe Gen5 / a host memcpy) so that the first loads happen and measure.
+        self.bandwidth = 25e9 if self.cuda else 5e9
+        self._timings: deque[tuple[torch.cuda.Event, torch.cuda.Event, int]] = deque()
         if self.cuda:
             self.stream = torch.cuda.Stream(self.device)
             n = max(1, min(l1.num_blocks, STAGING_BYTES // l1.layout.bytes_per_block))
             self.staging = torch.empty((n, *l1.layout.block_shape), dtype=l1.layout.dtype, device=self.device)
+
+    def estimate_seconds(self, num_blocks: int) -> float:
+        """Expected seconds to move `num_blocks` blocks between L2 and L1 now."""
+        while self._timings and self._timings[0][1].query():  # fold in the moves that finished
+            start, end, nbytes = self._timings.popleft()
+            self._sample(nbytes, start.elapsed_time(end) / 1e3)
+        return num_blocks * self.l1.layout.bytes_per_block / self.bandwidth
+
+    def _sample(self, nbytes: int, seconds: float) -> None:
+        if seconds > 0:
+            self.bandwidth += EWMA_ALPHA * (nbytes / seconds - self.bandwidth)
 
     def _index(self, slots: list[int]) -> torch.Tensor:
         return torch.tensor(slots, dtype=torch.int64, device=self.device)
@@ -73,8 +105,10 @@ class BlockMover:
         if not l1_slots:
             return DONE
         if not self.cuda:
+            t = time.perf_counter()
             # [layers, n, 2, bs, h, d] -> [n, layers, 2, bs, h, d]
             self.l2.kv[torch.tensor(l2_slots)] = self.l1.kv[:, torch.tensor(l1_slots)].transpose(0, 1)
+            self._sample(len(l1_slots) * self.l1.layout.bytes_per_block, time.perf_counter() - t)
             return DONE
         return self._on_stream(self._d2h, l1_slots, l2_slots)
 
@@ -84,7 +118,9 @@ class BlockMover:
         if not l1_slots:
             return DONE
         if not self.cuda:
+            t = time.perf_counter()
             self.l1.kv[:, torch.tensor(l1_slots)] = self.l2.kv[torch.tensor(l2_slots)].transpose(0, 1)
+            self._sample(len(l1_slots) * self.l1.layout.bytes_per_block, time.perf_counter() - t)
             return DONE
         return self._on_stream(self._h2d, l2_slots, l1_slots)
 
@@ -111,13 +147,15 @@ class BlockMover:
         # The copy stream must see everything the compute stream wrote to these blocks so far,
         # and must not overwrite an L1 slot the compute stream may still be reading.
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(self.stream)
         cap = self.staging.shape[0]
         with torch.cuda.stream(self.stream):
             for i in range(0, len(src), cap):
                 chunk_fn(src[i : i + cap], dst[i : i + cap])
-        event = torch.cuda.Event()
-        event.record(self.stream)
-        self.last = Transfer(event)
+        end.record(self.stream)
+        self._timings.append((start, end, len(src) * self.l1.layout.bytes_per_block))
+        self.last = Transfer(end)
         return self.last
 
     def _d2h(self, l1_slots: list[int], l2_slots: list[int]) -> None:
@@ -131,3 +169,113 @@ class BlockMover:
         for pos, first, n in runs(l2_slots):
             staged[pos : pos + n].copy_(self.l2.kv[first : first + n], non_blocking=True)
         kernels.scatter_blocks(staged, self.l1.kv, self._index(l1_slots))
+
+
+@dataclass(slots=True, eq=False)
+class L3Job:
+    """One batch of L3 reads or writes on L2 slots; `ok` and `finished` are set by the worker thread."""
+
+    kind: str  # "put" or "get"
+    ids: list[BlockId]
+    slots: list[int]  # the L2 slots read from (put) or written into (get), one per id
+    entries: list[Any] = field(default_factory=list)  # put: the caller's records of these blocks
+    priority: int = 0
+    ok: list[bool] = field(default_factory=list)
+    finished: threading.Event = field(default_factory=threading.Event)
+    landed: bool = False  # get: set by the caller once it has indexed the blocks
+
+
+class L3Mover:
+    def __init__(self, stores: list[L3Store], l2: HostPool) -> None:
+        self.stores, self.l2 = stores, l2
+        # One thread each way: a long queue of writes never delays a read. Each call fans out
+        # inside the store (its own thread pool), so one thread here is enough to fill the link.
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="tierkv-l3-put")
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="tierkv-l3-get")
+        self._finished: queue.SimpleQueue[L3Job] = queue.SimpleQueue()
+        self._signal = threading.Event()
+        self.in_flight = 0  # jobs submitted and not yet returned by finished_jobs()
+
+    def contains(self, hashes: list[int]) -> list[bool]:
+        """Which `hashes` some store holds: one batched query per store, for what earlier ones lacked."""
+        found = [False] * len(hashes)
+        for store in self.stores:
+            todo = [i for i, f in enumerate(found) if not f]
+            if not todo:
+                break
+            for i, hit in zip(todo, store.contains_many([hashes[i] for i in todo])):
+                found[i] = hit
+        return found
+
+    def put(self, ids: list[BlockId], slots: list[int], after: Transfer, entries: list[Any]) -> L3Job:
+        """Write L2 `slots` to every store once `after` (the copy that filled them) is complete."""
+        job = L3Job("put", ids, slots, entries)
+        self.in_flight += 1
+        self._writer.submit(self._run, job, self._put, after)
+        return job
+
+    def get(self, ids: list[BlockId], slots: list[int], deadline: float | None, priority: int = 0) -> L3Job:
+        """Read blocks into L2 `slots`, trying the stores in order; what is not read by `deadline` misses."""
+        job = L3Job("get", ids, slots, priority=priority)
+        self.in_flight += 1
+        self._reader.submit(self._run, job, self._get, deadline)
+        return job
+
+    def _run(self, job: L3Job, work, arg) -> None:
+        try:
+            job.ok = work(job, arg)
+        except Exception:  # stores never raise on I/O; this is a bug, but it must not lose the job
+            log.exception("L3 %s of %d blocks failed", job.kind, len(job.ids))
+            job.ok = [False] * len(job.ids)
+        job.finished.set()
+        self._finished.put(job)
+        self._signal.set()
+
+    def _put(self, job: L3Job, after: Transfer) -> list[bool]:
+        after.synchronize()
+        bufs = [self.l2.kv[s] for s in job.slots]  # [layers, 2, bs, h, d] each, contiguous
+        ok = [False] * len(job.ids)
+        for store in self.stores:
+            ok = [a or b for a, b in zip(ok, store.put_many(job.ids, bufs))]
+        return ok
+
+    def _get(self, job: L3Job, deadline: float | None) -> list[bool]:
+        bufs = [self.l2.kv[s] for s in job.slots]
+        ok = [False] * len(job.ids)
+        for store in self.stores:
+            todo = [i for i, hit in enumerate(ok) if not hit]
+            if not todo:
+                break
+            got = store.get_many([job.ids[i] for i in todo], [bufs[i] for i in todo], deadline)
+            for i, hit in zip(todo, got):
+                ok[i] = hit
+        return ok
+
+    def finished_jobs(self) -> list[L3Job]:
+        jobs = []
+        while True:
+            try:
+                jobs.append(self._finished.get_nowait())
+            except queue.Empty:
+                self.in_flight -= len(jobs)
+                return jobs
+
+    def wait_any(self, timeout: float | None) -> None:
+        """Return once a job has finished since the last finished_jobs() (or after `timeout`)."""
+        if self._finished.empty():
+            self._signal.wait(timeout)
+        self._signal.clear()
+
+    def estimate_seconds(self, num_blocks: int) -> float:
+        """Expected seconds to read `num_blocks` from the first store (where reads go first)."""
+        return self.stores[0].estimate_load_seconds(num_blocks)
+
+    def stats(self) -> list[dict]:
+        return [store.stats() for store in self.stores]
+
+    def close(self) -> None:
+        """Finish queued work, then close the stores."""
+        self._writer.shutdown(wait=True)
+        self._reader.shutdown(wait=True)
+        for store in self.stores:
+            store.close()

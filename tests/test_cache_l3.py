@@ -1,0 +1,168 @@
+"""The cache with L3 below L2: write-down per policy, L3 lookups, prefetch with a deadline,
+load-or-recompute, warm restarts and shared stores, and faults that must never change an answer."""
+
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from prefix_kv import prefix_kv
+from tierkv import CacheConfig, KVLayout, TieredKVCache
+from tierkv.errors import ConfigError
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float16, block_size=4)
+BPB = LAYOUT.bytes_per_block
+
+
+def make(l3, l1=4, l2=4, **kw) -> TieredKVCache:
+    return TieredKVCache(LAYOUT, CacheConfig(l1=l1 * BPB, l2=l2 * BPB, l3=l3, **kw), device="cpu", model="l3-test")
+
+
+def store(cache, tokens, salt=None):
+    return cache.store(tokens, prefix_kv(LAYOUT, tokens, salt), salt)
+
+
+def check_retrieve(cache, tokens, expect_tokens, salt=None):
+    n, kv = cache.retrieve(tokens, salt)
+    assert n == expect_tokens
+    assert torch.equal(kv, prefix_kv(LAYOUT, tokens, salt)[:, :, :n])
+
+
+def push_out(cache, rounds=3):
+    """Traffic nobody shares, enough to push everything else out of L1 and L2."""
+    for r in range(rounds):
+        store(cache, list(range(10_000 + 100 * r, 10_000 + 100 * r + 13)))
+
+
+def test_l3_needs_l2():
+    with pytest.raises(ConfigError, match="needs an L2 pool"):
+        TieredKVCache(LAYOUT, CacheConfig(l1=4 * BPB, l3=["file:///tmp/x"]), device="cpu")
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_disk_blocks_come_back_after_l1_and_l2_forget_them(tmp_path, policy):
+    cache = make([f"file://{tmp_path}?size=1MiB"], write_policy=policy)
+    doc = list(range(13))
+    store(cache, doc)
+    push_out(cache)
+    assert cache.flush(timeout=30)
+    m = cache.match(doc)
+    assert m.by_tier == {"l1": 0, "l2": 0, "l3": 12}
+    check_retrieve(cache, doc, 12)  # read L3 -> L2, served byte-identical
+    assert cache.stats()["tiers"]["l3"]["blocks_out"] == 3
+    cache.close()
+
+
+def test_prefetch_then_allocate_loads_through_l2(tmp_path):
+    cache = make([f"file://{tmp_path}"], l1=5, l2=6)
+    doc = list(range(13))
+    store(cache, doc)
+    push_out(cache)
+    cache.flush(timeout=30)
+    m = cache.match(doc + [1, 2])
+    assert m.by_tier["l3"] == 12
+    seq = cache.allocate(doc + [1, 2], match=m)
+    assert seq.num_cached_tokens == 0  # allocate never waits for L3: without a prefetch it recomputes
+    cache.free(seq)
+    p = cache.prefetch(m, deadline_s=30)
+    assert p.wait(30) and p.num_blocks == 3
+    seq = cache.allocate(doc + [1, 2])
+    assert seq.num_cached_tokens == 12
+    cache.free(seq)
+    cache.close()
+
+
+def test_a_prefetch_past_its_deadline_is_recomputed_not_waited_for(tmp_path):
+    cache = make([f"file://{tmp_path}"])
+    doc = list(range(13))
+    store(cache, doc)
+    push_out(cache)
+    cache.flush(timeout=30)
+    p = cache.prefetch(cache.match(doc), deadline_s=-1)  # already late
+    assert p.wait(30)
+    assert cache.match(doc).by_tier["l2"] == 0  # nothing arrived: the engine computes it
+    cache.close()
+
+
+def test_warm_restart_finds_the_disk_tier(tmp_path):
+    url = f"file://{tmp_path}?size=1MiB"
+    with make([url]) as first:
+        store(first, list(range(13)))
+        assert first.flush(timeout=30)
+    with make([url]) as second:  # a new cache (as after a restart) on the same directory
+        assert second.match(list(range(13))).by_tier["l3"] == 12
+        check_retrieve(second, list(range(13)), 12)
+        assert second.match(list(range(13)), salt="other").tokens == 0  # other tenants see nothing
+
+
+def test_load_or_recompute_skips_tiers_slower_than_recomputing(tmp_path):
+    cache = make([f"file://{tmp_path}"], l2=16)
+    doc = list(range(13))
+    store(cache, doc)
+    push_out(cache, rounds=1)
+    cache.flush(timeout=30)
+    cache.match(doc)
+    tiers = cache.match(doc).by_tier
+    assert tiers["l1"] < 12 and tiers["l1"] + tiers["l2"] + tiers["l3"] == 12
+    assert cache.match(doc, recompute_seconds_per_token=1.0).tokens == 12  # recompute is slow: load it all
+    cheap = cache.match(doc, recompute_seconds_per_token=1e-15)  # recompute is free: load only L1 hits
+    assert cheap.tokens == tiers["l1"] and cheap.by_tier["l2"] == cheap.by_tier["l3"] == 0
+    cache.close()
+
+
+def test_redis_dying_mid_run_slows_nothing_down_to_wrong(redis_server):
+    cache = make([redis_server.url])
+    docs = [list(range(i * 100, i * 100 + 13)) for i in range(4)]
+    for d in docs[:2]:
+        store(cache, d)
+    cache.flush(timeout=30)
+    redis_server.kill()
+    for d in docs[2:]:  # writes fail: counted, never raised
+        store(cache, d)
+    push_out(cache)
+    cache.flush(timeout=30)
+    for d in docs:  # every answer is the right KV or a miss
+        n, kv = cache.retrieve(d)
+        assert torch.equal(kv, prefix_kv(LAYOUT, d)[:, :, :n])
+    stats = cache.stats()
+    assert stats["tiers"]["l3"]["errors"] > 0  # the failed writes, counted
+    redis_server.start()  # it comes back: new blocks are written and found again
+    time.sleep(5.5)  # past the store's longest back-off
+    store(cache, list(range(777, 790)))
+    push_out(cache)
+    assert cache.flush(timeout=30)
+    assert cache.match(list(range(777, 790))).by_tier["l3"] == 12
+    cache.close()
+
+
+SECOND_PROCESS = textwrap.dedent("""
+    import sys, torch
+    sys.path.insert(0, {tests!r})
+    from prefix_kv import prefix_kv
+    from tierkv import CacheConfig, KVLayout, TieredKVCache
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float16, block_size=4)
+    cache = TieredKVCache(layout, CacheConfig(l1=4 * layout.bytes_per_block, l2=4 * layout.bytes_per_block,
+                          l3=[{url!r}]), device="cpu", model="l3-test")
+    doc = list(range(13))
+    m = cache.match(doc)
+    n, kv = cache.retrieve(doc)
+    print(m.by_tier["l3"], n, torch.equal(kv, prefix_kv(layout, doc)[:, :, :n]))
+""")
+
+
+@pytest.mark.parametrize("service", ["redis", "s3"])
+def test_a_second_process_hits_what_the_first_stored(service, request, tmp_path):
+    if service == "redis":
+        url = request.getfixturevalue("redis_server").url
+    else:
+        url = request.getfixturevalue("seaweed").url("shared-cache", prefix=tmp_path.name)
+    with make([url]) as first:
+        store(first, list(range(13)))
+        assert first.flush(timeout=60)
+    script = SECOND_PROCESS.format(tests=str(request.path.parent), url=url)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["12", "12", "True"]

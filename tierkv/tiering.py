@@ -1,0 +1,293 @@
+"""Tiering: where a block goes when its tier fills up, and the moves that follow.
+
+Owns the pools (L1 device, L2 host), the movers (L1<->L2 on a CUDA stream, L2<->L3 on threads),
+and the index's tier bookkeeping: eviction, demotion and copy-down by write policy, L3 flushes
+and prefetches, and the per-tier load-time estimates behind load-or-recompute.
+
+Single-threaded by design: only the caller's thread touches the index. L3 threads work on L2
+slots that are held for them and report back through a queue that `reap()` drains. This file
+never knows about sequences or requests.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from .config import CacheConfig
+from .errors import ConfigError, CacheFullError
+from .index import BlockEntry, BlockIndex
+from .layout import KVLayout
+from .metrics import CacheCounters
+from .tiers import DevicePool, HostPool
+from .tiers.codec import BlockId
+from .tiers.l3 import open_store
+from .tiers.pool import blocks_for
+from .transfer import DONE, BlockMover, L3Job, L3Mover, Transfer
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CPU_L1 = 2**30
+
+
+def block_id(e: BlockEntry) -> BlockId:
+    return BlockId(e.hash, e.parent, e.ns, e.tokens)
+
+
+class Prefetch:
+    """L3 blocks on their way into L2. Once `done()`, match() finds the ones that arrived in L2."""
+
+    def __init__(self, tiering: Tiering | None, job: L3Job | None) -> None:
+        self._tiering, self._job = tiering, job
+
+    def done(self) -> bool:
+        if self._job is None:
+            return True
+        self._tiering.reap()
+        return self._job.landed
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the blocks landed (or `timeout` seconds passed); True if they did."""
+        if self._job is None:
+            return True
+        self._job.finished.wait(timeout)
+        return self.done()
+
+    @property
+    def num_blocks(self) -> int:
+        return 0 if self._job is None else len(self._job.ids)
+
+
+class Tiering:
+    def __init__(self, layout: KVLayout, config: CacheConfig, device: torch.device) -> None:
+        self.layout, self.config, self.device = layout, config, device
+        l1_bytes = config.l1 if config.l1 is not None else self._default_l1()
+        l1_blocks = blocks_for(l1_bytes, layout.bytes_per_block, "CacheConfig.l1")
+        if l1_blocks == 0:
+            raise ConfigError(f"CacheConfig.l1 must hold at least one block of {layout.bytes_per_block} bytes, got 0")
+        l2_blocks = blocks_for(config.l2, layout.bytes_per_block, "CacheConfig.l2")
+        if config.l3 and not l2_blocks:
+            raise ConfigError("CacheConfig.l3 needs an L2 pool to stage blocks through: set CacheConfig.l2 > 0")
+        self.l1 = DevicePool(layout, l1_blocks, device)
+        self.l2 = HostPool(layout, l2_blocks) if l2_blocks else None
+        self.mover = BlockMover(self.l1, self.l2) if self.l2 else None
+        self.l3 = L3Mover([open_store(url, layout) for url in config.l3], self.l2) if config.l3 else None
+        self.index = BlockIndex(config.eviction)
+        self.counters = CacheCounters()
+        self._fetching: dict[int, L3Job] = {}  # block hash -> the L3 read bringing it into L2
+
+    def _default_l1(self) -> int:
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return free // 2
+        return DEFAULT_CPU_L1
+
+    # ------------------------------------------------------------------ L1
+
+    def take_l1(self, n: int, partial: bool = False) -> list[int]:
+        """`n` free L1 slots, evicting (and demoting) unpinned blocks as needed. Fewer only if `partial`."""
+        short = n - len(self.l1.free)
+        if short > 0:
+            if short > self.index.evictable("l1") and not partial:
+                raise CacheFullError(f"L1 needs {short} more blocks than can be evicted")
+            victims = []
+            while len(victims) < short and (e := self.index.victim("l1")) is not None:
+                victims.append(e)
+            self._evict_l1(victims)
+        return self.l1.free.take(min(n, len(self.l1.free)))
+
+    def _evict_l1(self, victims: list[BlockEntry]) -> None:
+        copied = self.write_down([e for e in victims if e.l2 < 0 and self._admits(e)])
+        for e in victims:
+            if e.l2 < 0:
+                self.counters.tiers["l1"].drops += 1
+            self.l1.free.give([self.index.unplace(e, "l1")])
+        self.counters.tiers["l1"].evictions += len(victims)
+        if copied:
+            self.mover.fence()  # the freed slots are reused only after the copies out of them
+
+    def _admits(self, entry: BlockEntry) -> bool:
+        """Whether the write policy lets `entry` into the next tier down when it is evicted."""
+        if self.config.write_policy == "selective":
+            return entry.hits >= self.config.selective_min_hits
+        return True
+
+    # ------------------------------------------------------------------ L2
+
+    def write_down(self, entries: list[BlockEntry]) -> int:
+        """Copy L1 blocks that L2 lacks into L2 (as many as L2 can take); returns how many."""
+        if self.l2 is None:
+            return 0
+        entries = [e for e in entries if e.l2 < 0 and e.l1 >= 0]
+        slots = self._take_l2(len(entries))
+        entries = entries[: len(slots)]
+        if entries:
+            moved = self.mover.l1_to_l2([e.l1 for e in entries], slots)
+            for e, slot in zip(entries, slots):
+                self.index.place(e, "l2", slot)
+            self.count("l2", len(entries), into=True)
+            self.count("l1", len(entries), into=False)
+            if self.l3 is not None and self.config.write_policy == "write_through":
+                self._flush(entries, moved)
+        return len(entries)
+
+    def _take_l2(self, n: int) -> list[int]:
+        """Up to `n` free L2 slots. A victim that L3 admits but does not have yet is first
+        written there and stays, held, until the write ends; one whose write failed, or that L3
+        does not admit, goes at once (a dead L3 must not fill L2 with blocks waiting for it)."""
+        while len(self.l2.free) < n and (e := self.index.victim("l2")) is not None:
+            if self.l3 is not None and e.l3 == "" and self._admits(e):
+                self.index.place(e, "l2", e.l2)  # back in L2, held by the flush until written
+                self._flush([e], self.mover.last)
+                continue
+            if e.l1 < 0 and e.l3 != "written":
+                self.counters.tiers["l2"].drops += 1
+            self.l2.free.give([self.index.unplace(e, "l2")])
+            self.counters.tiers["l2"].evictions += 1
+        return self.l2.free.take(min(n, len(self.l2.free)))
+
+    def load_l2(self, entries: list[BlockEntry], l1_slots: list[int]) -> Transfer:
+        """Start copying L2 blocks into L1 slots; the caller places the entries."""
+        if not entries:
+            return DONE
+        self.count("l2", len(entries), into=False)
+        self.count("l1", len(entries), into=True)
+        return self.mover.l2_to_l1([e.l2 for e in entries], l1_slots)
+
+    # ------------------------------------------------------------------ L3
+
+    def l3_present(self, hashes: list[int]) -> int:
+        """How many leading `hashes` some L3 store holds. Probes in growing chunks (16, 64, 256, ...)
+        so a cold prompt costs one small round trip and a long hit a handful."""
+        if self.l3 is None:
+            return 0
+        found, chunk = 0, 16
+        while found < len(hashes):
+            present = self.l3.contains(hashes[found : found + chunk])
+            run = next((i for i, p in enumerate(present) if not p), len(present))
+            found += run
+            if run < len(present):
+                break
+            chunk *= 4
+        return found
+
+    def _flush(self, entries: list[BlockEntry], after: Transfer) -> None:
+        """Write L2 blocks to every L3 store in the background; they stay held in L2 until done."""
+        entries = [e for e in entries if e.l3 != "writing"]
+        if not entries:
+            return
+        for e in entries:
+            e.l3 = "writing"
+        self.index.hold_l2(entries)
+        self.l3.put([block_id(e) for e in entries], [e.l2 for e in entries], after, entries)
+
+    def prefetch(self, ids: list[BlockId], deadline: float | None, priority: int = 0) -> Prefetch:
+        """Start reading the blocks `ids` (a chain's L3 part, in order) into fresh L2 slots."""
+        self.reap()
+        ids = [b for b in ids if b.hash not in self.index.entries and b.hash not in self._fetching]
+        slots = self._take_l2(len(ids)) if ids and self.l3 is not None else []
+        if not slots:
+            return Prefetch(None, None)
+        ids = ids[: len(slots)]
+        job = self.l3.get(ids, slots, deadline, priority)
+        for b in ids:
+            self._fetching[b.hash] = job
+        return Prefetch(self, job)
+
+    def reap(self) -> None:
+        """Take in what the L3 threads finished: written blocks are released, read blocks land in L2."""
+        if self.l3 is None:
+            return
+        for job in self.l3.finished_jobs():
+            if job.kind == "put":
+                self._written(job)
+            else:
+                self._landed(job)
+
+    def _written(self, job: L3Job) -> None:
+        c = self.counters.tiers["l3"]
+        for e, ok in zip(job.entries, job.ok):
+            e.l3 = "written" if ok else "failed"
+            c.blocks_in += ok
+            c.bytes_in += ok * self.layout.bytes_per_block
+            c.errors += not ok
+        self.index.release_l2(job.entries)
+
+    def _landed(self, job: L3Job) -> None:
+        """Index the leading blocks that arrived; a block after a miss would be unreachable: drop it."""
+        arrived, broken = 0, False
+        for bid, slot, ok in zip(job.ids, job.slots, job.ok):
+            self._fetching.pop(bid.hash, None)
+            broken = broken or not ok
+            if not broken and bid.hash not in self.index.entries:
+                e = self.index.create(bid.hash, bid.parent, bid.ns, bid.tokens, job.priority)
+                e.l3 = "written"
+                self.index.place(e, "l2", slot)
+                arrived += 1
+            else:
+                self.l2.free.give([slot])
+        c = self.counters.tiers["l3"]
+        c.blocks_out += arrived
+        c.bytes_out += arrived * self.layout.bytes_per_block
+        c.errors += len(job.ids) - sum(job.ok)
+        job.landed = True
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Write every block that L3 lacks (L1 and L2) to L3 and wait; True if all landed in time."""
+        if self.l3 is None:
+            return True
+        end = None if timeout is None else time.monotonic() + timeout
+        self.reap()
+        dirty = [e for e in self.index.entries.values() if e.l3 in ("", "failed")]  # one more try for failures
+        in_l2 = [e for e in dirty if e.l2 >= 0]
+        self._flush(in_l2, self.mover.last)
+        only_l1 = [e for e in dirty if e.l2 < 0]
+        while only_l1:  # through L2 in batches of what it can take while earlier batches drain
+            done = self.write_down(only_l1[: max(1, len(self.l2.free))])
+            if self.config.write_policy != "write_through":
+                self._flush(only_l1[:done], self.mover.last)
+            only_l1 = only_l1[done:]
+            if done == 0 and not self._wait_l3(end):
+                return False
+        while any(e.l3 == "writing" for e in self.index.entries.values()):
+            if not self._wait_l3(end):
+                return False
+        return True
+
+    def _wait_l3(self, end: float | None) -> bool:
+        """Wait for one L3 job to finish and reap it; False once `end` has passed."""
+        remaining = None if end is None else end - time.monotonic()
+        if (remaining is not None and remaining <= 0) or self.l3.in_flight == 0:
+            return False  # out of time, or nothing left that could free an L2 slot
+        self.l3.wait_any(remaining)
+        self.reap()
+        return True
+
+    # ------------------------------------------------------------------ estimates, counters
+
+    def load_seconds(self, tier: str, num_blocks: int) -> float:
+        """Expected seconds to bring `num_blocks` of `tier` into L1 now."""
+        if tier == "l1" or num_blocks == 0:
+            return 0.0
+        l2_time = self.mover.estimate_seconds(num_blocks) if self.mover else 0.0
+        if tier == "l2":
+            return l2_time
+        return l2_time + self.l3.estimate_seconds(num_blocks)
+
+    def count(self, tier: str, n: int, *, into: bool) -> None:
+        c = self.counters.tiers[tier]
+        if into:
+            c.blocks_in += n
+            c.bytes_in += n * self.layout.bytes_per_block
+        else:
+            c.blocks_out += n
+            c.bytes_out += n * self.layout.bytes_per_block
+
+    def close(self) -> None:
+        if self.mover is not None:
+            self.mover.last.synchronize()
+        if self.l3 is not None:
+            self.l3.close()
+            self.reap()
