@@ -7,7 +7,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from tierkv.config import EVICTION_POLICIES
 from tierkv.errors import ConfigError
-from tierkv.policies import LFUPolicy, LRUPolicy, PriorityPolicy, S3FIFOPolicy, make_policy
+from tierkv.policies import ARCPolicy, LFUPolicy, LRUPolicy, PriorityPolicy, S3FIFOPolicy, make_policy
 
 
 def drain(policy) -> list:
@@ -104,9 +104,54 @@ def test_s3fifo_ghost_hit_goes_to_main():
     assert p.evict() == "a"
 
 
+def test_arc_keeps_reused_blocks_through_a_scan():
+    hot = [("hot", k) for k in range(10)]
+    accesses = hot + hot + [("scan", k) for k in range(200)]
+    assert set(hot) <= replay(ARCPolicy(), accesses, capacity=20)  # the scan only cycles through T1
+
+
+def test_arc_evicts_new_blocks_first_and_lru_within_a_list():
+    p = ARCPolicy()
+    for k in "abcd":
+        p.insert(k)
+    p.touch("b")  # b moves to the frequency list
+    p.touch("b")
+    p.pin("c")
+    p.touch("c")  # a hit while pinned counts too
+    p.unpin("c")
+    assert drain(p) == ["a", "d", "b", "c"]
+
+
+def test_arc_ghost_hit_grows_the_recency_side():
+    p = ARCPolicy()
+    p.insert("a")
+    p.insert("b")
+    assert p.evict() == "a"  # T1 holds everything: its oldest goes, remembered as a ghost
+    p.insert("a")  # a ghost hit: T1 was too small; a returns on the frequency list
+    p.insert("c")
+    p.insert("d")
+    # T1's target grew to 1: T1 (b, c, d) shrinks to one block before T2's a goes
+    assert drain(p) == ["b", "c", "a", "d"]
+    q = ARCPolicy()  # the same without the ghost: a stranger is just the oldest block
+    for k in ("b", "x", "c", "d"):
+        q.insert(k)
+    assert drain(q) == ["b", "x", "c", "d"]
+
+
+def test_arc_ghost_list_is_bounded():
+    p = ARCPolicy()
+    for k in range(1000):
+        p.insert(k)
+        if k >= 10:
+            p.evict()
+    assert len(p) == 10
+    assert len(p._b1) + len(p._b2) <= ARCPolicy.GHOST_FACTOR * 10
+
+
 def test_make_policy_rejects_unknown():
-    assert {type(make_policy(n)) for n in EVICTION_POLICIES} == {LRUPolicy, LFUPolicy, S3FIFOPolicy, PriorityPolicy}
-    with pytest.raises(ConfigError, match="accepted: lru, lfu, s3fifo, priority"):
+    assert {type(make_policy(n)) for n in EVICTION_POLICIES} == {
+        LRUPolicy, LFUPolicy, S3FIFOPolicy, ARCPolicy, PriorityPolicy}
+    with pytest.raises(ConfigError, match="accepted: lru, lfu, s3fifo, arc, priority"):
         make_policy("random")
 
 

@@ -232,6 +232,108 @@ class S3FIFOPolicy(EvictionPolicy):
         return len(self._small) + len(self._main)
 
 
+class ARCPolicy(EvictionPolicy):
+    """ARC (Megiddo & Modha, FAST 2003): a recency list T1 and a frequency list T2, sized adaptively.
+
+    A block enters T1; a hit moves it to T2. Evicted keys are remembered (no data) in ghost lists
+    B1 (evicted from T1) and B2 (from T2). A miss on a B1 ghost means T1 was too small, one on B2
+    that T2 was: the target size `p` of T1 moves accordingly and the returning block enters T2.
+    So the split between new blocks and reused ones is learned from the traffic, not set by hand,
+    and a burst of one-time blocks only cycles through T1. Pinned blocks stay on their list's count
+    but out of its eviction order.
+    """
+
+    # Reuse distances of serving traffic (a user's next turn comes minutes later) are longer than
+    # the cache: ghosts cost one key each, so remember several cache-fulls of them to recognise
+    # blocks that return after eviction.
+    GHOST_FACTOR = 4
+
+    def __init__(self) -> None:
+        self._t1: OrderedDict[Key, None] = OrderedDict()  # evictable keys seen once, oldest first
+        self._t2: OrderedDict[Key, None] = OrderedDict()  # evictable keys hit since they entered
+        self._b1: OrderedDict[Key, None] = OrderedDict()  # ghosts of keys evicted from T1
+        self._b2: OrderedDict[Key, None] = OrderedDict()  # ghosts of keys evicted from T2
+        self._in_t2: dict[Key, bool] = {}  # every resident key: which list it belongs to
+        self._pinned: set[Key] = set()
+        self._n1 = 0  # resident keys on T1, pinned or not
+        self._p = 0.0  # target number of resident keys on T1
+
+    def _list(self, key: Key) -> OrderedDict:
+        return self._t2 if self._in_t2[key] else self._t1
+
+    def insert(self, key, *, priority=0, pinned=False):
+        self.remove(key)
+        c = len(self._in_t2) + 1
+        to_t2 = True
+        if key in self._b1:  # T1 was too small to keep it until its reuse
+            self._p = min(float(c), self._p + max(len(self._b2) / len(self._b1), 1.0))
+            del self._b1[key]
+        elif key in self._b2:  # T2 was too small
+            self._p = max(0.0, self._p - max(len(self._b1) / len(self._b2), 1.0))
+            del self._b2[key]
+        else:
+            to_t2 = False
+            self._n1 += 1
+        self._in_t2[key] = to_t2
+        if pinned:
+            self._pinned.add(key)
+        else:
+            self._list(key)[key] = None
+
+    def pin(self, key):
+        if key in self._in_t2 and key not in self._pinned:
+            self._list(key).pop(key, None)
+            self._pinned.add(key)
+
+    def unpin(self, key):
+        if key in self._pinned:
+            self._pinned.discard(key)
+            self._list(key)[key] = None  # an unpin counts as a use: most recent on its list
+
+    def touch(self, key, *, priority=0):
+        if key not in self._in_t2:
+            return
+        evictable = key not in self._pinned
+        if evictable:
+            self._list(key).pop(key)
+        if not self._in_t2[key]:
+            self._in_t2[key] = True
+            self._n1 -= 1
+        if evictable:
+            self._t2[key] = None
+
+    def evict(self):
+        if self._t1 and (self._n1 > self._p or not self._t2):
+            key, _ = self._t1.popitem(last=False)
+            self._b1[key] = None
+        elif self._t2:
+            key, _ = self._t2.popitem(last=False)
+            self._b2[key] = None
+        else:
+            return None
+        self._forget(key)
+        limit = self.GHOST_FACTOR * max(len(self._in_t2), 1)
+        while len(self._b1) + len(self._b2) > limit:
+            (self._b1 if len(self._b1) >= len(self._b2) else self._b2).popitem(last=False)
+        return key
+
+    def _forget(self, key: Key) -> None:
+        if not self._in_t2.pop(key):
+            self._n1 -= 1
+
+    def remove(self, key):
+        if key not in self._in_t2:
+            return
+        if key in self._pinned:
+            self._pinned.discard(key)
+        else:
+            self._list(key).pop(key, None)
+        self._forget(key)
+
+    def __len__(self):
+        return len(self._t1) + len(self._t2)
+
+
 class PriorityPolicy(EvictionPolicy):
     """Lowest priority value first, least recently used within a priority.
 
@@ -302,6 +404,7 @@ _POLICIES: dict[str, type[EvictionPolicy]] = {
     "lru": LRUPolicy,
     "lfu": LFUPolicy,
     "s3fifo": S3FIFOPolicy,
+    "arc": ARCPolicy,
     "priority": PriorityPolicy,
 }
 assert tuple(_POLICIES) == EVICTION_POLICIES
