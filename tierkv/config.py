@@ -12,7 +12,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from .errors import ConfigError
 
-EVICTION_POLICIES = ("lru", "lfu", "s3fifo", "arc", "priority")
+EVICTION_POLICIES = ("lru", "lfu", "s3fifo", "priority", "arc")
 WRITE_POLICIES = ("write_through", "write_back", "selective")
 L3_SCHEMES = ("file", "redis", "rediss", "s3")
 

@@ -404,8 +404,8 @@ _POLICIES: dict[str, type[EvictionPolicy]] = {
     "lru": LRUPolicy,
     "lfu": LFUPolicy,
     "s3fifo": S3FIFOPolicy,
-    "arc": ARCPolicy,
     "priority": PriorityPolicy,
+    "arc": ARCPolicy,
 }
 assert tuple(_POLICIES) == EVICTION_POLICIES
 
