@@ -193,7 +193,13 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}
     (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2))
-    AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name).save_pretrained(str(out_dir))
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    # transformers versions disagree on which GGUF ids become bos/eos; the file's metadata decides
+    for role in ("bos", "eos"):
+        token_id = config[f"{role}_token_id"]
+        if token_id is not None:
+            setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(int(token_id)))
+    tokenizer.save_pretrained(str(out_dir))
 
 
 def resolve_model_dir(model: str | os.PathLike | None, cache_dir: str | Path | None = None) -> Path:
