@@ -5,6 +5,9 @@ KV is a pure function of the token prefix (tests/prefix_kv.py), so every byte th
 back, and every byte a running sequence holds in L1, can be checked against the truth.
 """
 
+import shutil
+import tempfile
+
 import pytest
 import torch
 from hypothesis import settings
@@ -26,6 +29,7 @@ salts = st.sampled_from([None, "tenant-b"])
 
 class CacheMachine(RuleBasedStateMachine):
     device = "cpu"
+    with_disk = False  # a disk L3 under L2 (needs L2 > 0)
 
     def __init__(self):
         super().__init__()
@@ -36,7 +40,14 @@ class CacheMachine(RuleBasedStateMachine):
                 write_policy=st.sampled_from(WRITE_POLICIES), min_hits=st.integers(1, 3))
     def build(self, l1, l2, eviction, write_policy, min_hits):
         bpb = LAYOUT.bytes_per_block
-        config = CacheConfig(l1=l1 * bpb, l2=l2 * bpb, eviction=eviction, write_policy=write_policy,
+        l3 = []
+        if self.with_disk:
+            l2 = 2 + l2 % 3  # a small L2, so that blocks go on down to the disk
+            self.disk = tempfile.mkdtemp(prefix="tierkv-sm-")
+            # ~20 objects (header + page-aligned payload): it evicts too. One thread: the disk's own LRU
+            # order then follows the write order, so a replayed example behaves the same.
+            l3 = [f"file://{self.disk}?size=160KiB&threads=1"]
+        config = CacheConfig(l1=l1 * bpb, l2=l2 * bpb, l3=l3, eviction=eviction, write_policy=write_policy,
                              selective_min_hits=min_hits)
         self.cache = TieredKVCache(LAYOUT, config, device=self.device, model="state-machine")
 
@@ -58,6 +69,13 @@ class CacheMachine(RuleBasedStateMachine):
         assert n == m.tokens  # match length = retrievable length
         assert torch.equal(kv.cpu(), prefix_kv(LAYOUT, tokens, salt)[:, :, :n])
 
+    @rule(tokens=prompts, salt=salts)
+    def prefetch(self, tokens, salt):
+        m = self.cache.match(tokens, salt)
+        assert self.cache.prefetch(m, deadline_s=30).wait(60)
+        after = self.cache.match(tokens, salt)
+        assert after.tokens >= len(m.blocks) * BS  # what was in L1/L2 is still found
+
     @rule(length=st.integers(4, 30))
     def pressure(self, length):
         tokens = list(range(self.fresh, self.fresh + length))
@@ -78,7 +96,7 @@ class CacheMachine(RuleBasedStateMachine):
             return
         seq = self.cache.allocate(tokens, salt, match=m)
         seq.wait()
-        assert seq.num_cached_tokens == m.tokens
+        assert seq.num_cached_tokens == len(m.blocks) * BS  # L1 and L2 hits; L3 ones need a prefetch first
         cached = seq.num_cached_tokens
         assert torch.equal(read_slots(self.cache, seq, cached).cpu(), prefix_kv(LAYOUT, tokens, salt)[:, :, :cached])
         write_into_slots(self.cache, seq, tokens, cached, salt)  # "prefill" the rest
@@ -107,6 +125,17 @@ class CacheMachine(RuleBasedStateMachine):
     # ------------------------------------------------------------------ invariants
 
     @invariant()
+    def invariants(self):
+        # L3 writes finish on their own threads; taking them in before checking keeps every
+        # step, and so every replay of an example, deterministic.
+        l3 = self.cache.tiers.l3
+        while l3 is not None and l3.in_flight:
+            l3.wait_any(5)
+            self.cache.tiers.reap()
+        self.tiers_within_budget_and_slots_accounted()
+        self.ref_counts_are_the_running_holders()
+        self.running_sequences_keep_their_kv()
+
     def tiers_within_budget_and_slots_accounted(self):
         cache = self.cache
         entries = list(cache.index.entries.values())
@@ -124,7 +153,6 @@ class CacheMachine(RuleBasedStateMachine):
         else:
             assert all(e.l2 < 0 for e in entries)
 
-    @invariant()
     def ref_counts_are_the_running_holders(self):
         holders: dict[int, int] = {}
         for seq, _, _ in self.running:
@@ -136,7 +164,6 @@ class CacheMachine(RuleBasedStateMachine):
             if e.ref:
                 assert e.l1 >= 0, "a pinned block left L1"
 
-    @invariant()
     def running_sequences_keep_their_kv(self):
         # A pinned block that was evicted and reused would show someone else's bytes here.
         for seq, tokens, salt in self.running:
@@ -149,10 +176,21 @@ class CacheMachine(RuleBasedStateMachine):
             self.cache.free(seq)
         assert all(e.ref == 0 for e in self.cache.index.entries.values())
         assert self.cache.index.evictable("l1") == sum(e.l1 >= 0 for e in self.cache.index.entries.values())
+        self.cache.close()
+        if self.with_disk:
+            shutil.rmtree(self.disk, ignore_errors=True)
 
 
 TestCacheStateMachine = CacheMachine.TestCase
 TestCacheStateMachine.settings = settings(max_examples=500, stateful_step_count=30, deadline=None)
+
+
+class DiskCacheMachine(CacheMachine):
+    with_disk = True
+
+
+TestDiskCacheStateMachine = DiskCacheMachine.TestCase
+TestDiskCacheStateMachine.settings = settings(max_examples=150, stateful_step_count=50, deadline=None)
 
 
 class CudaCacheMachine(CacheMachine):

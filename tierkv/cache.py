@@ -165,15 +165,17 @@ class TieredKVCache:
         Returns at once; once `done()`, `match`/`allocate` find the blocks that arrived in L2.
         What has not arrived `deadline_s` seconds from now is not read: the engine recomputes it.
         """
-        first = len(match.blocks)
-        count = match.by_tier["l3"] // self.block_size
-        stride = 4 * self.block_size
-        ids = [
-            BlockId(match.hashes[i], match.hashes[i - 1] if i else 0, match.ns, match.token_bytes[i * stride : (i + 1) * stride])
-            for i in range(first, first + count)
-        ]
         deadline = None if deadline_s is None else time.monotonic() + deadline_s
-        return self.tiers.prefetch(ids, deadline, priority)
+        return self.tiers.prefetch(self._l3_ids(match), deadline, priority)
+
+    def _l3_ids(self, match: Match) -> list[BlockId]:
+        """BlockIds of the match's L3 part, in chain order."""
+        first = len(match.blocks)
+        stride = 4 * self.block_size
+        return [
+            BlockId(match.hashes[i], match.hashes[i - 1] if i else 0, match.ns, match.token_bytes[i * stride : (i + 1) * stride])
+            for i in range(first, first + match.by_tier["l3"] // self.block_size)
+        ]
 
     def store(self, tokens, kv: torch.Tensor, salt: str | None = None, *, priority: int = 0) -> int:
         """Cache the KV of the full blocks of `tokens`; returns how many leading tokens the cache now holds.
@@ -236,12 +238,16 @@ class TieredKVCache:
         holds each block; L3 blocks are read first (waiting up to DEFAULT_L3_DEADLINE_S).
         """
         m = self.match(tokens, salt, limit=limit)
+        direct = None  # [k, L, 2, bs, H, D] on the host: L3 blocks that L2 had no room for
         if m.by_tier["l3"]:
             self.prefetch(m, DEFAULT_L3_DEADLINE_S).wait()
             m = self.match(tokens, salt, limit=limit)
+            if m.by_tier["l3"]:
+                direct = self.tiers.read_l3(self._l3_ids(m), time.monotonic() + DEFAULT_L3_DEADLINE_S)
         L, _, bs, H, D = self.layout.block_shape
         n = len(m.blocks)
-        out = torch.empty((L, 2, n, bs, H, D), dtype=self.layout.dtype, device=self.device)
+        k = 0 if direct is None else direct.shape[0]
+        out = torch.empty((L, 2, n + k, bs, H, D), dtype=self.layout.dtype, device=self.device)
         in_l1 = [i for i, e in enumerate(m.blocks) if e.l1 >= 0]
         in_l2 = [i for i, e in enumerate(m.blocks) if e.l1 < 0]
         for i in in_l1:
@@ -255,10 +261,12 @@ class TieredKVCache:
             # [k, L, 2, bs, H, D] -> [L, 2, k, bs, H, D]
             l2_blocks = self.tiers.mover.read_l2([m.blocks[i].l2 for i in in_l2])
             _put_blocks(out, in_l2, l2_blocks.permute(1, 2, 0, 3, 4, 5))
+        if k:
+            out[:, :, n:] = direct.permute(1, 2, 0, 3, 4, 5).to(self.device)
         self.tiers.count("l1", len(in_l1), into=False)
         self.tiers.count("l2", len(in_l2), into=False)
         self._use(m.blocks, 0)
-        return n * bs, out.view(L, 2, n * bs, H, D)
+        return (n + k) * bs, out.view(L, 2, (n + k) * bs, H, D)
 
     # ------------------------------------------------------------------ block-level API
 

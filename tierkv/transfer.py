@@ -240,13 +240,16 @@ class L3Mover:
         return ok
 
     def _get(self, job: L3Job, deadline: float | None) -> list[bool]:
-        bufs = [self.l2.kv[s] for s in job.slots]
-        ok = [False] * len(job.ids)
+        return self.read(job.ids, [self.l2.kv[s] for s in job.slots], deadline)
+
+    def read(self, ids: list[BlockId], bufs: list[torch.Tensor], deadline: float | None) -> list[bool]:
+        """Read `ids` into `bufs` (contiguous host blocks) in the calling thread, trying the stores in order."""
+        ok = [False] * len(ids)
         for store in self.stores:
             todo = [i for i, hit in enumerate(ok) if not hit]
             if not todo:
                 break
-            got = store.get_many([job.ids[i] for i in todo], [bufs[i] for i in todo], deadline)
+            got = store.get_many([ids[i] for i in todo], [bufs[i] for i in todo], deadline)
             for i, hit in zip(todo, got):
                 ok[i] = hit
         return ok
