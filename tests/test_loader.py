@@ -10,12 +10,12 @@ import time
 
 import pytest
 import torch
-
 from models import bundled_cache_dir, save_tiny_checkpoint
-from tierkv.errors import ConfigError
+
 from tierkv.engine import loader
 from tierkv.engine.loader import MissingDependencyError, ModelLoadError, load_model
 from tierkv.engine.tokenizer import IncrementalDetokenizer
+from tierkv.errors import ConfigError
 
 transformers = pytest.importorskip("transformers")
 
@@ -55,6 +55,9 @@ def test_dtype_and_device_choices(tiny_dir):
     assert loaded.model.inv_freq.dtype == torch.float32 and loaded.model.inv_freq.device.type == "cpu"
     default = load_model(tiny_dir, device="cpu")
     assert default.dtype == torch.float32
+    layout = loaded.kv_layout(block_size=8)  # qwen3 tiny: 2 layers, 2 kv heads, head_dim 32
+    assert (layout.num_layers, layout.num_kv_heads, layout.head_dim) == (2, 2, 32)
+    assert layout.dtype == torch.bfloat16 and layout.block_size == 8
     with pytest.raises(ConfigError, match="float8"):
         load_model(tiny_dir, device="cpu", dtype="float8")
 

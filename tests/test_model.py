@@ -9,12 +9,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from models import (
+    bundled_cache_dir,
+    paged_greedy,
+    save_tiny_checkpoint,
+    truncate_at_eos,
+)
 
-from models import bundled_cache_dir, paged_greedy, save_tiny_checkpoint, truncate_at_eos
-from tierkv.errors import ConfigError
 from tierkv.engine.attention import AttentionMetadata
 from tierkv.engine.loader import load_model
 from tierkv.engine.model import ModelConfig, rope_inv_freq
+from tierkv.errors import ConfigError
 
 transformers = pytest.importorskip("transformers")
 

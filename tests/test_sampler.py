@@ -7,7 +7,6 @@ import math
 import pytest
 import torch
 
-from tierkv.errors import ConfigError
 from tierkv.engine.sampler import (
     Sampler,
     SamplingBatch,
@@ -16,6 +15,7 @@ from tierkv.engine.sampler import (
     make_generator,
     stop_reason,
 )
+from tierkv.errors import ConfigError
 
 sample = Sampler()
 

@@ -21,6 +21,7 @@ import torch
 import xxhash
 
 from tierkv.errors import ConfigError, TierKVError
+from tierkv.layout import KVLayout
 
 from .model import SUPPORTED_MODEL_TYPES, CausalLM, ModelConfig
 from .tokenizer import Tokenizer
@@ -50,6 +51,12 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
 
+    def kv_layout(self, block_size: int = 16) -> KVLayout:
+        """The KV block shape this model needs in every tier (pool dtype = the model's dtype)."""
+        cfg = self.config
+        return KVLayout(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                        dtype=self.dtype, block_size=block_size)
+
 
 def default_cache_dir() -> Path:
     """$XDG_CACHE_HOME/tierkv, else ~/.cache/tierkv."""
@@ -77,7 +84,9 @@ def resolve_device_dtype(
 
 def _require(module: str, package: str, why: str) -> None:
     if importlib.util.find_spec(module) is None:
-        raise MissingDependencyError(f"{why} needs the package {package!r}: pip install {package}  (or pip install 'tierkv[engine]')")
+        raise MissingDependencyError(
+            f"{why} needs the package {package!r}: pip install {package}  (or pip install 'tierkv[engine]')"
+        )
 
 
 def bundled_gguf_path() -> Path:
@@ -291,7 +300,8 @@ def load_weights(model: CausalLM, files: list[Path], device: torch.device, dtype
     for path in files:
         with safe_open(str(path), framework="pt", device=str(device)) as f:
             for name in f.keys():
-                if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and model.config.tie_word_embeddings):
+                tied_head = name == "lm_head.weight" and model.config.tie_word_embeddings
+                if name.endswith("rotary_emb.inv_freq") or tied_head:
                     continue
                 tensor = f.get_tensor(name).to(dtype)
                 fused = _fused_target(name)
@@ -315,7 +325,9 @@ def load_weights(model: CausalLM, files: list[Path], device: torch.device, dtype
         )
     for name, tensor in state.items():
         if tuple(tensor.shape) != tuple(expected[name].shape):
-            raise ModelLoadError(f"{name} has shape {tuple(tensor.shape)}, config.json implies {tuple(expected[name].shape)}")
+            raise ModelLoadError(
+                f"{name} has shape {tuple(tensor.shape)}, config.json implies {tuple(expected[name].shape)}"
+            )
     model.load_state_dict(state, strict=True, assign=True)
     model.tie_weights()
     model.reset_rope()
@@ -339,7 +351,8 @@ def load_model(
     except ConfigError as e:
         raise ModelLoadError(f"{model_dir}: {e}") from None
     except KeyError as e:
-        raise ModelLoadError(f"{model_dir}/config.json lacks {e}; supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}") from None
+        supported = ", ".join(SUPPORTED_MODEL_TYPES)
+        raise ModelLoadError(f"{model_dir}/config.json lacks {e}; supported model types: {supported}") from None
     files = weight_files(model_dir)
     with torch.device("meta"):
         net = CausalLM(config)

@@ -288,7 +288,9 @@ class Sampler:
         return (probs / noise).argmax(dim=-1)
 
 
-def stop_reason(params: SamplingParams, token_id: int, num_output_tokens: int, eos_token_ids: Sequence[int]) -> str | None:
+def stop_reason(
+    params: SamplingParams, token_id: int, num_output_tokens: int, eos_token_ids: Sequence[int]
+) -> str | None:
     """"stop" for an eos (unless ignore_eos) or a stop token id, "length" at max_tokens, else None.
 
     num_output_tokens counts the output including `token_id`."""
