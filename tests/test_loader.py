@@ -14,6 +14,7 @@ from models import bundled_cache_dir, save_tiny_checkpoint
 
 from tierkv.engine import loader
 from tierkv.engine.loader import MissingDependencyError, ModelLoadError, load_model
+from tierkv.engine.sampler import SamplingParams, find_stop_string
 from tierkv.engine.tokenizer import IncrementalDetokenizer
 from tierkv.errors import ConfigError
 
@@ -188,3 +189,16 @@ def test_incremental_detokenizer_streams_the_same_text(bundled):
     assert "".join(pieces) == detok.text == tok.decode(ids)
     assert "\ufffd" not in detok.text
     assert "" in pieces  # some multi-byte character spans tokens and was held back
+
+
+def test_stop_string_found_while_streaming_real_tokens(bundled):
+    tok = bundled.tokenizer
+    params = SamplingParams(stop=["日本"])
+    detok = IncrementalDetokenizer(tok, tok.encode("Say:"))
+    for token in tok.encode(" Héllo wörld! 日本語 🙂 done.", add_special_tokens=False):
+        new = detok.add(token)
+        cut = find_stop_string(detok.text, len(new), params)
+        if cut is not None:
+            break
+    assert cut is not None and detok.text[:cut] == " Héllo wörld! "
+

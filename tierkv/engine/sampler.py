@@ -161,7 +161,10 @@ class SamplingBatch:
     top_p: torch.Tensor | None  # [B] fp32
     min_p: torch.Tensor | None  # [B] fp32
     seen: torch.Tensor | None  # [B, V] bool, token appears in prompt or output
+    repetition_penalty: torch.Tensor | None  # [B, 1] fp32
     counts: torch.Tensor | None  # [B, V] fp32, occurrences in the output
+    presence_penalty: torch.Tensor | None  # [B, 1] fp32
+    frequency_penalty: torch.Tensor | None  # [B, 1] fp32
     all_greedy: bool
     max_logprobs: int | None
 
@@ -182,7 +185,7 @@ class SamplingBatch:
             return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
         greedy = [p.greedy for p in params]
-        seen = counts = None
+        seen = counts = repetition = presence = frequency = None
         if any(p.repetition_penalty != 1.0 for p in params):
             if prompt_ids is None or output_ids is None:
                 raise ValueError("repetition_penalty needs prompt_ids and output_ids")
@@ -191,6 +194,7 @@ class SamplingBatch:
                 if p.repetition_penalty != 1.0:
                     seen[i, torch.tensor([*prompt_ids[i], *output_ids[i]], dtype=torch.long)] = True
             seen = seen.to(device, non_blocking=True)
+            repetition = col([[p.repetition_penalty] for p in params], torch.float32)
         if any(p.presence_penalty or p.frequency_penalty for p in params):
             if output_ids is None:
                 raise ValueError("presence/frequency penalties need output_ids")
@@ -198,6 +202,8 @@ class SamplingBatch:
             for i, ids in enumerate(output_ids):
                 counts[i].index_add_(0, torch.tensor(list(ids), dtype=torch.long), torch.ones(len(ids)))
             counts = counts.to(device, non_blocking=True)
+            presence = col([[p.presence_penalty] for p in params], torch.float32)
+            frequency = col([[p.frequency_penalty] for p in params], torch.float32)
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         return cls(
             params=params,
@@ -209,7 +215,10 @@ class SamplingBatch:
             top_p=col([p.top_p for p in params], torch.float32) if any(p.top_p < 1 for p in params) else None,
             min_p=col([p.min_p for p in params], torch.float32) if any(p.min_p > 0 for p in params) else None,
             seen=seen,
+            repetition_penalty=repetition,
             counts=counts,
+            presence_penalty=presence,
+            frequency_penalty=frequency,
             all_greedy=all(greedy),
             max_logprobs=max(wanted) if wanted else None,
         )
@@ -244,15 +253,13 @@ class Sampler:
 
     @staticmethod
     def _penalize(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        params = batch.params
         if batch.seen is not None:
-            penalty = torch.tensor([p.repetition_penalty for p in params], device=logits.device)[:, None]  # [B, 1]
+            penalty = batch.repetition_penalty  # [B, 1]
             scaled = torch.where(logits > 0, logits / penalty, logits * penalty)
             logits = torch.where(batch.seen, scaled, logits)
         if batch.counts is not None:
-            presence = torch.tensor([p.presence_penalty for p in params], device=logits.device)[:, None]
-            frequency = torch.tensor([p.frequency_penalty for p in params], device=logits.device)[:, None]
-            logits = logits - frequency * batch.counts - presence * (batch.counts > 0).float()
+            counts = batch.counts  # [B, V]
+            logits = logits - batch.frequency_penalty * counts - batch.presence_penalty * (counts > 0).float()
         return logits
 
     @staticmethod
