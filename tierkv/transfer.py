@@ -79,7 +79,9 @@ class BlockMover:
         # Bytes/second of finished moves (EWMA), for load-or-recompute. Starts at a typical
         # figure (pinned PCIe Gen5 / a host memcpy) so that the first loads happen and measure.
         self.bandwidth = 25e9 if self.cuda else 5e9
-        self._timings: deque[tuple[torch.cuda.Event, torch.cuda.Event, int]] = deque()
+        # (start, end, bytes) of recent CUDA moves, folded into `bandwidth` once they finish;
+        # bounded so that a caller who never asks for an estimate never grows it.
+        self._timings: deque[tuple[torch.cuda.Event, torch.cuda.Event, int]] = deque(maxlen=64)
         if self.cuda:
             self.stream = torch.cuda.Stream(self.device)
             n = max(1, min(l1.num_blocks, STAGING_BYTES // l1.layout.bytes_per_block))
