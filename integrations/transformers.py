@@ -28,7 +28,7 @@ from tierkv.errors import ConfigError, ShapeError, TierKVError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["TieredCache", "GenerateResult", "generate"]
+__all__ = ["GenerateResult", "TieredCache", "cache_kwarg", "generate"]
 
 L3_DEADLINE_S = 5.0  # how long begin() waits for L3 blocks before computing the rest instead
 
@@ -196,7 +196,10 @@ class TieredCache(Cache):
             )
         kv, seq = self.kv_cache, self.seq
         if k_new.ndim != 4 or k_new.shape[0] != 1:
-            raise ShapeError(f"TieredCache holds one sequence: expected K/V [1, Hkv, T, D], got {tuple(k_new.shape)}")
+            raise ShapeError(
+                f"TieredCache holds one sequence: expected K/V [1, Hkv, T, D], got {tuple(k_new.shape)} "
+                "(batches, num_beams > 1 and num_return_sequences > 1 are not supported)"
+            )
         if k_new.dtype != kv.layout.dtype:
             raise ShapeError(
                 f"the model computes K/V in {k_new.dtype} but the TieredKVCache layout holds {kv.layout.dtype}; "
@@ -304,13 +307,16 @@ def generate(model, input_ids, kv_cache: TieredKVCache, *, salt: str | None = No
     for key in ("past_key_values", "cache", "attention_mask"):
         if key in generate_kwargs:
             raise ConfigError(f"generate() sets {key} itself; do not pass it")
+    for key in ("num_beams", "num_return_sequences"):
+        if generate_kwargs.get(key, 1) != 1:
+            raise ConfigError(f"generate() runs one sequence per prompt; {key}={generate_kwargs[key]} is not supported")
     cache = TieredCache(kv_cache, model.config, salt=salt)
     start = time.perf_counter()
     with cache:
         cache.begin(ids)
         ids = ids.to(model.device)
         # transformers skips the cached prefix only when the mask covers the whole prompt
-        kwargs = {_cache_kwarg(model): cache, "attention_mask": torch.ones_like(ids)}
+        kwargs = {cache_kwarg(model): cache, "attention_mask": torch.ones_like(ids)}
         out = model.generate(ids, **kwargs, **generate_kwargs)
         sequences = out if isinstance(out, torch.Tensor) else out.sequences
         cache.end(sequences)
@@ -318,7 +324,7 @@ def generate(model, input_ids, kv_cache: TieredKVCache, *, salt: str | None = No
                           dict(cache.by_tier), time.perf_counter() - start)
 
 
-def _cache_kwarg(model) -> str:
+def cache_kwarg(model) -> str:
     """transformers renamed `past_key_values` to `cache` (5.2x); use the name this version's forward takes."""
     params = inspect.signature(model.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
