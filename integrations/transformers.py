@@ -117,6 +117,7 @@ class TieredCache(Cache):
         # filled one layer ahead when the pool and the model sit on different devices.
         self._staged: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
         self._stream = None
+        self._row_memo: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
         super().__init__(layers=[TieredLayer(self, i) for i in range(layout.num_layers)])
 
     # ------------------------------------------------------------------ around generate
@@ -227,32 +228,46 @@ class TieredCache(Cache):
         if layer.index == 0:
             self.computed_tokens += t
         layer.length = end
+        if pool.device == k_new.device:
+            # one gather per tensor straight into [1, Hkv, end, D]: as cheap as DynamicLayer's cat
+            return self._gather(layer.index, end, k_new.device)
         staged = self._staged.pop(layer.index, None)
         if staged is not None and staged[2] == start:
-            if self._stream is not None:
-                torch.cuda.current_stream(k_new.device).wait_stream(self._stream)
+            torch.cuda.current_stream(k_new.device).wait_stream(self._stream)
             k_old, v_old = staged[0], staged[1]
         else:
             k_old, v_old = self._gather(layer.index, start, k_new.device)
         # [1, Hkv, start, D] + [1, Hkv, T, D] -> [1, Hkv, end, D]
         return torch.cat([k_old, k_new], dim=2), torch.cat([v_old, v_new], dim=2)
 
+    def _rows(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows of a layer's pool, seen as [num_blocks * 2 * bs] token rows, holding K and V of positions 0..n-1."""
+        key = (n, device)
+        if key not in self._row_memo:
+            bs = self.kv_cache.block_size
+            positions = torch.arange(n)
+            blocks = torch.tensor(self.seq.slots, dtype=torch.int64)[positions // bs]  # [n]
+            k_rows = blocks * (2 * bs) + positions % bs  # K of block b at rows 2b*bs.., V right after
+            if len(self._row_memo) > 4:  # this step's start and end are all that is ever asked again
+                self._row_memo.clear()
+            self._row_memo[key] = (k_rows.to(device), (k_rows + bs).to(device))
+        return self._row_memo[key]
+
     def _gather(self, index: int, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V [1, Hkv, n, D] of layer `index`'s first n tokens, read from the pool blocks onto `device`."""
-        kv = self.kv_cache
-        pool = kv.l1.kv[index]  # [num_blocks, 2, bs, Hkv, D]
-        _, _, bs, h, d = pool.shape
-        nblocks = -(-n // bs)
-        ids = torch.tensor(self.seq.slots[:nblocks], dtype=torch.int64, device=pool.device)
+        """K and V [1, Hkv, n, D] (contiguous) of layer `index`'s first n tokens, read from the pool onto `device`."""
+        pool = self.kv_cache.l1.kv[index]  # [num_blocks, 2, bs, Hkv, D], contiguous
+        nb, _, bs, h, d = pool.shape
+        rows = pool.view(nb * 2 * bs, h, d).transpose(0, 1)  # [Hkv, token rows, D], a view
+        k_rows, v_rows = self._rows(n, pool.device)
         pin = pool.device.type == "cpu" and device.type == "cuda"
-        # [nblocks, 2, bs, Hkv, D]: one contiguous run per block; pinned so the copy up can overlap
-        blocks = torch.empty((nblocks, 2, bs, h, d), dtype=pool.dtype, pin_memory=pin) if pin else None
-        blocks = torch.index_select(pool, 0, ids, out=blocks) if pin else pool.index_select(0, ids)
-        blocks = blocks.to(device, non_blocking=True)
-        # [nblocks, bs, Hkv, D] -> [n, Hkv, D] -> [1, Hkv, n, D]
-        k = blocks[:, 0].reshape(nblocks * bs, h, d)[:n].transpose(0, 1).unsqueeze(0)
-        v = blocks[:, 1].reshape(nblocks * bs, h, d)[:n].transpose(0, 1).unsqueeze(0)
-        return k, v
+        out = []
+        for idx in (k_rows, v_rows):
+            # index_select along the rows writes [Hkv, n, D] contiguous: attention's layout, one copy;
+            # pinned when it is headed for the GPU so the copy up runs asynchronously
+            buf = torch.empty((h, n, d), dtype=pool.dtype, pin_memory=True) if pin else None
+            x = torch.index_select(rows, 1, idx, out=buf) if pin else rows.index_select(1, idx)
+            out.append(x.to(device, non_blocking=True).unsqueeze(0))
+        return out[0], out[1]
 
     def _prefetch(self, index: int, device: torch.device) -> None:
         """Start bringing layer `index`'s cached K/V to the model's GPU while the current layer computes.
