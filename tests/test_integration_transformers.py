@@ -214,3 +214,23 @@ def test_bundled_smollm2_chat_with_a_shared_system_prompt(smollm):
         cached.append(out.cached_tokens)
     assert cached[0] == 0 and cached[1] >= 48  # the system prompt's full blocks
     assert kv.stats()["hit_tokens"] == cached[1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run through the device tool)")
+@pytest.mark.parametrize("pool_device", ["cuda", "cpu"])
+@torch.inference_mode()
+def test_gpu_model_with_pool_on_gpu_or_offloaded_to_host(pool_device, tmp_path):
+    """On a GPU: the pool on the GPU, or in host memory with each layer copied up one layer ahead
+    on a side stream (offload); fp32 so the tokens must equal transformers' own cache exactly."""
+    path = save_tiny_checkpoint("llama", tmp_path / "tiny")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+    kv = tierkv.TieredKVCache(layout_of(hf, 16), tierkv.CacheConfig(l1=64 * 8192), device=pool_device, model="tiny")
+    g = torch.Generator().manual_seed(5)
+    shared = torch.randint(0, 512, (130,), generator=g)
+    for tail, expect_cached in ((7, 0), (11, 128)):
+        ids = torch.cat([shared, torch.randint(0, 512, (tail,), generator=g)])[None].cuda()
+        out = integration.generate(hf, ids, kv, do_sample=False, max_new_tokens=40, **NO_EOS)
+        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=40, **NO_EOS)
+        assert out.cached_tokens == expect_cached
+        assert torch.equal(out.sequences, ref)
