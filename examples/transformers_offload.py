@@ -17,10 +17,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import tierkv
 from tierkv.integrations.transformers import generate
 
-DOCUMENT = " ".join(
-    f"Section {i}: the harbour office logs ship number {100 + i} arriving at dock {i % 7} with "
-    f"{10 * i} containers of {['grain', 'steel', 'timber', 'cotton'][i % 4]}." for i in range(1, 25)
-)
+
+
+def document(sections: int) -> str:
+    """A long, regular text: about 30 tokens a section."""
+    cargo = ["grain", "steel", "timber", "cotton"]
+    return " ".join(f"Section {i}: the harbour office logs ship number {100 + i} arriving at dock {i % 7} with "
+                    f"{10 * i} containers of {cargo[i % 4]}." for i in range(1, sections + 1))
 
 
 def main() -> None:
@@ -29,6 +32,7 @@ def main() -> None:
     parser.add_argument("--l3", action="append", default=[], help="an L3 URL (file://, redis://, s3://)")
     parser.add_argument("--offload", action="store_true", help="keep the L1 pool in host memory (GPU models)")
     parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--sections", type=int, default=24, help="length of the document (about 30 tokens each)")
     args = parser.parse_args()
 
     if args.model is None:
@@ -49,9 +53,10 @@ def main() -> None:
     kv = tierkv.TieredKVCache(layout, config, device=pool_device, model=str(args.model))
     print(f"model on {device} ({dtype}), KV pool on {pool_device}; L3: {args.l3 or 'none'}")
 
+    text = document(args.sections)
     greedy = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
-    for question in ["Which dock did ship 105 use?", "What did ship 112 carry?"]:
-        messages = [{"role": "user", "content": f"{DOCUMENT}\n\nQuestion: {question} Answer briefly."}]
+    for question in ["Which dock did ship 105 use?", "What did ship 107 carry?"]:
+        messages = [{"role": "user", "content": f"{text}\n\nQuestion: {question} Answer briefly."}]
         ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
         ids = ids["input_ids"].to(device)
         with torch.inference_mode():

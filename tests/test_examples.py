@@ -1,0 +1,73 @@
+"""Smoke tests: each example runs as its own process on the CPU and prints what it promises.
+
+The bundled SmolLM2 is converted once per test run (models.bundled_cache_dir) and passed as
+--model, so the examples never write into the user's cache dir; short outputs keep them quick.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from models import bundled_cache_dir
+from services import unavailable
+
+pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> str:
+    from tierkv.engine.loader import bundled_model_dir
+
+    return str(bundled_model_dir(bundled_cache_dir()))
+
+
+def run_example(name: str, *args: str, timeout: float = 150) -> str:
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / name), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{name} failed:\n{proc.stdout}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+def ints(pattern: str, text: str) -> list[int]:
+    return [int(x) for x in re.findall(pattern, text)]
+
+
+def test_custom_engine(model_dir):
+    out = run_example("custom_engine.py", "--model", model_dir, "--max-new-tokens", "4")
+    assert out.count("A: ") == 2
+    # the first prompt computes everything; the second finds the shared system prompt's blocks
+    assert ints(r"cached tokens (\d+)", out)[0] == 0
+    assert ints(r"cached tokens (\d+)", out)[1] >= 48
+    prompt, cached, computed = (ints(p, out)[1] for p in (r"prompt (\d+)", r"cached tokens (\d+)", r"computed (\d+)"))
+    assert cached + computed == prompt
+
+
+def test_transformers_offload(model_dir):
+    out = run_example("transformers_offload.py", "--model", model_dir, "--max-new-tokens", "4", "--sections", "8")
+    assert out.count("same tokens: True") == 2
+    assert ints(r"cached tokens (\d+)", out)[0] == 0
+    assert ints(r"cached tokens (\d+)", out)[1] >= 224  # the 8-section document, in full 16-token blocks
+    assert len(re.findall(r"[\d.]+ tokens/s with tierkv", out)) == 2
+    assert ints(r"cache hits: (\d+) tokens", out)[0] == ints(r"cached tokens (\d+)", out)[1]
+
+
+def test_shared_cache_two_processes(model_dir):
+    if shutil.which("redis-server") is None:
+        unavailable("redis-server is not installed", "apt-get install -y redis-server")
+    out = run_example("shared_cache_two_processes.py", "--model", model_dir, "--max-new-tokens", "3")
+    pids = re.findall(r"\[(a|b)\] pid (\d+)", out)
+    assert [p[0] for p in pids] == ["a", "b"] and pids[0][1] != pids[1][1]
+    assert ints(r"\[a\] first request: .*cached tokens (\d+)", out) == [0]
+    # b's very first lookup, before it computes anything, finds the manual in Redis
+    found = ints(r"\[b\] first request: .*'l3': (\d+)\}, cached", out)[0]
+    assert found >= 96
+    assert ints(r"from L3: (\d+)", out)[1] == found
