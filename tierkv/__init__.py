@@ -8,5 +8,14 @@ from .cache import Match, SequenceBlocks, TieredKVCache
 from .config import CacheConfig
 from .layout import KVLayout
 
-__all__ = ["CacheConfig", "KVLayout", "Match", "SequenceBlocks", "TieredKVCache", "errors"]
+__all__ = ["LLM", "CacheConfig", "KVLayout", "Match", "SamplingParams", "SequenceBlocks", "TieredKVCache", "errors"]
+
+
+def __getattr__(name: str):
+    # The engine pulls in transformers and friends: import it only when someone asks for it.
+    if name in ("LLM", "SamplingParams", "RequestOutput"):
+        from .engine import llm, request, sampler
+
+        return {"LLM": llm.LLM, "SamplingParams": sampler.SamplingParams, "RequestOutput": request.RequestOutput}[name]
+    raise AttributeError(f"module 'tierkv' has no attribute {name!r}")
 __version__ = "0.1.0"

@@ -125,7 +125,8 @@ class TieredKVCache:
         n = len(tb) // 4
         limit = max(n - 1, 0) if limit is None else max(0, min(limit, n))
         ns = self.namespace(salt)
-        hashes = hash_blocks(tb, self.block_size, ns)
+        # limit=0 is how an engine with prefix caching off allocates: nothing to hash or look up
+        hashes = hash_blocks(tb, self.block_size, ns) if limit else []
         usable = hashes[: limit // self.block_size]
         blocks = self.index.walk(usable, ns, tb, self.block_size)
         l3_blocks = self.tiers.l3_present(usable[len(blocks) :]) if len(blocks) < len(usable) else 0

@@ -1,0 +1,174 @@
+"""The engine end to end (scheduler, runner, sampler, cache) against Hugging Face transformers.
+
+Greedy generation through `tierkv.LLM` equals transformers `generate` token for token; the
+tokens do not change with prefix caching on or off, with chunked prefill, or with an L1 so
+small that requests are preempted and resumed from L2; seeds reproduce; bad input is refused
+before any work with a message that says what to change.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from models import bundled_cache_dir, save_tiny_checkpoint, truncate_at_eos
+
+from tierkv import LLM, SamplingParams
+from tierkv.errors import ConfigError
+
+transformers = pytest.importorskip("transformers")
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16)
+
+
+def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                      eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def random_prompts(vocab: int, lengths, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def shared_prefix_prompts(vocab: int, n: int = 6) -> list[list[int]]:
+    base = random_prompts(vocab, [50], seed=1)[0]
+    return [base + tail for tail in random_prompts(vocab, [3 + 5 * i for i in range(n)], seed=2)]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def tiny(request, tmp_path_factory):
+    path = save_tiny_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return str(path), hf
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    return str(save_tiny_checkpoint("llama", tmp_path_factory.mktemp("llama-engine"), seed=3))
+
+
+def block_bytes(llm: LLM) -> int:
+    return llm.cache.layout.bytes_per_block
+
+
+@torch.inference_mode()
+def test_llm_greedy_equals_transformers(tiny):
+    path, hf = tiny
+    # a 64-token step budget splits the longer prompts over several steps (chunked prefill)
+    llm = LLM(path, device="cpu", max_num_batched_tokens=64)
+    prompts = random_prompts(512, (5, 23, 40, 90))
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(hf, prompt, 16)
+        assert out.finish_reason == "length"
+
+
+def test_tokens_do_not_depend_on_caching_chunking_or_preemption(tiny_llama):
+    prompts = shared_prefix_prompts(512)
+    ref = [o.token_ids for o in LLM(tiny_llama, device="cpu", enable_prefix_caching=False)
+           .generate(prompts, GREEDY, use_tqdm=False)]
+
+    cached = LLM(tiny_llama, device="cpu")
+    assert [o.token_ids for o in cached.generate(prompts, GREEDY, use_tqdm=False)] == ref
+    again = cached.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in again] == ref
+    assert all(o.cached_tokens >= 48 for o in again)  # the 50-token shared prefix, in whole blocks
+
+    chunked = LLM(tiny_llama, device="cpu", max_num_batched_tokens=16)
+    assert [o.token_ids for o in chunked.generate(prompts, GREEDY, use_tqdm=False)] == ref
+
+
+
+def test_preempted_requests_resume_from_l2(tiny_llama):
+    # Two 40-token prompts growing to 80 tokens (5 blocks each) in an L1 of 7 blocks: the later
+    # one is preempted, its blocks are evicted to L2 while the other finishes, and it resumes
+    # by loading them back instead of recomputing them.
+    prompts = random_prompts(512, (40, 40), seed=5)
+    params = SamplingParams(temperature=0, max_tokens=40)
+    ref = [o.token_ids for o in LLM(tiny_llama, device="cpu", enable_prefix_caching=False)
+           .generate(prompts, params, use_tqdm=False)]
+    probe = LLM(tiny_llama, device="cpu", l1=1 << 20)
+    small = LLM(tiny_llama, device="cpu", l1=7 * block_bytes(probe), l2=64 * block_bytes(probe),
+                write_policy="write_back")
+    assert [o.token_ids for o in small.generate(prompts, params, use_tqdm=False)] == ref
+    assert small.engine.scheduler.num_preemptions > 0
+    assert small.cache.stats()["tiers"]["l2"]["blocks_out"] > 0  # resumed from what L2 kept
+
+
+def test_seeds_reproduce_and_differ(tiny_llama):
+    llm = LLM(tiny_llama, device="cpu")
+    prompts = random_prompts(512, (7, 30))
+    params = SamplingParams(temperature=1.0, top_p=0.95, seed=7, max_tokens=12)
+    first = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    # the same seeds in another batch make-up give the same tokens
+    assert [o.token_ids for o in llm.generate(prompts[::-1], params, use_tqdm=False)] == first[::-1]
+    other = SamplingParams(temperature=1.0, top_p=0.95, seed=8, max_tokens=12)
+    assert [o.token_ids for o in llm.generate(prompts, other, use_tqdm=False)] != first
+
+
+def test_bad_input_is_refused_before_any_work(tiny_llama, tmp_path):
+    llm = LLM(tiny_llama, device="cpu", max_model_len=64)
+    with pytest.raises(ConfigError, match="empty"):
+        llm.generate([[]], use_tqdm=False)
+    with pytest.raises(ConfigError, match="at most 63"):
+        llm.generate([[1] * 64], use_tqdm=False)
+    with pytest.raises(ConfigError, match="max_tokens"):
+        llm.generate([[1, 2]], SamplingParams(max_tokens=0), use_tqdm=False)
+    with pytest.raises(ConfigError, match="did you mean 'temperature'"):
+        SamplingParams(temprature=0.5)
+    with pytest.raises(ConfigError, match="no tokenizer"):
+        llm.generate(["text needs a tokenizer"], use_tqdm=False)
+    assert not llm.engine.has_unfinished()  # nothing was queued by the failed calls
+    bad = tmp_path / "gpt2"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ConfigError, match="supported model types: llama, mistral, qwen2, qwen3"):
+        LLM(str(bad), device="cpu")
+
+
+def test_abort_frees_everything(tiny_llama):
+    llm = LLM(tiny_llama, device="cpu")
+    engine = llm.engine
+    reqs = [engine.add_request(p, SamplingParams(max_tokens=50)) for p in random_prompts(512, (40, 40, 40))]
+    engine.step()
+    for r in reqs:
+        engine.abort(r.request_id)
+    assert not engine.has_unfinished()
+    assert all(e.ref == 0 for e in llm.cache.index.entries.values())
+    assert len(llm.cache.l1.free) + sum(e.l1 >= 0 for e in llm.cache.index.entries.values()) == llm.cache.l1.num_blocks
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    llm = LLM(device="cpu", cache_dir=str(bundled_cache_dir()))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(llm.engine.lm.model_dir, dtype=torch.float32).eval()
+    return llm, hf
+
+
+@torch.inference_mode()
+def test_bundled_model_through_llm(smollm):
+    llm, hf = smollm
+    tok = llm.tokenizer
+    doc = "The quick brown fox jumps over the lazy dog. " * 6
+    prompts = [doc + "What does the fox jump over?", doc + "What colour is the fox?"]
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        ids = torch.tensor([tok.encode(prompt)])
+        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False)
+        assert out.token_ids == truncate_at_eos(ref[0, ids.shape[1]:].tolist(), tok.eos_token_ids[0])
+        assert out.text == tok.decode(out.token_ids)
+    again = llm.generate(prompts[:1], GREEDY, use_tqdm=False)[0]
+    assert again.cached_tokens >= 48 and again.token_ids == outs[0].token_ids
+    assert "Paris" in llm.generate("The capital of France is", use_tqdm=False)[0].text
+    reply = llm.chat([{"role": "user", "content": "What is the capital of France?"}], use_tqdm=False)[0]
+    assert "Paris" in reply.text
+
+
+def test_stop_strings_cut_the_text(smollm):
+    llm, _ = smollm
+    out = llm.generate("Count: 1, 2, 3,", SamplingParams(temperature=0, max_tokens=30, stop=[" 6"]), use_tqdm=False)[0]
+    assert out.finish_reason == "stop" and " 6" not in out.text and "5" in out.text

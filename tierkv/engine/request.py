@@ -1,0 +1,91 @@
+"""Request: one generation in flight, from admission to its last token; and what callers get back.
+
+A request owns its token ids, sampling state and (while running) its L1 blocks. It holds no
+logic beyond bookkeeping: the scheduler decides what runs, the runner computes, the engine
+applies the results. Never imports the server.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from ..cache import Prefetch, SequenceBlocks
+from .sampler import SamplingParams
+from .tokenizer import IncrementalDetokenizer
+
+_ids = itertools.count()
+
+
+class Status(Enum):
+    WAITING = "waiting"  # not admitted yet, or preempted (its blocks given back)
+    RUNNING = "running"  # holds L1 blocks and is scheduled every step
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    salt: str | None = None
+    priority: int = 0  # higher runs first and is preempted last
+    request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    arrival: float = field(default_factory=time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    seq: SequenceBlocks | None = None  # its L1 blocks while running
+    num_computed: int = 0  # leading tokens whose KV is in its L1 blocks
+    cached_tokens: int | None = None  # prompt tokens served from the cache at first admission
+    prefetch: Prefetch | None = None  # L3 blocks on their way into L2 before admission
+    prefetch_until: float = 0.0
+    generator: torch.Generator | None = None
+    detokenizer: IncrementalDetokenizer | None = None
+    text: str = ""
+    logprobs: list[dict] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Token ids [start, end) of prompt + output, without building the whole list."""
+        p = len(self.prompt_ids)
+        if end <= p:
+            return self.prompt_ids[start:end]
+        if start >= p:
+            return self.output_ids[start - p : end - p]
+        return self.prompt_ids[start:] + self.output_ids[: end - p]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What `LLM.generate` returns and the server streams: the state of one request."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    cached_tokens: int
+    finish_reason: str | None
+    logprobs: list[dict] | None = None
+    new_token_ids: list[int] = field(default_factory=list)  # since the previous step
+    new_text: str = ""
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,69 @@
+"""ModelRunner: turns a scheduled step into one forward pass and the next token of each request.
+
+Builds the flat batch (token ids, positions, slot mapping, block tables, sequence lengths) with
+tensor ops rather than per-token Python loops, runs the model on the L1 pool, and samples only
+the rows that finished their prompt or decode. Knows nothing of queues, tiers or HTTP.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..cache import TieredKVCache
+from .attention import AttentionMetadata
+from .loader import LoadedModel
+from .request import Request
+from .sampler import Sampler, SamplerOutput, SamplingBatch
+from .scheduler import ScheduledStep
+
+
+class ModelRunner:
+    def __init__(self, lm: LoadedModel, cache: TieredKVCache) -> None:
+        self.lm, self.cache = lm, cache
+        self.device = lm.device
+        self.vocab_size = lm.config.vocab_size
+        self.sampler = Sampler()
+
+    def prepare(self, step: ScheduledStep) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[Request]]:
+        """input_ids [T], positions [T], the step's AttentionMetadata, and the requests that sample."""
+        bs = self.cache.block_size
+        starts = [r.num_computed for r in step.requests]
+        ids: list[int] = []
+        for r, start, n in zip(step.requests, starts, step.num_new):
+            ids += r.tokens(start, start + n)
+        lens = torch.tensor(step.num_new)  # [B]
+        cu = torch.zeros(len(step) + 1, dtype=torch.int32)
+        cu[1:] = lens.cumsum(0)
+        row = torch.repeat_interleave(torch.arange(len(step)), lens)  # [T]: which sequence
+        positions = torch.tensor(starts)[row] + torch.arange(len(ids)) - cu[:-1].long()[row]  # [T]
+        table = self.cache.block_table([r.seq for r in step.requests]).cpu()  # [B, max_blocks]
+        slots = table[row, positions // bs].long() * bs + positions % bs  # [T]
+        sampling = [r for r, start, n in zip(step.requests, starts, step.num_new) if start + n == r.num_tokens]
+        last = [int(cu[i + 1]) - 1 for i, (r, start, n) in enumerate(zip(step.requests, starts, step.num_new))
+                if start + n == r.num_tokens]
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=slots.to(dev, non_blocking=True),
+            block_tables=table.to(dev, non_blocking=True),
+            seq_lens=(torch.tensor(starts) + lens).to(torch.int32).to(dev, non_blocking=True),
+            cu_seqlens_q=cu.to(dev, non_blocking=True),
+            logits_indices=torch.tensor(last, dtype=torch.int64).to(dev, non_blocking=True),
+            is_decode=step.is_decode,
+        )
+        return torch.tensor(ids).to(dev, non_blocking=True), positions.to(dev, non_blocking=True), meta, sampling
+
+    @torch.inference_mode()
+    def run(self, step: ScheduledStep) -> tuple[list[Request], SamplerOutput | None]:
+        """One forward pass; returns the requests that got a next token and the sampler's output."""
+        input_ids, positions, meta, sampling = self.prepare(step)
+        for r in step.requests:
+            r.seq.wait()  # L2 -> L1 loads into its blocks, ordered before the attention reads
+        logits = self.lm.model(input_ids, positions, self.cache.l1.kv, meta)  # [len(sampling), vocab]
+        if not sampling:
+            return [], None
+        batch = SamplingBatch.build(
+            [r.params for r in sampling], self.vocab_size, self.device,
+            generators=[r.generator for r in sampling],
+            prompt_ids=[r.prompt_ids for r in sampling], output_ids=[r.output_ids for r in sampling],
+        )
+        return sampling, self.sampler(logits, batch)
