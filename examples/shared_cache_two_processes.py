@@ -26,10 +26,10 @@ QUESTIONS = {"a": "How do I make a double espresso?", "b": "What does the blinki
 
 def worker(name: str, url: str, model_dir: str, max_new_tokens: int) -> None:
     import torch
+    from tierkv.integrations.transformers import generate
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import tierkv
-    from tierkv.integrations.transformers import generate
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -52,7 +52,8 @@ def worker(name: str, url: str, model_dir: str, max_new_tokens: int) -> None:
           f"cached tokens {out.cached_tokens} (from L3: {out.by_tier['l3']}), computed {out.computed_tokens}, "
           f"{out.seconds:.2f}s")
     kv.flush(timeout=30)  # every block is in Redis before this process exits
-    print(f"[{name}] L3 stores: {[{k: s[k] for k in ('url', 'puts', 'hits') if k in s} for s in kv.stats()['l3_stores']]}")
+    stores = [{k: s[k] for k in ("url", "puts", "hits")} for s in kv.stats()["l3_stores"]]
+    print(f"[{name}] L3 stores: {stores}")
     kv.close()
 
 

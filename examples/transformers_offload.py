@@ -12,11 +12,10 @@ import argparse
 import time
 
 import torch
+from tierkv.integrations.transformers import generate
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import tierkv
-from tierkv.integrations.transformers import generate
-
 
 
 def document(sections: int) -> str:
@@ -54,7 +53,7 @@ def main() -> None:
     print(f"model on {device} ({dtype}), KV pool on {pool_device}; L3: {args.l3 or 'none'}")
 
     text = document(args.sections)
-    greedy = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
+    greedy = {"max_new_tokens": args.max_new_tokens, "do_sample": False}
     for question in ["Which dock did ship 105 use?", "What did ship 107 carry?"]:
         messages = [{"role": "user", "content": f"{text}\n\nQuestion: {question} Answer briefly."}]
         ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)

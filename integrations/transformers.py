@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
+from typing_extensions import Self
 
 from tierkv import kernels
 from tierkv.cache import SequenceBlocks, TieredKVCache
@@ -173,7 +174,7 @@ class TieredCache(Cache):
             self.ended = True
             self._staged.clear()
 
-    def __enter__(self) -> TieredCache:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -308,7 +309,9 @@ class GenerateResult:
     seconds: float
 
 
-def generate(model, input_ids, kv_cache: TieredKVCache, *, salt: str | None = None, **generate_kwargs) -> GenerateResult:
+def generate(
+    model, input_ids, kv_cache: TieredKVCache, *, salt: str | None = None, **generate_kwargs
+) -> GenerateResult:
     """`model.generate` for one prompt with the TieredKVCache serving and keeping its prefix.
 
     input_ids: [1, T] (or [T]) token ids. Extra keyword arguments go to `model.generate`
@@ -366,7 +369,9 @@ def _check_layout(layout, config) -> None:
     wrong = {k: (getattr(layout, k), v) for k, v in want.items() if getattr(layout, k) != v}
     if wrong:
         detail = ", ".join(f"{k}={have} (model: {need})" for k, (have, need) in wrong.items())
-        raise ConfigError(f"the TieredKVCache layout does not fit this model: {detail}; build KVLayout from the model config")
+        raise ConfigError(
+            f"the TieredKVCache layout does not fit this model: {detail}; build KVLayout from the model config"
+        )
     if getattr(text, "sliding_window", None) and getattr(text, "layer_types", None) and any(
         t != "full_attention" for t in text.layer_types
     ):

@@ -19,7 +19,7 @@ transformers = pytest.importorskip("transformers")
 integration = pytest.importorskip("tierkv.integrations.transformers")
 
 NEW = 12
-GREEDY = dict(do_sample=False, max_new_tokens=NEW)
+GREEDY = {"do_sample": False, "max_new_tokens": NEW}
 
 
 def layout_of(hf, block_size: int) -> tierkv.KVLayout:
@@ -62,7 +62,7 @@ def prompts(vocab: int, prefix: int, tails: tuple[int, ...], seed: int = 0) -> l
     return [torch.cat([shared, torch.randint(0, vocab, (n,), generator=g)])[None] for n in tails]
 
 
-NO_EOS = dict(eos_token_id=None, pad_token_id=0)
+NO_EOS = {"eos_token_id": None, "pad_token_id": 0}
 
 
 @torch.inference_mode()
@@ -165,7 +165,8 @@ def test_misuse_gets_tierkv_errors(tiny):
         integration.TieredCache(tierkv.TieredKVCache(wrong, tierkv.CacheConfig(l1=1 << 20), device="cpu"), hf.config)
     half = tierkv.KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float16, block_size=4)
     with pytest.raises(ShapeError, match="float16"):
-        integration.generate(hf, ids, tierkv.TieredKVCache(half, tierkv.CacheConfig(l1=1 << 20), device="cpu"), **GREEDY)
+        half_kv = tierkv.TieredKVCache(half, tierkv.CacheConfig(l1=1 << 20), device="cpu")
+        integration.generate(hf, ids, half_kv, **GREEDY)
     cache = integration.TieredCache(kv, hf.config)
     with pytest.raises(TierKVError, match="begin"):
         hf.generate(ids, attention_mask=torch.ones_like(ids), **{integration.cache_kwarg(hf): cache}, **GREEDY)
@@ -175,7 +176,8 @@ def test_misuse_gets_tierkv_errors(tiny):
         c = integration.TieredCache(kv)
         c.begin(ids)
         with c:
-            hf.generate(ids, attention_mask=torch.ones_like(ids), num_beams=2, **{integration.cache_kwarg(hf): c}, **GREEDY)
+            hf.generate(ids, attention_mask=torch.ones_like(ids), num_beams=2, **{integration.cache_kwarg(hf): c},
+                        **GREEDY)
     with pytest.raises(TierKVError, match="use a new TieredCache"):
         c = integration.TieredCache(kv)
         c.begin(ids)
