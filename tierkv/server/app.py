@@ -1,0 +1,278 @@
+"""The FastAPI app of tierkv-serve: OpenAI routes, health, metrics, cache stats.
+
+Every error leaves as OpenAI's error JSON with a 4xx status (a 5xx only for a fault of the
+server itself, with a generic message): no stack trace, request body or secret ever reaches a
+client or a log line. Generation runs on the AsyncEngine thread; a client that goes away
+mid-request has its request aborted. This file never touches the Engine directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import re
+import time
+import uuid
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..errors import ConfigError
+from .async_engine import AsyncEngine, Overloaded, ShuttingDown
+from .metrics import ServerMetrics
+from .protocol import (
+    APIError, ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
+    ErrorResponse, ModelList, usage,
+)
+from .serving import FINISH, chat_logprobs, completion_logprobs, prepare_chat, prepare_completion, sse
+
+log = logging.getLogger(__name__)
+
+ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 429, 503)}
+DISCONNECT_POLL_S = 0.5
+
+
+def _error(err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+def _from_exception(err: Exception) -> APIError:
+    """Map what submit() raises to the error a client sees."""
+    if isinstance(err, APIError):
+        return err
+    if isinstance(err, Overloaded):
+        return APIError(429, "the server is at capacity: too many requests are waiting; retry later",
+                        type="rate_limit_error", code="server_overloaded",
+                        headers={"Retry-After": str(err.retry_after)})
+    if isinstance(err, ShuttingDown):
+        return APIError(503, str(err), type="server_error", code="shutting_down")
+    if isinstance(err, ConfigError):
+        m = re.search(r"SamplingParams\.(\w+)", str(err))
+        return APIError(400, str(err).replace("SamplingParams.", ""), param=m.group(1) if m else None)
+    log.error("request failed: %s", type(err).__name__)  # no message: it could quote the request
+    return APIError(500, "internal server error", type="server_error")
+
+
+class _Guard:
+    """ASGI middleware: API key on /v1 (before the body is parsed, so a bad key always gets 401),
+    503 while draining, and request counts by route and status."""
+
+    def __init__(self, app, state) -> None:
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        route = path if path in self.state.routes else "other"
+        status = {}
+
+        async def counted(msg):
+            if msg["type"] == "http.response.start":
+                status["code"] = msg["status"]
+                self.state.metrics.requests.labels(route, str(msg["status"])).inc()
+            await send(msg)
+
+        err = None
+        if path.startswith("/v1") and self.state.api_key is not None:
+            headers = dict(scope["headers"])
+            given = headers.get(b"authorization", b"").decode("latin-1")
+            token = given[7:] if given[:7].lower() == "bearer " else ""
+            if not hmac.compare_digest(token.encode("latin-1"), self.state.api_key.encode()):
+                err = APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                               type="invalid_request_error", code="invalid_api_key")
+        if err is None and self.state.engine.draining and path.startswith(("/v1/completions", "/v1/chat")):
+            err = APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
+        if err is not None:
+            return await _error(err)(scope, receive, counted)
+        await self.app(scope, receive, counted)
+
+
+def create_app(engine: AsyncEngine, *, served_model_name: str, max_model_len: int, api_key: str | None = None,
+               grace_s: float = 30.0, flush_timeout_s: float = 60.0) -> FastAPI:
+    metrics = ServerMetrics(engine)
+    names = [served_model_name]
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if not engine._thread.is_alive():
+            engine.start()
+        yield
+        await engine.shutdown(grace_s, flush_timeout_s)
+
+    app = FastAPI(title="tierkv-serve", version="0.1.0", lifespan=lifespan,
+                  description="OpenAI-compatible server over tierkv's tiered KV cache")
+    state = app.state
+    state.engine, state.metrics, state.api_key = engine, metrics, api_key
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError):
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        if first.get("type") == "json_invalid":
+            return _error(APIError(400, "the request body is not valid JSON", code="invalid_json"))
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        where = ".".join(loc) or "body"
+        msg = first.get("msg", "invalid request")
+        return _error(APIError(400, f"{where}: {msg}", param=loc[0] if loc else None))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return _error(APIError(exc.status_code, str(exc.detail), type=kind))
+
+    @app.exception_handler(Exception)
+    async def crashed(request: Request, exc: Exception):
+        log.error("unhandled %s on %s", type(exc).__name__, request.url.path)
+        return _error(APIError(500, "internal server error", type="server_error"))
+
+    @app.get("/health")
+    async def health():
+        if engine.draining:
+            return JSONResponse({"status": "shutting down"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", response_model=ModelList, responses=ERRORS)
+    async def models():
+        return {"object": "list", "data": [{"id": n, "object": "model", "created": created, "owned_by": "tierkv",
+                                            "max_model_len": max_model_len} for n in names]}
+
+    @app.get("/v1/cache/stats", responses=ERRORS)
+    async def cache_stats():
+        try:
+            return await engine.call(lambda e: e.cache.stats())
+        except ShuttingDown as err:
+            return _error(_from_exception(err))
+
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=ERRORS)
+    async def completions(body: CompletionRequest, request: Request):
+        return await _generate(body, request, prepare_completion, chat=False)
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERRORS)
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await _generate(body, request, prepare_chat, chat=True)
+
+    async def _generate(body, request: Request, prepare, chat: bool):
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        try:
+            build = prepare(body, names, max_model_len)
+            stream = await engine.submit(build, request_id=rid, cache_salt=body.cache_salt, priority=body.priority)
+        except Exception as err:
+            return _error(_from_exception(err))
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            gen = _stream_chat if chat else _stream_completion
+            return StreamingResponse(gen(stream, body.model, include_usage), media_type="text/event-stream")
+        return await _complete(stream, request, body.model, chat)
+
+    def _finish(stream, out, first_at: float | None) -> None:
+        now = time.monotonic()
+        metrics.observe(ttft=None if first_at is None else first_at - stream.arrival, e2e=now - stream.arrival,
+                        prompt_tokens=stream.prompt_tokens, cached_tokens=out.cached_tokens,
+                        completion_tokens=len(out.token_ids))
+
+    async def _complete(stream, request: Request, model: str, chat: bool):
+        out, first_at, done = None, None, False
+        try:
+            while True:
+                try:
+                    item = await asyncio.wait_for(stream.queue.get(), DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        return Response(status_code=499)  # nobody reads it; the finally aborts
+                    continue
+                if isinstance(item, Exception):
+                    done = True
+                    return _error(_from_exception(item))
+                out = item
+                if first_at is None and out.token_ids:
+                    first_at = time.monotonic()
+                if out.finished:
+                    done = True
+                    break
+        finally:
+            if not done:
+                engine.abort(stream.request_id)
+                metrics.aborted.inc()
+        _finish(stream, out, first_at)
+        lp = out.logprobs
+        common = {"id": stream.request_id, "created": int(time.time()), "model": model,
+                  "usage": usage(stream.prompt_tokens, len(out.token_ids), out.cached_tokens)}
+        reason = FINISH.get(out.finish_reason, out.finish_reason)
+        if chat:
+            return {**common, "object": "chat.completion", "choices": [{
+                "index": 0, "message": {"role": "assistant", "content": out.text},
+                "logprobs": chat_logprobs(lp) if lp is not None else None, "finish_reason": reason}]}
+        return {**common, "object": "text_completion", "choices": [{
+            "index": 0, "text": out.text, "logprobs": completion_logprobs(lp) if lp is not None else None,
+            "finish_reason": reason}]}
+
+    async def _events(stream, chunk, include_usage: bool):
+        """SSE for one request: `chunk(text, logprobs, finish_reason)` shapes each event."""
+        done, first_at, seen_lp = False, None, 0
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, Exception):
+                    done = True
+                    yield sse(_from_exception(item).body())
+                    break
+                if first_at is None and item.token_ids:
+                    first_at = time.monotonic()
+                lp = None
+                if item.logprobs is not None:
+                    lp, seen_lp = item.logprobs[seen_lp:], len(item.logprobs)
+                if item.new_text or lp or item.finished:
+                    reason = FINISH.get(item.finish_reason, item.finish_reason) if item.finished else None
+                    yield sse(chunk(item.new_text, lp, reason))
+                if item.finished:
+                    done = True
+                    _finish(stream, item, first_at)
+                    if include_usage:
+                        yield sse({**chunk("", None, None), "choices": [], "usage": usage(
+                            stream.prompt_tokens, len(item.token_ids), item.cached_tokens)})
+                    break
+            yield sse("[DONE]")
+        finally:
+            # the client went away (cancelled or closed): stop generating and free its blocks
+            if not done:
+                engine.abort(stream.request_id)
+                metrics.aborted.inc()
+
+    def _stream_completion(stream, model: str, include_usage: bool):
+        created_at = int(time.time())
+
+        def chunk(text, lp, reason):
+            return {"id": stream.request_id, "object": "text_completion", "created": created_at, "model": model,
+                    "choices": [{"index": 0, "text": text, "finish_reason": reason,
+                                 "logprobs": completion_logprobs(lp) if lp else None}]}
+
+        return _events(stream, chunk, include_usage)
+
+    def _stream_chat(stream, model: str, include_usage: bool):
+        created_at = int(time.time())
+        first = [True]
+
+        def chunk(text, lp, reason):
+            delta = {"content": text}
+            if first[0]:
+                delta["role"], first[0] = "assistant", False
+            return {"id": stream.request_id, "object": "chat.completion.chunk", "created": created_at,
+                    "model": model, "choices": [{"index": 0, "delta": delta, "finish_reason": reason,
+                                                 "logprobs": chat_logprobs(lp) if lp else None}]}
+
+        return _events(stream, chunk, include_usage)
+
+    state.routes = {r.path for r in app.routes}
+    app.add_middleware(_Guard, state=state)
+    return app

@@ -1,0 +1,263 @@
+"""AsyncEngine: the synchronous Engine on one background thread, driven from asyncio.
+
+The thread owns the Engine (and its tokenizer) outright: every call into it, including
+tokenizing prompts and reading cache stats, runs there, sent through a thread-safe command
+queue that the loop drains before each step. Outputs go back to per-request asyncio queues via
+`call_soon_threadsafe`. The waiting queue is bounded (`Overloaded` past it). This file never
+imports anything HTTP and never touches the Engine from any thread but its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+STATS_PERIOD_S = 0.25  # how stale the metrics snapshot may get
+
+
+class Overloaded(Exception):
+    """The waiting queue is full; retry after `retry_after` seconds."""
+
+    def __init__(self, retry_after: int) -> None:
+        super().__init__("too many requests are waiting")
+        self.retry_after = retry_after
+
+
+class ShuttingDown(Exception):
+    """The server is draining (SIGTERM): no new requests, and this one was cut short."""
+
+
+@dataclass(slots=True)
+class Stream:
+    """One request's handle on the event-loop side."""
+
+    request_id: str
+    prompt_tokens: int
+    queue: asyncio.Queue  # RequestOutput, then None when finished; or an Exception
+    arrival: float = field(default_factory=time.monotonic)
+
+
+class AsyncEngine:
+    def __init__(self, engine: Any, *, max_waiting: int = 256) -> None:
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}  # engine thread only
+        self._lock = threading.Lock()
+        self._pending = 0  # submitted, not yet drained by the engine thread
+        self._waiting = 0  # the scheduler's waiting list, as of the last step
+        self._running = 0
+        self.stats: dict = {}  # cache.stats() snapshot for /metrics
+        self.draining = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="tierkv-engine", daemon=True)
+        self._stats_at = 0.0
+
+    # ------------------------------------------------------------------ event-loop side
+
+    def start(self) -> None:
+        self._refresh_stats(force=True)
+        self._thread.start()
+
+    @property
+    def num_waiting(self) -> int:
+        with self._lock:
+            return self._pending + self._waiting
+
+    @property
+    def num_running(self) -> int:
+        return self._running
+
+    async def submit(self, build: Callable[[Any], tuple[list[int], Any]], *, request_id: str,
+                     cache_salt: str | None = None, priority: int = 0) -> Stream:
+        """Queue a request. `build(engine)` runs on the engine thread and returns (prompt_ids,
+        SamplingParams); whatever it or `add_request` raises is raised here."""
+        if self.draining:
+            raise ShuttingDown("the server is shutting down")
+        with self._lock:
+            if self._pending + self._waiting >= self.max_waiting:
+                # a rough wait: one step per waiting request is already pessimistic on a GPU
+                raise Overloaded(retry_after=max(1, min(30, (self._pending + self._waiting) // 32)))
+            self._pending += 1
+        loop = asyncio.get_running_loop()
+        out: asyncio.Queue = asyncio.Queue()
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(("add", (build, request_id, cache_salt, priority, loop, out, done)))
+        try:
+            prompt_tokens = await asyncio.wrap_future(done)
+        except asyncio.CancelledError:
+            self.abort(request_id)  # it may have been added just as the caller left
+            raise
+        return Stream(request_id, prompt_tokens, out)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free what it holds; safe to call for finished or unknown ids."""
+        self._commands.put(("abort", request_id))
+
+    async def call(self, fn: Callable[[Any], Any]) -> Any:
+        """Run `fn(engine)` on the engine thread (e.g. cache.stats()) and return its result."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(("call", (fn, done)))
+        return await asyncio.wrap_future(done)
+
+    async def shutdown(self, grace_s: float, flush_timeout_s: float) -> None:
+        """Stop taking requests, let running ones finish for up to `grace_s`, abort the rest,
+        flush write-back blocks to L3, close the engine."""
+        self.draining = True
+        end = time.monotonic() + grace_s
+        while time.monotonic() < end and (self._running or self.num_waiting):
+            await asyncio.sleep(0.05)
+        self._commands.put(("stop", flush_timeout_s))
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+
+    # ------------------------------------------------------------------ engine thread
+
+    def _loop(self) -> None:
+        eng = self.engine
+        while True:
+            block = not eng.has_unfinished()
+            if self._drain(block):
+                return
+            if not eng.has_unfinished():
+                self._refresh_stats()
+                continue
+            try:
+                outputs = eng.step()
+            except Exception:
+                # A fault in the engine fails the requests in flight, never the server.
+                log.exception("engine step failed; failing the requests in flight")
+                self._fail_all(RuntimeError("the engine failed while running this request"))
+                continue
+            for out in outputs:
+                if out.logprobs:
+                    self._name_tokens(out.logprobs)
+                self._deliver(out.request_id, out, finished=out.finished)
+            self._count()
+            self._refresh_stats()
+
+    def _drain(self, block: bool) -> bool:
+        """Apply queued commands; True when told to stop."""
+        try:
+            cmd = self._commands.get(timeout=STATS_PERIOD_S) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return False
+        while True:
+            kind, arg = cmd
+            if kind == "add":
+                self._add(*arg)
+            elif kind == "abort":
+                self._abort(arg)
+            elif kind == "call":
+                fn, done = arg
+                try:
+                    done.set_result(fn(self.engine))
+                except Exception as err:
+                    done.set_exception(err)
+            elif kind == "stop":
+                self._stop_engine(arg)
+                return True
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                break
+        self._count()
+        return False
+
+    def _add(self, build, request_id, salt, priority, loop, out, done) -> None:
+        with self._lock:
+            self._pending -= 1
+        if not done.set_running_or_notify_cancel():
+            return  # the caller went away before we got here
+        if self.draining:
+            done.set_exception(ShuttingDown("the server is shutting down"))
+            return
+        try:
+            prompt_ids, params = build(self.engine)
+            self.engine.add_request(prompt_ids, params, cache_salt=salt, priority=priority, request_id=request_id)
+        except Exception as err:
+            done.set_exception(err)
+            return
+        self._streams[request_id] = (loop, out)
+        done.set_result(len(prompt_ids))
+
+    def _abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+        self._streams.pop(request_id, None)
+
+    def _deliver(self, request_id: str, item: Any, finished: bool) -> None:
+        target = self._streams.get(request_id)
+        if target is None:
+            return  # aborted meanwhile
+        loop, out = target
+        if finished:
+            del self._streams[request_id]
+        try:
+            loop.call_soon_threadsafe(out.put_nowait, item)
+        except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
+            pass
+
+    def _name_tokens(self, logprobs: list[dict]) -> None:
+        """Add the text of each sampled and top token; done here because the tokenizer belongs
+        to this thread (fast tokenizers are not safe to share across threads). Entries are the
+        request's own dicts, so each is decoded once."""
+        tok = self.engine.tokenizer
+        for entry in reversed(logprobs):
+            if "token" in entry:
+                break
+            dec = (lambda i: tok.decode([i], skip_special_tokens=False)) if tok is not None else str
+            entry["token"] = dec(entry["token_id"])
+            entry["top_tokens"] = [dec(i) for i, _ in entry["top"]]
+
+    def _fail_all(self, err: Exception) -> None:
+        for rid in list(self._streams):
+            try:
+                self.engine.abort(rid)
+            except Exception:
+                log.exception("abort of %s failed", rid)
+            self._deliver(rid, err, finished=True)
+
+    def _count(self) -> None:
+        sched = self.engine.scheduler
+        with self._lock:
+            self._waiting = len(sched.waiting)
+        self._running = len(sched.running)
+
+    def _refresh_stats(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self._stats_at >= STATS_PERIOD_S:
+            self._stats_at = now
+            try:
+                self.stats = self.engine.cache.stats()
+            except Exception:
+                log.exception("cache.stats() failed")
+
+    def _stop_engine(self, flush_timeout_s: float) -> None:
+        self._fail_all(ShuttingDown("the server shut down before this request finished"))
+        self._count()
+        try:
+            if not self.engine.cache.flush(flush_timeout_s):
+                log.warning("L3 flush did not finish within %.0f s; unflushed blocks are lost", flush_timeout_s)
+        except Exception:
+            log.exception("L3 flush failed")
+        self._refresh_stats(force=True)
+        try:
+            self.engine.close()
+        except Exception:
+            log.exception("engine close failed")
+        while True:  # whatever arrived after "stop" gets an answer instead of hanging its caller
+            try:
+                kind, arg = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            done = arg[-1] if kind == "add" else arg[1] if kind == "call" else None
+            if done is not None and not done.done():
+                done.set_exception(ShuttingDown("the server is shutting down"))

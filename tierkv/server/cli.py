@@ -1,0 +1,238 @@
+"""`tierkv-serve`: the command line of the OpenAI-compatible server.
+
+With no argument it serves the bundled SmolLM2-135M-Instruct on 127.0.0.1:8000. Options come
+from flags, then a --config YAML file with the same keys, then defaults. SIGTERM/SIGINT drain
+(no new requests, a grace period for running ones, write-back blocks flushed to L3) and exit 0.
+Secrets (the API key, passwords in L3 URLs) are redacted from every log line and never printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import re
+import signal
+import sys
+import threading
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+API_KEY_ENV = "TIERKV_API_KEY"
+
+# key -> (default, type for YAML values); flags without a default here default to None (engine's choice)
+OPTIONS = {
+    "model": None, "served_model_name": None, "host": DEFAULT_HOST, "port": DEFAULT_PORT, "api_key": None,
+    "l1": None, "l2": None, "l3": [], "eviction": "lru", "write_policy": "write_through", "block_size": 16,
+    "max_model_len": None, "max_num_batched_tokens": None, "max_num_seqs": 256, "max_waiting": 256,
+    "device": None, "dtype": None, "grace_period": 30.0, "flush_timeout": 60.0, "log_level": "info",
+}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tierkv-serve",
+        description="OpenAI-compatible server (/v1/completions, /v1/chat/completions, /v1/models, /health, "
+                    "/metrics, /v1/cache/stats) over tierkv's three-tier KV cache. With no argument: the bundled "
+                    "SmolLM2-135M-Instruct on http://127.0.0.1:8000.",
+        argument_default=argparse.SUPPRESS,  # unset flags fall through to --config, then defaults
+    )
+    a = p.add_argument
+    a("--config", metavar="FILE.yaml", help="YAML file with any of these options as keys (dashes or underscores); "
+      "flags given on the command line win")
+    a("--model", help="a Hugging Face model directory (or a hub id already in the local cache); "
+      "default: the bundled SmolLM2-135M-Instruct")
+    a("--served-model-name", help="the name clients put in 'model' (default: the model directory's name)")
+    a("--host", help=f"address to bind (default {DEFAULT_HOST}: this machine only; 0.0.0.0 for every interface)")
+    a("--port", type=int, help=f"TCP port (default {DEFAULT_PORT})")
+    a("--api-key", help=f"require 'Authorization: Bearer KEY' on every /v1 route (also read from ${API_KEY_ENV}); "
+      "/health and /metrics stay open")
+    a("--l1", help="bytes of the L1 pool on the device, e.g. 8GiB (default: 80%% of free GPU memory, 1GiB on CPU)")
+    a("--l2", help="bytes of the pinned host L2 pool, e.g. 64GiB; 0 disables L2 (default 0)")
+    a("--l3", action="append", metavar="URL", help="an L3 store, repeatable: file:///path?size=500GiB, "
+      "redis://host:port/db, s3://bucket/prefix?endpoint=...")
+    a("--eviction", help="eviction policy: lru, lfu, s3fifo, arc, priority (default lru)")
+    a("--write-policy", help="when blocks are copied down a tier: write_through, write_back, selective "
+      "(default write_through; write_back blocks are flushed to L3 on shutdown)")
+    a("--block-size", type=int, help="tokens per KV block (default 16)")
+    a("--max-model-len", type=int, help="context length in tokens (default: the model's)")
+    a("--max-num-batched-tokens", type=int, help="token budget of one step (default 8192 on GPU, 1024 on CPU)")
+    a("--max-num-seqs", type=int, help="requests running at once (default 256)")
+    a("--max-waiting", type=int, help="requests that may wait for admission; past it, 429 with Retry-After "
+      "(default 256)")
+    a("--device", help="cuda, cuda:N or cpu (default: cuda when there is one)")
+    a("--dtype", help="auto, bfloat16, float16, float32 (default auto: bf16 on GPU, fp32 on CPU)")
+    a("--grace-period", type=float, help="seconds running requests get to finish after SIGTERM (default 30)")
+    a("--flush-timeout", type=float, help="seconds allowed for flushing write-back blocks to L3 on exit (default 60)")
+    a("--log-level", help="debug, info, warning, error (default info)")
+    return p
+
+
+def load_options(argv: list[str] | None = None) -> dict:
+    """Flags, then the YAML file, then the environment (API key), then defaults."""
+    p = parser()
+    args = vars(p.parse_args(argv))
+    merged = dict(OPTIONS)
+    path = args.pop("config", None)
+    if path is not None:
+        merged.update(_read_yaml(p, path))
+    merged.update(args)
+    if merged["api_key"] is None and os.environ.get(API_KEY_ENV):
+        merged["api_key"] = os.environ[API_KEY_ENV]
+    if isinstance(merged["l3"], str):
+        merged["l3"] = [merged["l3"]]
+    return merged
+
+
+def _read_yaml(p: argparse.ArgumentParser, path: str) -> dict:
+    try:
+        import yaml
+    except ImportError:
+        p.error("--config needs PyYAML: pip install pyyaml")
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    except (OSError, yaml.YAMLError) as err:
+        p.error(f"cannot read --config {path}: {err}")
+    if not isinstance(data, dict):
+        p.error(f"--config {path} must hold a mapping of option: value")
+    out = {}
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        if name not in OPTIONS:
+            p.error(f"--config {path}: unknown key {key!r}; valid keys: {', '.join(sorted(OPTIONS))}")
+        out[name] = value
+    return out
+
+
+class Redact(logging.Filter):
+    """Masks the API key and the password part of URLs (scheme://user:secret@host) in log records."""
+
+    URL_SECRET = re.compile(r"(\w+://[^/\s:@]*:)[^@\s/]+@")
+
+    def __init__(self, secrets: list[str]) -> None:
+        super().__init__()
+        self.secrets = [s for s in secrets if s]
+
+    def scrub(self, text: str) -> str:
+        text = self.URL_SECRET.sub(r"\1***@", text)
+        for s in self.secrets:
+            text = text.replace(s, "***")
+        return text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        clean = self.scrub(msg)
+        if clean != msg:
+            record.msg, record.args = clean, None
+        return True
+
+
+def redact_url(url: str) -> str:
+    return Redact.URL_SECRET.sub(r"\1***@", url)
+
+
+def _setup_logging(level: str, secrets: list[str]) -> Redact:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    redact = Redact(secrets)
+    for name in ("", "uvicorn", "uvicorn.error", "uvicorn.access"):
+        for handler in logging.getLogger(name).handlers:
+            handler.addFilter(redact)
+    return redact
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024
+    return str(n)
+
+
+def tier_summary(engine, l3: list[str], opts: dict) -> str:
+    c, layout = engine.cache, engine.cache.layout
+    l1 = f"L1 {c.l1.num_blocks} blocks ({_fmt_bytes(c.l1.num_blocks * layout.bytes_per_block)}, {engine.lm.device})"
+    l2 = (f"L2 {c.l2.num_blocks} blocks ({_fmt_bytes(c.l2.num_blocks * layout.bytes_per_block)} pinned host)"
+          if c.l2 is not None else "L2 off")
+    l3s = "L3 " + (", ".join(redact_url(u) for u in l3) if l3 else "off")
+    return (f"tiers: {l1} | {l2} | {l3s} | {opts['eviction']}, {opts['write_policy']}, "
+            f"block {layout.block_size} tokens, context {engine.max_model_len}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts = load_options(argv)
+    _setup_logging(opts["log_level"], [opts["api_key"]] if opts["api_key"] else [])
+    log = logging.getLogger("tierkv.serve")
+    try:
+        import uvicorn
+
+        from .app import create_app
+        from .async_engine import AsyncEngine
+    except ImportError as err:
+        print(f"tierkv-serve needs the serve extra: pip install 'tierkv[serve]' ({err.name} is missing)",
+              file=sys.stderr)
+        return 2
+    from ..engine.engine import Engine
+    from ..errors import TierKVError
+
+    try:
+        engine = Engine(opts["model"], l1=opts["l1"], l2=opts["l2"], l3=list(opts["l3"]), eviction=opts["eviction"],
+                        write_policy=opts["write_policy"], block_size=opts["block_size"],
+                        max_model_len=opts["max_model_len"], max_num_batched_tokens=opts["max_num_batched_tokens"],
+                        max_num_seqs=opts["max_num_seqs"], device=opts["device"], dtype=opts["dtype"])
+    except TierKVError as err:
+        print(f"tierkv-serve: {Redact([]).scrub(str(err))}", file=sys.stderr)
+        return 2
+    name = opts["served_model_name"] or engine.lm.model_dir.name
+    aengine = AsyncEngine(engine, max_waiting=opts["max_waiting"])
+    app = create_app(aengine, served_model_name=name, max_model_len=engine.max_model_len, api_key=opts["api_key"],
+                     grace_s=opts["grace_period"], flush_timeout_s=opts["flush_timeout"])
+    config = uvicorn.Config(app, host=opts["host"], port=opts["port"], log_level=opts["log_level"].lower(),
+                            timeout_graceful_shutdown=opts["grace_period"], log_config=None)
+    server = _Server(config, aengine)
+    print(f"tierkv-serve: {name} on http://{opts['host']}:{opts['port']}/v1"
+          f"{' (API key required)' if opts['api_key'] else ''}", flush=True)
+    print(f"tierkv-serve: {tier_summary(engine, list(opts['l3']), opts)}", flush=True)
+    server.run()
+    if not server.started:
+        log.error("the server did not start (is port %s free?)", opts["port"])
+        return 1
+    log.info("stopped")
+    return 0
+
+
+try:
+    import uvicorn as _uvicorn
+
+    class _Server(_uvicorn.Server):
+        """uvicorn's server, but a signal means drain and exit 0 (uvicorn re-raises the signal after a
+        graceful shutdown, which would end the process with -SIGTERM)."""
+
+        def __init__(self, config, engine) -> None:
+            super().__init__(config)
+            self.engine = engine
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for s, h in old.items():
+                    signal.signal(s, h)
+
+        def _on_signal(self, sig, frame) -> None:
+            self.engine.draining = True  # refuse new requests at once; uvicorn closes the listener next
+            if self.should_exit and sig == signal.SIGINT:
+                self.force_exit = True
+            self.should_exit = True
+except ImportError:  # the serve extra is missing: main() says so
+    _Server = None  # type: ignore[assignment,misc]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

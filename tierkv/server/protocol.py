@@ -1,0 +1,182 @@
+"""The wire format of tierkv-serve: pydantic models of OpenAI's request and response shapes.
+
+Requests are validated here (types, ranges, required fields) so that FastAPI publishes the
+rules in its OpenAPI schema; rules that need the model (context length, the model's name) are
+checked in app.py. `APIError` is the one exception the server turns into OpenAI's error JSON.
+This file holds data shapes only: no engine, no I/O.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+INT64 = 2**63 - 1
+MAX_LOGPROBS = 20  # the engine's limit (tierkv.engine.sampler.MAX_LOGPROBS)
+
+
+class APIError(Exception):
+    """An error a client caused (or an overload it should retry), sent as OpenAI's error JSON."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+# ---------------------------------------------------------------------------- requests
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """Fields both endpoints share: OpenAI's, then tierkv's extras (as vLLM spells them)."""
+
+    # Unknown fields are ignored, as OpenAI-compatible servers commonly do, so that clients
+    # sending newer OpenAI fields keep working.
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = Field(description="the served model name (GET /v1/models lists it)")
+    n: int = Field(1, ge=1, le=128, description="choices per request; only 1 is supported")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float = Field(1.0, ge=0, le=2, description="0 is greedy")
+    top_p: float = Field(1.0, gt=0, le=1)
+    stop: str | list[str] | None = Field(None, description="up to 4 stop strings")
+    seed: int | None = Field(None, ge=-(2**63), le=INT64)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    user: str | None = None
+    # tierkv extras
+    cache_salt: str | None = Field(None, max_length=1024,
+                                   description="tenant id: requests with different salts never share cached KV")
+    priority: int = Field(0, ge=-(2**31), le=2**31 - 1, description="higher is scheduled first, preempted last")
+    top_k: int = Field(0, ge=-1, le=INT64, description="0 or -1 disables it")
+    min_p: float = Field(0.0, ge=0, le=1)
+    repetition_penalty: float = Field(1.0, gt=0, le=100)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = Field(None, max_length=64)
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        description="one prompt: text or token ids (a list holding one prompt is accepted too)")
+    max_tokens: int | None = Field(16, ge=1, le=INT64, description="OpenAI's default is 16")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    best_of: int | None = Field(None, ge=1, le=128)
+    suffix: str | None = None
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1, description="at least one message")
+    max_tokens: int | None = Field(None, ge=1, le=INT64, description="deprecated by OpenAI; same as max_completion_tokens")
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT64)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+
+# ---------------------------------------------------------------------------- responses
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: dict | None = None
+    finish_reason: str | None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: dict | None = None
+    finish_reason: str | None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "tierkv"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }

@@ -1,0 +1,131 @@
+"""From an OpenAI request to engine input, and from engine outputs to OpenAI responses.
+
+`prepare_*` check what the schema cannot (model name, n, context length) and return the
+function the engine thread runs to tokenize and build SamplingParams. `format_*` turn a
+RequestOutput into response bodies and SSE chunks. Pure functions of their inputs: no I/O,
+no engine state, nothing HTTP beyond the JSON shapes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from ..engine.sampler import SamplingParams
+from .protocol import APIError, ChatCompletionRequest, CompletionRequest, _Sampling
+
+FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+def check_common(req: _Sampling, served_names: list[str]) -> None:
+    if req.model not in served_names:
+        raise APIError(404, f"the model {req.model!r} does not exist; this server serves {served_names[0]!r}",
+                       param="model", code="model_not_found")
+    if req.n != 1:
+        raise APIError(400, "n > 1 is not supported: this server returns one choice per request; "
+                       "send n requests instead", param="n")
+
+
+def _params(req: _Sampling, max_tokens: int | None, logprobs: int | None) -> dict:
+    return dict(
+        max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+        repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty, seed=req.seed, stop=req.stop,
+        stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
+        include_stop_str_in_output=req.include_stop_str_in_output, logprobs=logprobs,
+        skip_special_tokens=req.skip_special_tokens,
+    )
+
+
+def _builder(prompt: Callable[[Any], list[int]], options: dict, max_model_len: int) -> Callable:
+    """The function the engine thread runs: tokenize, check the context budget, build params."""
+
+    def build(engine) -> tuple[list[int], SamplingParams]:
+        ids = prompt(engine)
+        if len(ids) >= max_model_len:
+            raise APIError(400, f"the prompt has {len(ids)} tokens; this model's context is {max_model_len} "
+                           "tokens (one is left for the output): shorten the prompt",
+                           param="messages" if "messages" in options else "prompt",
+                           code="context_length_exceeded")
+        max_tokens = options["params"]["max_tokens"]
+        if max_tokens is not None and len(ids) + max_tokens > max_model_len:
+            raise APIError(400, f"max_tokens is {max_tokens} but the prompt has {len(ids)} tokens and the "
+                           f"context is {max_model_len}: ask for at most {max_model_len - len(ids)} tokens",
+                           param="max_tokens", code="context_length_exceeded")
+        return ids, SamplingParams(**options["params"])
+
+    return build
+
+
+def prepare_completion(req: CompletionRequest, served_names: list[str], max_model_len: int) -> Callable:
+    check_common(req, served_names)
+    if req.echo:
+        raise APIError(400, "echo is not supported", param="echo")
+    if req.best_of not in (None, 1):
+        raise APIError(400, "best_of > 1 is not supported", param="best_of")
+    if req.suffix:
+        raise APIError(400, "suffix is not supported", param="suffix")
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise APIError(400, "batched prompts are not supported: send one prompt per request", param="prompt")
+        prompt = prompt[0]
+    if not prompt:
+        raise APIError(400, "the prompt is empty", param="prompt")
+    if isinstance(prompt, str):
+        def tokens(engine) -> list[int]:
+            if engine.tokenizer is None:
+                raise APIError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt")
+            return engine.tokenizer.encode(prompt)
+    else:
+        ids = list(prompt)
+        tokens = lambda engine: ids  # noqa: E731
+    return _builder(tokens, {"params": _params(req, req.max_tokens, req.logprobs)}, max_model_len)
+
+
+def prepare_chat(req: ChatCompletionRequest, served_names: list[str], max_model_len: int) -> Callable:
+    check_common(req, served_names)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
+    messages = []
+    for m in req.messages:
+        content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
+        messages.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+
+    def tokens(engine) -> list[int]:
+        if engine.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer, so it has no chat template: use /v1/completions "
+                           "with token ids", param="messages")
+        return engine.tokenizer.apply_chat_template(messages)
+
+    return _builder(tokens, {"params": _params(req, max_tokens, logprobs), "messages": True}, max_model_len)
+
+
+# ---------------------------------------------------------------------------- responses
+
+
+def completion_logprobs(entries: list[dict]) -> dict:
+    return {
+        "tokens": [e["token"] for e in entries],
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": [dict(zip(e["top_tokens"], (lp for _, lp in e["top"]))) for e in entries],
+        "text_offset": [],
+    }
+
+
+def chat_logprobs(entries: list[dict]) -> dict:
+    def item(token: str, lp: float) -> dict:
+        return {"token": token, "logprob": lp, "bytes": list(token.encode())}
+
+    return {"content": [
+        {**item(e["token"], e["logprob"]),
+         "top_logprobs": [item(t, lp) for t, (_, lp) in zip(e["top_tokens"], e["top"])]}
+        for e in entries
+    ]}
+
+
+def sse(obj: dict | str) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
