@@ -109,6 +109,16 @@ class AsyncEngine:
         self._commands.put(("call", (fn, done)))
         return await asyncio.wrap_future(done)
 
+    def drain(self, grace_s: float) -> None:
+        """Refuse new requests now; after `grace_s`, cut short whatever still runs (each stream gets
+        a ShuttingDown error, so clients see a clean end rather than a dropped connection)."""
+        if self.draining:
+            return
+        self.draining = True
+        timer = threading.Timer(grace_s, self._commands.put, args=(("cut", None),))
+        timer.daemon = True
+        timer.start()
+
     async def shutdown(self, grace_s: float, flush_timeout_s: float) -> None:
         """Stop taking requests, let running ones finish for up to `grace_s`, abort the rest,
         flush write-back blocks to L3, close the engine."""
@@ -162,6 +172,8 @@ class AsyncEngine:
                     done.set_result(fn(self.engine))
                 except Exception as err:
                     done.set_exception(err)
+            elif kind == "cut":
+                self._fail_all(ShuttingDown("the server shut down before this request finished"))
             elif kind == "stop":
                 self._stop_engine(arg)
                 return True

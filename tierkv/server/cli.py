@@ -16,10 +16,14 @@ import re
 import signal
 import sys
 import threading
+from pathlib import Path
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 API_KEY_ENV = "TIERKV_API_KEY"
+# uvicorn waits this much longer than the grace period, so that streams cut at the end of the grace
+# period can still send their last event before uvicorn cancels what is left
+SHUTDOWN_SLACK_S = 5.0
 
 # key -> (default, type for YAML values); flags without a default here default to None (engine's choice)
 OPTIONS = {
@@ -174,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     from ..engine.engine import Engine
+    from ..engine.loader import BUNDLED_NAME
     from ..errors import TierKVError
 
     try:
@@ -184,12 +189,12 @@ def main(argv: list[str] | None = None) -> int:
     except TierKVError as err:
         print(f"tierkv-serve: {Redact([]).scrub(str(err))}", file=sys.stderr)
         return 2
-    name = opts["served_model_name"] or engine.lm.model_dir.name
+    name = opts["served_model_name"] or (BUNDLED_NAME if opts["model"] is None else Path(opts["model"]).name)
     aengine = AsyncEngine(engine, max_waiting=opts["max_waiting"])
     app = create_app(aengine, served_model_name=name, max_model_len=engine.max_model_len, api_key=opts["api_key"],
                      grace_s=opts["grace_period"], flush_timeout_s=opts["flush_timeout"])
     config = uvicorn.Config(app, host=opts["host"], port=opts["port"], log_level=opts["log_level"].lower(),
-                            timeout_graceful_shutdown=opts["grace_period"], log_config=None)
+                            timeout_graceful_shutdown=opts["grace_period"] + SHUTDOWN_SLACK_S, log_config=None)
     server = _Server(config, aengine)
     print(f"tierkv-serve: {name} on http://{opts['host']}:{opts['port']}/v1"
           f"{' (API key required)' if opts['api_key'] else ''}", flush=True)
@@ -212,6 +217,7 @@ try:
         def __init__(self, config, engine) -> None:
             super().__init__(config)
             self.engine = engine
+            self.grace_s = config.timeout_graceful_shutdown - SHUTDOWN_SLACK_S
 
         @contextlib.contextmanager
         def capture_signals(self):
@@ -226,7 +232,7 @@ try:
                     signal.signal(s, h)
 
         def _on_signal(self, sig, frame) -> None:
-            self.engine.draining = True  # refuse new requests at once; uvicorn closes the listener next
+            self.engine.drain(self.grace_s)  # refuse new requests at once; uvicorn closes the listener next
             if self.should_exit and sig == signal.SIGINT:
                 self.force_exit = True
             self.should_exit = True

@@ -1,0 +1,381 @@
+"""tierkv-serve end to end: a real server process on loopback, the bundled SmolLM2 on the CPU.
+
+One server for the module (API key set, context 512); the SIGTERM test starts its own with a
+write-back disk L3. Outputs are short (max_tokens <= 8) to keep the module to a few minutes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import msgpack
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+from server_helpers import ServerProcess, metric  # noqa: E402
+
+KEY = "sk-test-" + uuid.uuid4().hex
+MODEL = "smol"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+CONTEXT = 512
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    log = tmp_path_factory.mktemp("serve") / "server.log"
+    srv = ServerProcess(["--served-model-name", MODEL, "--l1", "64MiB", "--max-model-len", str(CONTEXT),
+                         "--max-num-seqs", "64", "--max-waiting", "128"], log, env={"TIERKV_API_KEY": KEY})
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def post(server, path: str, body, headers=AUTH, **kw) -> httpx.Response:
+    content = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    return httpx.post(server.url + path, content=content, timeout=120,
+                      headers={"Content-Type": "application/json", **headers}, **kw)
+
+
+def assert_error(resp: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"]
+    assert "Traceback" not in resp.text and 'File "' not in resp.text
+    if param is not None:
+        assert err["param"] == param
+    return err
+
+
+def still_answers(server) -> None:
+    r = post(server, "/v1/completions", {"model": MODEL, "prompt": "Hello", "max_tokens": 1})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1
+
+
+# ---------------------------------------------------------------------------- the openai client
+
+
+def test_openai_client_chat_and_completions(client):
+    msgs = [{"role": "user", "content": "Name a color."}]
+    chat = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0)
+    text = chat.choices[0].message.content
+    assert chat.choices[0].message.role == "assistant" and text
+    assert chat.usage.completion_tokens == 6 and chat.choices[0].finish_reason == "length"
+    assert chat.usage.prompt_tokens > 5 and chat.usage.prompt_tokens_details.cached_tokens >= 0
+    parts = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0,
+                                                stream=True, stream_options={"include_usage": True}))
+    assert "".join(p.choices[0].delta.content or "" for p in parts if p.choices) == text
+    assert [p.choices[0].finish_reason for p in parts if p.choices][-1] == "length"
+    assert parts[-1].usage.completion_tokens == 6 and parts[-1].usage.prompt_tokens == chat.usage.prompt_tokens
+
+    comp = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=5, temperature=0)
+    assert comp.choices[0].text and comp.usage.completion_tokens <= 5
+    parts = list(client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=5,
+                                           temperature=0, stream=True))
+    assert "".join(p.choices[0].text for p in parts) == comp.choices[0].text
+    # the extras pass through the client's extra_body
+    ext = client.completions.create(model=MODEL, prompt="One, two,", max_tokens=4, temperature=0.7,
+                                    extra_body={"top_k": 5, "min_p": 0.05, "repetition_penalty": 1.1,
+                                                "ignore_eos": True, "priority": 3})
+    assert ext.usage.completion_tokens == 4
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_cached_tokens_follow_the_prefix_and_the_salt(client):
+    # a fresh long prefix (well over one 16-token block), so earlier tests cannot have cached it
+    system = f"Session {uuid.uuid4().hex}. " + "You answer questions about tiered caches briefly. " * 12
+
+    def ask(question: str, salt: str) -> int:
+        r = client.chat.completions.create(
+            model=MODEL, max_tokens=2, temperature=0, extra_body={"cache_salt": salt},
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": question}])
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    assert ask("What is L1?", "tenant-a") == 0
+    hit = ask("What is L2?", "tenant-a")
+    assert hit >= 64 and hit % 16 == 0
+    assert ask("What is L2?", "tenant-b") == 0  # same prompt, other tenant: nothing shared
+
+
+def test_64_concurrent_streams_match_sequential_greedy(client, server):
+    prompts = [f"List {i} fruits:" for i in range(4)]
+    body = dict(model=MODEL, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    expected = {p: client.completions.create(prompt=p, **body).choices[0].text for p in prompts}
+
+    async def one(aclient, prompt):
+        text, reasons = "", []
+        stream = await aclient.completions.create(prompt=prompt, stream=True, **body)
+        async for part in stream:
+            text += part.choices[0].text
+            reasons.append(part.choices[0].finish_reason)
+        return prompt, text, reasons[-1]
+
+    async def run():
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0,
+                                      timeout=300) as aclient:
+            return await asyncio.gather(*(one(aclient, prompts[i % 4]) for i in range(64)))
+
+    results = asyncio.run(run())
+    assert len(results) == 64
+    for prompt, text, reason in results:
+        assert reason == "length"
+        assert text == expected[prompt]
+
+
+# ---------------------------------------------------------------------------- bad input
+
+LONG = "word " * (CONTEXT + 50)
+BAD = [
+    ("/v1/completions", b"{not json", 400, None),
+    ("/v1/completions", b"[1, 2", 400, None),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", {"model": MODEL, "prompt": {"a": 1}}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi"}, 400, "model"),
+    ("/v1/completions", {"model": "gpt-9", "prompt": "hi"}, 404, "model"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": -3}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 10**6}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": LONG, "max_tokens": 1}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": [10**9], "max_tokens": 1}, 400, None),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 2}, 400, "n"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": "hello"}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"content": "no role"}]}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": LONG}]}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                              "max_completion_tokens": CONTEXT}, 400, "max_tokens"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param", BAD, ids=[f"{i}-{b[0].rsplit('/', 1)[1]}" for i, b in enumerate(BAD)])
+def test_bad_input_gets_an_openai_error_and_the_server_keeps_answering(server, path, body, status, param):
+    assert_error(post(server, path, body), status, param)
+    still_answers(server)
+
+
+def test_api_key_guards_every_v1_route_but_not_health(server):
+    routes = [("GET", "/v1/models"), ("GET", "/v1/cache/stats"), ("POST", "/v1/completions"),
+              ("POST", "/v1/chat/completions"), ("GET", "/v1/nowhere")]
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        for method, path in routes:
+            r = httpx.request(method, server.url + path, headers=headers, content=b"{not json", timeout=30)
+            err = assert_error(r, 401)
+            assert err["code"] == "invalid_api_key" and KEY not in r.text
+    assert httpx.get(server.url + "/health", timeout=30).json() == {"status": "ok"}
+    assert httpx.get(server.url + "/v1/models", headers=AUTH, timeout=30).status_code == 200
+
+
+def test_unknown_route_is_404_in_openai_shape(server):
+    assert_error(httpx.get(server.url + "/v1/nowhere", headers=AUTH, timeout=30), 404)
+
+
+# ---------------------------------------------------------------------------- cancellation, metrics
+
+
+def held_blocks(server) -> int:
+    stats = httpx.get(server.url + "/v1/cache/stats", headers=AUTH, timeout=30).json()["tiers"]["l1"]
+    return stats["used_blocks"] - stats["evictable_blocks"]
+
+
+def test_client_disconnect_aborts_and_frees_blocks(server):
+    before = metric(httpx.get(server.url + "/metrics").text, "tierkv_requests_aborted_total")
+    body = {"model": MODEL, "prompt": "Count slowly: one, two,", "max_tokens": 400, "ignore_eos": True,
+            "stream": True}
+    with httpx.Client(timeout=60) as c:
+        with c.stream("POST", server.url + "/v1/completions", json=body, headers=AUTH) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            got = [next(lines) for _ in range(3)]
+            assert any(line.startswith("data: {") for line in got)
+            assert held_blocks(server) > 0  # it runs and holds its blocks
+    end = time.monotonic() + 30
+    while time.monotonic() < end:
+        m = httpx.get(server.url + "/metrics").text
+        if metric(m, "tierkv_requests_running") == 0 and held_blocks(server) == 0:
+            break
+        time.sleep(0.2)
+    m = httpx.get(server.url + "/metrics").text
+    assert metric(m, "tierkv_requests_running") == 0 and held_blocks(server) == 0
+    assert metric(m, "tierkv_requests_aborted_total") == before + 1
+
+
+def test_metrics_report_requests_latencies_and_cache(server):
+    still_answers(server)
+    m = httpx.get(server.url + "/metrics", timeout=30).text
+    assert metric(m, "tierkv_requests_total", 'route="/v1/completions",status="200"') >= 1
+    assert metric(m, "tierkv_requests_total", 'route="/v1/completions",status="400"') >= 1
+    for name in ("tierkv_time_to_first_token_seconds_count", "tierkv_e2e_request_latency_seconds_count",
+                 "tierkv_time_per_output_token_seconds_count", "tierkv_prefix_cache_queries_total"):
+        assert metric(m, name) >= 1, name
+    assert metric(m, "tierkv_prefix_cache_hit_tokens_total", 'tier="l1"') >= 64  # the cached-prefix test
+    assert metric(m, "tierkv_tier_bytes_in_total", 'tier="l1"') > 0
+    for name in ("tierkv_requests_waiting", "tierkv_tier_evictions_total", "tierkv_tier_errors_total"):
+        assert name in m
+    stats = httpx.get(server.url + "/v1/cache/stats", headers=AUTH, timeout=30).json()
+    assert stats["queries"] >= 1 and stats["tiers"]["l1"]["capacity_blocks"] > 0
+
+
+# ---------------------------------------------------------------------------- schemathesis
+
+
+def _bounded(body) -> None:
+    """Keep generated requests short (the server itself rejects what does not fit)."""
+    if not isinstance(body, dict):
+        return
+    for key in ("max_tokens", "max_completion_tokens"):
+        if isinstance(body.get(key), int) and not isinstance(body.get(key), bool) and body[key] > 4:
+            body[key] = 4
+    if "messages" in body and body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+        body["max_tokens"] = 4
+
+
+def test_schemathesis_finds_no_server_errors(server):
+    schemathesis = pytest.importorskip("schemathesis")
+    from hypothesis import HealthCheck, Phase, given, settings
+
+    schema = schemathesis.openapi.from_url(server.url + "/openapi.json")
+    ops = [r.ok() for r in schema.get_all_operations()]
+    assert {op.path for op in ops} >= {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health"}
+    for op in ops:
+        examples = 25 if op.method.upper() == "POST" else 3
+
+        @settings(max_examples=examples, deadline=None, database=None, suppress_health_check=list(HealthCheck),
+                  phases=[Phase.explicit, Phase.generate])
+        @given(case=op.as_strategy())
+        def check(case):
+            _bounded(case.body)
+            r = case.call(base_url=server.url, headers=AUTH, timeout=120)
+            assert r.status_code < 500, f"{case.method} {case.path} {case.body!r}: {r.status_code} {r.text[:300]}"
+            if r.status_code >= 400 and case.path.startswith("/v1"):
+                assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+        check()
+    still_answers(server)
+
+
+def test_no_secret_in_the_log(server):
+    still_answers(server)
+    log = server.log()
+    assert "Started server process" in log or "Uvicorn running" in log
+    assert KEY not in log
+
+
+# ---------------------------------------------------------------------------- load and shutdown
+
+
+def _l3_objects_all_decode(root: Path) -> int:
+    """Check every object in a disk L3 directory the way a reader would; return how many."""
+    import torch
+
+    from tierkv.layout import KVLayout
+    from tierkv.tiers.codec import PREFIX_SIZE, BlockId, check_payload, decode_header, payload_offset
+
+    # SmolLM2-135M: 30 layers, 3 KV heads of 64; fp32 on the CPU. A wrong guess fails decode_header.
+    layout = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, dtype=torch.float32, block_size=16)
+    files = sorted(root.rglob("*.kv"))
+    for f in files:
+        data = f.read_bytes()
+        hlen = int.from_bytes(data[4:8], "little")
+        head = msgpack.unpackb(data[PREFIX_SIZE: PREFIX_SIZE + hlen])
+        bid = BlockId(int.from_bytes(head["hash"], "little"), int.from_bytes(head["parent"], "little"),
+                      head["ns"], head["tokens"])
+        assert bid.chain_ok(), f
+        assert f.name == f"{bid.hash:032x}.kv"
+        xxh = decode_header(layout, bid, data, align=4096)  # raises DecodeError on anything wrong
+        start = payload_offset(layout, 4096)
+        payload = memoryview(data)[start:]
+        assert len(payload) == layout.bytes_per_block, f
+        check_payload(payload, xxh)
+    return len(files)
+
+
+def test_overload_429_then_sigterm_drains_flushes_and_exits_0(tmp_path):
+    l3 = tmp_path / "l3"
+    srv = ServerProcess(["--served-model-name", MODEL, "--l1", "16MiB", "--l2", "16MiB",
+                         "--l3", f"file://{l3}?size=1GiB", "--write-policy", "write_back",
+                         "--max-num-seqs", "2", "--max-waiting", "2", "--grace-period", "2",
+                         "--max-model-len", "256"], tmp_path / "server.log")
+    try:
+        srv.wait_ready()
+        body = {"model": MODEL, "prompt": "Tell me a long story about a cache. " * 4, "max_tokens": 200,
+                "ignore_eos": True, "stream": True}
+
+        async def one(c):
+            async with c.stream("POST", srv.url + "/v1/completions", json=body) as r:
+                if r.status_code != 200:
+                    await r.aread()
+                    return r.status_code, r.headers.get("retry-after"), r.json(), []
+                events = [line async for line in r.aiter_lines() if line.startswith("data: ")]
+                return 200, None, None, events
+
+        async def burst():
+            async with httpx.AsyncClient(timeout=120) as c:
+                tasks = [asyncio.create_task(one(c)) for _ in range(8)]
+                # SIGTERM once the admitted requests are generating
+                while True:
+                    m = (await c.get(srv.url + "/metrics")).text
+                    if metric(m, "tierkv_requests_running") >= 1 and metric(m, "tierkv_generation_tokens_total") == 0:
+                        stats = (await c.get(srv.url + "/v1/cache/stats")).json()
+                        if stats["stored_blocks"] >= 2:
+                            break
+                    await asyncio.sleep(0.2)
+                srv.terminate()
+                return await asyncio.gather(*tasks)
+
+        results = asyncio.run(burst())
+        rejected = [r for r in results if r[0] == 429]
+        assert rejected, [r[0] for r in results]
+        for _, retry_after, err, _ in rejected:
+            assert int(retry_after) >= 1
+            assert err["error"]["type"] == "rate_limit_error" and err["error"]["message"]
+        served = [r for r in results if r[0] == 200]
+        assert served and all(r[0] in (200, 429) for r in results)
+        for *_, events in served:  # each stream ends cleanly: finished, or told it was cut short
+            assert events[-1] == "data: [DONE]"
+            last = json.loads(events[-2][6:])
+            assert "error" in last or last["choices"][0]["finish_reason"] == "length"
+        assert srv.proc.wait(120) == 0
+    finally:
+        code = srv.stop()
+    log = srv.log_path.read_text()
+    assert code == 0, log
+    assert "Traceback" not in log
+    assert _l3_objects_all_decode(l3) >= 2  # write-back blocks reached L3 at shutdown, all intact
+    assert not list(l3.rglob("*.tmp"))
+
+
+def test_config_file_and_flags(tmp_path):
+    from tierkv.server.cli import load_options
+
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("port: 9001\nl3:\n  - file:///tmp/x\nwrite-policy: write_back\nl1: 2GiB\n")
+    opts = load_options(["--config", str(cfg), "--l1", "1GiB"])
+    assert opts["port"] == 9001 and opts["l3"] == ["file:///tmp/x"] and opts["write_policy"] == "write_back"
+    assert opts["l1"] == "1GiB" and opts["host"] == "127.0.0.1"
+    cfg.write_text("prot: 1\n")
+    with pytest.raises(SystemExit):
+        load_options(["--config", str(cfg)])
+
+
+def test_redaction_of_secrets():
+    from tierkv.server.cli import Redact, redact_url
+
+    r = Redact(["sk-abc"])
+    assert r.scrub("key sk-abc, l3 redis://user:hunter2@host:6379/0") == "key ***, l3 redis://user:***@host:6379/0"
+    assert redact_url("s3://bucket/p?endpoint=http://h:1") == "s3://bucket/p?endpoint=http://h:1"
