@@ -71,3 +71,23 @@ def test_shared_cache_two_processes(model_dir):
     found = ints(r"\[b\] first request: .*'l3': (\d+)\}, cached", out)[0]
     assert found >= 96
     assert ints(r"from L3: (\d+)", out)[1] == found
+
+
+def test_shared_prefix_batch(model_dir):
+    out = run_example("shared_prefix_batch.py", "--model", model_dir, "--questions", "3")
+    off = re.search(r"prefix caching off: .*cached (\d+) of (\d+) prompt tokens", out)
+    on = re.search(r"prefix caching on : .*cached (\d+) of (\d+) prompt tokens", out)
+    assert int(off.group(1)) == 0
+    # with caching on, every question (the warm-up stored the template) reuses the whole template
+    assert int(on.group(1)) >= 3 * 160 and on.group(2) == off.group(2)  # ~500 template tokens each
+    assert "same answers: True" in out
+
+
+def test_long_document_qa_survives_a_restart(model_dir, tmp_path):
+    args = ("--model", model_dir, "--disk", str(tmp_path / "disk"), "--max-tokens", "2")
+    first = run_example("long_document_qa.py", *args)
+    assert ints(r"cached (\d+) \(", first)[0] == 0  # a cold start computes the document
+    assert min(ints(r"cached (\d+) \(", first)[1:]) >= 1024  # later questions reuse it from L1
+    second = run_example("long_document_qa.py", *args)  # a new process: only the disk remembers
+    assert ints(r"l3 (\d+)\)", second)[0] >= 1024
+    assert ints(r"cached (\d+) \(", second)[0] >= 1024
