@@ -15,7 +15,7 @@ if ! command -v redis-server >/dev/null 2>&1; then
 fi
 
 set +e
-$PY -m pytest -m "not gpu" "$@"
+$PY -m pytest -m "not gpu" --durations=25 "$@"
 rc=$?
 set -e
 # pytest exits 5 when it collected no test: a suite that ran nothing must fail, not pass silently.
