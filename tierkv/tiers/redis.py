@@ -114,15 +114,18 @@ class RedisStore(L3Store):
         except (_Unavailable, redis.RedisError, OSError):
             return [False] * len(hashes)
 
-    def _get(self, ids: list[BlockId], outs: list[memoryview], deadline: float | None) -> list[bool]:
-        chunks = self._chunks(len(ids))
-        done = self._parallel(lambda r: self._get_chunk(ids, outs, r), [(r,) for r in chunks], deadline)
-        ok = [False] * len(ids)
+    def _by_chunks(self, n: int, work, deadline: float | None = None) -> list[bool]:
+        """work(range) on each chunk of n items in parallel; a chunk that failed whole is all misses."""
+        chunks = self._chunks(n)
+        done = self._parallel(work, [(r,) for r in chunks], deadline)
+        ok = [False] * n
         for r, chunk_ok in zip(chunks, done):
             if chunk_ok:
-                for i in r:
-                    ok[i] = chunk_ok[i - r.start]
+                ok[r.start : r.stop] = chunk_ok
         return ok
+
+    def _get(self, ids: list[BlockId], outs: list[memoryview], deadline: float | None) -> list[bool]:
+        return self._by_chunks(len(ids), lambda r: self._get_chunk(ids, outs, r), deadline)
 
     def _get_chunk(self, ids: list[BlockId], outs: list[memoryview], r: range) -> list[bool] | bool:
         try:
@@ -163,14 +166,7 @@ class RedisStore(L3Store):
                             self.url, self.object_size, limit)
             self._stats.error("too_large", len(ids))
             return [False] * len(ids)
-        chunks = self._chunks(len(ids))
-        done = self._parallel(lambda r: self._put_chunk(ids, payloads, r), [(r,) for r in chunks])
-        ok = [False] * len(ids)
-        for r, chunk_ok in zip(chunks, done):
-            if chunk_ok:
-                for i in r:
-                    ok[i] = chunk_ok[i - r.start]
-        return ok
+        return self._by_chunks(len(ids), lambda r: self._put_chunk(ids, payloads, r))
 
     def _put_chunk(self, ids: list[BlockId], payloads: list[memoryview], r: range) -> list[bool] | bool:
         def run() -> list[Any]:
