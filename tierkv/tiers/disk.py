@@ -36,6 +36,10 @@ _BLOCK_RE = re.compile(r"^([0-9a-f]{32})\.kv$")
 _TMP_RE = re.compile(r"^\.[0-9a-f]{32}\.(\d+)\.[0-9a-f]+\.tmp$")
 _STALE_TMP_S = 3600.0  # a temp file this old is garbage even if its pid number is alive again
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
+# A read refreshes a file's mtime (the LRU order a restart rebuilds) only when it is older than
+# this: a metadata write per read cost measurable read bandwidth, and order within a minute is
+# noise for an eviction policy.
+_MTIME_REFRESH_S = 60.0
 
 
 def _pid_alive(pid: int) -> bool:
@@ -207,7 +211,8 @@ class DiskStore(L3Store):
             self._stats.error("io")
             return False
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            size = st.st_size
             head = self._head_buffer()
             # One call reads header and payload, the payload straight into the caller's buffer.
             n = os.preadv(fd, [head, out], 0) if size >= self.object_size else os.preadv(fd, [head], 0)
@@ -238,10 +243,11 @@ class DiskStore(L3Store):
             else:
                 self._lru[h] = size
                 self._used += size
-        try:
-            os.utime(path)  # mtime = last access, so a restart rebuilds the LRU order
-        except OSError:
-            pass
+        if time.time() - st.st_mtime > _MTIME_REFRESH_S:
+            try:
+                os.utime(path)  # mtime = last access, so a restart rebuilds the LRU order
+            except OSError:
+                pass
         return True
 
     def _begin_write(self, bid: BlockId, payload: memoryview) -> tuple | bool:
