@@ -34,7 +34,6 @@ from .serving import FINISH, chat_logprobs, completion_logprobs, prepare_chat, p
 log = logging.getLogger(__name__)
 
 ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 429, 503)}
-DISCONNECT_POLL_S = 0.5
 
 
 def _error(err: APIError) -> JSONResponse:
@@ -182,28 +181,37 @@ def create_app(engine: AsyncEngine, *, served_model_name: str, max_model_len: in
                         completion_tokens=len(out.token_ids))
 
     async def _complete(stream, request: Request, model: str, chat: bool):
-        out, first_at, done = None, None, False
-        try:
+        async def collect():
+            out, first_at = None, None
             while True:
-                try:
-                    item = await asyncio.wait_for(stream.queue.get(), DISCONNECT_POLL_S)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        return Response(status_code=499)  # nobody reads it; the finally aborts
-                    continue
+                item = await stream.queue.get()
                 if isinstance(item, Exception):
-                    done = True
-                    return _error(_from_exception(item))
+                    return item, first_at
                 out = item
                 if first_at is None and out.token_ids:
                     first_at = time.monotonic()
                 if out.finished:
-                    done = True
-                    break
+                    return out, first_at
+
+        async def client_gone():
+            # a blocking receive() returns http.disconnect as soon as the socket closes
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        work, watch = asyncio.ensure_future(collect()), asyncio.ensure_future(client_gone())
+        try:
+            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            if not done:
+            watch.cancel()
+            if not work.done():  # the client went away (or we were cancelled): stop and free its blocks
+                work.cancel()
                 engine.abort(stream.request_id)
                 metrics.aborted.inc()
+        if not work.done():
+            return Response(status_code=499)  # nobody reads it
+        out, first_at = work.result()
+        if isinstance(out, Exception):
+            return _error(_from_exception(out))
         _finish(stream, out, first_at)
         lp = out.logprobs
         common = {"id": stream.request_id, "created": int(time.time()), "model": model,
