@@ -37,11 +37,9 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, write_results  # noqa: E402
+from common import RESULTS, write_results
 
-WORDS = ("cache tier block prefix token memory disk host device pool evict load store hash chain "
-         "request server model batch decode prefill latency throughput queue stream policy write "
-         "read flush page layer head attention value key context session user answer question").split()
+WORDS = ["cache", "tier", "block", "prefix", "token", "memory", "disk", "host", "device", "pool", "evict", "load", "store", "hash", "chain", "request", "server", "model", "batch", "decode", "prefill", "latency", "throughput", "queue", "stream", "policy", "write", "read", "flush", "page", "layer", "head", "attention", "value", "key", "context", "session", "user", "answer", "question"]
 
 
 # ---------------------------------------------------------------------------- the trace

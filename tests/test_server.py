@@ -18,7 +18,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
-from server_helpers import ServerProcess, metric  # noqa: E402
+from server_helpers import ServerProcess, metric
 
 KEY = "sk-test-" + uuid.uuid4().hex
 MODEL = "smol"
@@ -306,7 +306,13 @@ def _l3_objects_all_decode(root: Path) -> int:
     import torch
 
     from tierkv.layout import KVLayout
-    from tierkv.tiers.codec import PREFIX_SIZE, BlockId, check_payload, decode_header, payload_offset
+    from tierkv.tiers.codec import (
+        PREFIX_SIZE,
+        BlockId,
+        check_payload,
+        decode_header,
+        payload_offset,
+    )
 
     # SmolLM2-135M: 30 layers, 3 KV heads of 64; fp32 on the CPU. A wrong guess fails decode_header.
     layout = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, dtype=torch.float32, block_size=16)

@@ -26,10 +26,23 @@ from ..errors import ConfigError
 from .async_engine import AsyncEngine, Overloaded, ShuttingDown
 from .metrics import ServerMetrics
 from .protocol import (
-    APIError, ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
-    ErrorResponse, ModelList, usage,
+    APIError,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    ModelList,
+    usage,
 )
-from .serving import FINISH, chat_logprobs, completion_logprobs, prepare_chat, prepare_completion, sse
+from .serving import (
+    FINISH,
+    chat_logprobs,
+    completion_logprobs,
+    prepare_chat,
+    prepare_completion,
+    sse,
+)
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +179,7 @@ def create_app(engine: AsyncEngine, *, served_model_name: str, max_model_len: in
         try:
             build = prepare(body, names, max_model_len)
             stream = await engine.submit(build, request_id=rid, cache_salt=body.cache_salt, priority=body.priority)
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001 (every failure becomes an error response)
             return _error(_from_exception(err))
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -170,7 +170,7 @@ class AsyncEngine:
                 fn, done = arg
                 try:
                     done.set_result(fn(self.engine))
-                except Exception as err:
+                except Exception as err:  # noqa: BLE001 (handed to the caller)
                     done.set_exception(err)
             elif kind == "cut":
                 self._fail_all(ShuttingDown("the server shut down before this request finished"))
@@ -195,7 +195,7 @@ class AsyncEngine:
         try:
             prompt_ids, params = build(self.engine)
             self.engine.add_request(prompt_ids, params, cache_salt=salt, priority=priority, request_id=request_id)
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001 (handed to the caller)
             done.set_exception(err)
             return
         self._streams[request_id] = (loop, out)

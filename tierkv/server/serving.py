@@ -80,7 +80,7 @@ def prepare_completion(req: CompletionRequest, served_names: list[str], max_mode
             return engine.tokenizer.encode(prompt)
     else:
         ids = list(prompt)
-        tokens = lambda engine: ids  # noqa: E731
+        tokens = lambda engine: ids
     return _builder(tokens, {"params": _params(req, req.max_tokens, req.logprobs)}, max_model_len)
 
 
