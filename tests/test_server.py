@@ -401,9 +401,22 @@ def test_config_file_and_flags(tmp_path):
         load_options(["--config", str(cfg)])
 
 
-def test_redaction_of_secrets():
-    from tierkv.server.cli import Redact, redact_url
+def test_redaction_of_secrets(capfd):
+    import logging
+
+    from tierkv.server.cli import Redact, _setup_logging, redact_url
 
     r = Redact(["sk-abc"])
     assert r.scrub("key sk-abc, l3 redis://user:hunter2@host:6379/0") == "key ***, l3 redis://user:***@host:6379/0"
     assert redact_url("s3://bucket/p?endpoint=http://h:1") == "s3://bucket/p?endpoint=http://h:1"
+
+    root = logging.getLogger()
+    saved = list(root.handlers)
+    root.handlers = [logging.StreamHandler()]  # what basicConfig would install in the server process
+    try:
+        _setup_logging("info", ["sk-xyz"])
+        logging.getLogger("tierkv.engine.engine").warning("L3 %s key %s", ["redis://u:pw9@h:1/0"], "sk-xyz")
+        err = capfd.readouterr().err
+    finally:
+        root.handlers = saved
+    assert "redis://u:***@h:1/0" in err and "pw9" not in err and "sk-xyz" not in err
