@@ -81,6 +81,7 @@ class AsyncEngine:
                      cache_salt: str | None = None, priority: int = 0) -> Stream:
         """Queue a request. `build(engine)` runs on the engine thread and returns (prompt_ids,
         SamplingParams); whatever it or `add_request` raises is raised here."""
+        arrival = time.monotonic()  # latencies count the wait for the engine thread too
         if self.draining:
             raise ShuttingDown("the server is shutting down")
         with self._lock:
@@ -97,7 +98,7 @@ class AsyncEngine:
         except asyncio.CancelledError:
             self.abort(request_id)  # it may have been added just as the caller left
             raise
-        return Stream(request_id, prompt_tokens, out)
+        return Stream(request_id, prompt_tokens, out, arrival)
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free what it holds; safe to call for finished or unknown ids."""
