@@ -81,12 +81,10 @@ class _Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope["path"]
-        route = path if path in self.state.routes else "other"
-        status = {}
+        route = path if path in self.state.routes else "other"  # bounded label set
 
         async def counted(msg):
             if msg["type"] == "http.response.start":
-                status["code"] = msg["status"]
                 self.state.metrics.requests.labels(route, str(msg["status"])).inc()
             await send(msg)
 
@@ -113,7 +111,7 @@ def create_app(engine: AsyncEngine, *, served_model_name: str, max_model_len: in
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        if not engine._thread.is_alive():
+        if not engine.started:
             engine.start()
         yield
         await engine.shutdown(grace_s, flush_timeout_s)
@@ -130,6 +128,9 @@ def create_app(engine: AsyncEngine, *, served_model_name: str, max_model_len: in
         if first.get("type") == "json_invalid":
             return _error(APIError(400, "the request body is not valid JSON", code="invalid_json"))
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        if not loc:  # the body itself is wrong: not an object, or not sent as JSON
+            return _error(APIError(400, "the request body must be a JSON object (with Content-Type: "
+                                   "application/json)", code="invalid_json"))
         where = ".".join(loc) or "body"
         msg = first.get("msg", "invalid request")
         return _error(APIError(400, f"{where}: {msg}", param=loc[0] if loc else None))

@@ -64,6 +64,10 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ event-loop side
 
+    @property
+    def started(self) -> bool:
+        return self._thread.is_alive()
+
     def start(self) -> None:
         self._refresh_stats(force=True)
         self._thread.start()
