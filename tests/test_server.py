@@ -142,6 +142,7 @@ LONG = "word " * (CONTEXT + 50)
 BAD = [
     ("/v1/completions", b"{not json", 400, None),
     ("/v1/completions", b"[1, 2", 400, None),
+    ("/v1/completions", b"[1, 2]", 400, None),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": "hot"}, 400, "temperature"),
     ("/v1/completions", {"model": MODEL, "prompt": {"a": 1}}, 400, "prompt"),
