@@ -261,8 +261,8 @@ def _bounded(body) -> None:
     for key in ("max_tokens", "max_completion_tokens"):
         if isinstance(body.get(key), int) and not isinstance(body.get(key), bool) and body[key] > 4:
             body[key] = 4
-    if "messages" in body and body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
-        body["max_tokens"] = 4
+    if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+        body["max_tokens"] = 4  # completions default to 16, chat to the whole context
 
 
 def test_schemathesis_finds_no_server_errors(server):
@@ -278,7 +278,7 @@ def test_schemathesis_finds_no_server_errors(server):
             if not post and mode is schemathesis.GenerationMode.NEGATIVE:
                 continue  # GET routes take no input to get wrong
 
-            @settings(max_examples=25 if post else 3, deadline=None, database=None,
+            @settings(max_examples=20 if post else 3, deadline=None, database=None,
                       suppress_health_check=list(HealthCheck), phases=[Phase.explicit, Phase.generate])
             @given(case=op.as_strategy(mode))
             def check(case):
@@ -290,6 +290,21 @@ def test_schemathesis_finds_no_server_errors(server):
 
             check()
     still_answers(server)
+
+
+def test_bench_serving_runs_against_the_server(server, tmp_path):
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_serving
+
+    bench_serving.main(["--url", server.url, "--api-key", KEY, "--model", MODEL, "--conversations", "2",
+                        "--turns", "2", "--system-words", "40", "--user-words", "4", "--max-tokens", "2",
+                        "--rate", "20", "--think-time", "0.05", "--out", str(tmp_path)])
+    r = json.loads(next(tmp_path.glob("bench_serving-*.json")).read_text())["configs"]["external"]
+    assert r["requests"] == 4 and r["errors"] == 0
+    assert r["ttft_ms"]["p50"] > 0 and r["throughput"]["output_tokens_per_s"] > 0
+    assert r["prefix_hit_rate"]["all"] > 0  # second turns re-send the first turn's prompt
 
 
 def test_no_secret_in_the_log(server):
