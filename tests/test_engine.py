@@ -172,3 +172,14 @@ def test_stop_strings_cut_the_text(smollm):
     llm, _ = smollm
     out = llm.generate("Count: 1, 2, 3,", SamplingParams(temperature=0, max_tokens=30, stop=[" 6"]), use_tqdm=False)[0]
     assert out.finish_reason == "stop" and " 6" not in out.text and "5" in out.text
+
+
+def test_a_request_that_outgrows_all_of_l1_ends_with_length(tiny_llama):
+    probe = LLM(tiny_llama, device="cpu", l1=1 << 20)
+    llm = LLM(tiny_llama, device="cpu", l1=3 * block_bytes(probe))  # 48 tokens of KV in all
+    short, long = random_prompts(512, (5, 30), seed=9)
+    outs = llm.generate([short, long], SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)
+    # KV is kept for every token but the last one sampled: 5 + 39 tokens fit, 30 + 39 do not
+    assert outs[0].finish_reason == "length" and len(outs[0].token_ids) == 40
+    assert outs[1].finish_reason == "length" and 30 + len(outs[1].token_ids) - 1 <= 48 < 30 + 39
+    assert not llm.engine.has_unfinished()

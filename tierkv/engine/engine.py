@@ -131,18 +131,19 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one step; return an output for every request that got a token or finished."""
         step = self.scheduler.schedule()
+        outputs = [self._ended(req) for req in self.scheduler.given_up]
+        self.scheduler.given_up.clear()
         if not len(step):
             if self.scheduler.waiting and not self.scheduler.running:
                 time.sleep(0.001)  # waiting only for L3 prefetches to land
-            return []
+            return outputs
         sampled, out = self.runner.run(step)
         for req, n in zip(step.requests, step.num_new):
             self.scheduler.computed(req, n)
         if out is None:
-            return []
+            return outputs
         token_ids = out.token_ids.tolist()  # the one host sync of the step
         now = time.monotonic()
-        outputs = []
         for i, (req, tok) in enumerate(zip(sampled, token_ids)):
             if req.first_token_time is None:
                 req.first_token_time = now
@@ -166,6 +167,11 @@ class Engine:
                 self.requests.pop(req.request_id, None)
             outputs.append(self.output(req, [tok], new_text))
         return outputs
+
+    def _ended(self, req: Request) -> RequestOutput:
+        log.warning("request %s stopped at %d tokens: L1 cannot hold more of it", req.request_id, req.num_tokens)
+        self.requests.pop(req.request_id, None)
+        return self.output(req)
 
     def _eos(self) -> list[int]:
         return self.tokenizer.eos_token_ids if self.tokenizer is not None else []

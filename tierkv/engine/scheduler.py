@@ -53,6 +53,7 @@ class Scheduler:
         self.prefetch_deadline_s = prefetch_deadline_s
         self.waiting: list[Request] = []
         self.running: list[Request] = []
+        self.given_up: list[Request] = []  # finished by the scheduler itself; the engine reports them
         self.num_preemptions = 0
 
     def add(self, req: Request) -> None:
@@ -85,6 +86,10 @@ class Scheduler:
         extra = req.num_computed + n - req.seq.num_tokens  # tokens beyond what its blocks cover
         while extra > 0 and not self.cache.can_append(req.seq, extra):
             victim = self._victim(exclude=step.requests)
+            if victim is req and len(self.running) == 1:
+                # alone and still out of room: all of L1 cannot hold it, so it ends here
+                self._give_up(req)
+                return False
             self.preempt(victim)
             if victim is req:
                 return False
@@ -113,6 +118,9 @@ class Scheduler:
             if req.prefetch is not None and not req.prefetch.done() and now < req.prefetch_until:
                 continue
             if not self.cache.can_allocate(req.num_tokens, match):
+                if not self.running and not step.requests:
+                    self._give_up(req)  # nothing holds L1 and it still does not fit: it never will
+                    continue
                 break  # first come first served: nobody overtakes a request that does not fit yet
             try:
                 req.seq = self.cache.allocate(req.all_ids, req.salt, priority=req.priority, match=match)
@@ -155,6 +163,11 @@ class Scheduler:
         req.status = Status.FINISHED
         req.finish_reason = reason
         req.finish_time = time.monotonic()
+
+    def _give_up(self, req: Request) -> None:
+        """End a request whose tokens outgrew all of L1 (finish reason "length")."""
+        self.finish(req, "length")
+        self.given_up.append(req)
 
     def _release(self, req: Request) -> None:
         if req.seq is not None:
