@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import httpx
+import msgpack
 
 READY_TIMEOUT_S = 240.0  # model load on a busy 2-core CI box
 
@@ -76,3 +77,35 @@ def metric(text: str, name: str, labels: str = "") -> float:
         if line.startswith(key + " "):
             return float(line.split()[-1])
     return 0.0
+
+
+def l3_objects_all_decode(root: Path) -> int:
+    """Check every object in a disk L3 directory the way a reader would; return how many."""
+    import torch
+
+    from tierkv.layout import KVLayout
+    from tierkv.tiers.codec import (
+        PREFIX_SIZE,
+        BlockId,
+        check_payload,
+        decode_header,
+        payload_offset,
+    )
+
+    # SmolLM2-135M: 30 layers, 3 KV heads of 64; fp32 on the CPU. A wrong guess fails decode_header.
+    layout = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, dtype=torch.float32, block_size=16)
+    files = sorted(root.rglob("*.kv"))
+    for f in files:
+        data = f.read_bytes()
+        hlen = int.from_bytes(data[4:8], "little")
+        head = msgpack.unpackb(data[PREFIX_SIZE: PREFIX_SIZE + hlen])
+        bid = BlockId(int.from_bytes(head["hash"], "little"), int.from_bytes(head["parent"], "little"),
+                      head["ns"], head["tokens"])
+        assert bid.chain_ok(), f
+        assert f.name == f"{bid.hash:032x}.kv"
+        xxh = decode_header(layout, bid, data, align=4096)  # raises DecodeError on anything wrong
+        start = payload_offset(layout, 4096)
+        payload = memoryview(data)[start:]
+        assert len(payload) == layout.bytes_per_block, f
+        check_payload(payload, xxh)
+    return len(files)

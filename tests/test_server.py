@@ -13,12 +13,11 @@ import uuid
 from pathlib import Path
 
 import httpx
-import msgpack
 import pytest
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
-from server_helpers import ServerProcess, metric
+from server_helpers import ServerProcess, l3_objects_all_decode, metric
 
 KEY = "sk-test-" + uuid.uuid4().hex
 MODEL = "smol"
@@ -317,38 +316,6 @@ def test_no_secret_in_the_log(server):
 # ---------------------------------------------------------------------------- load and shutdown
 
 
-def _l3_objects_all_decode(root: Path) -> int:
-    """Check every object in a disk L3 directory the way a reader would; return how many."""
-    import torch
-
-    from tierkv.layout import KVLayout
-    from tierkv.tiers.codec import (
-        PREFIX_SIZE,
-        BlockId,
-        check_payload,
-        decode_header,
-        payload_offset,
-    )
-
-    # SmolLM2-135M: 30 layers, 3 KV heads of 64; fp32 on the CPU. A wrong guess fails decode_header.
-    layout = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, dtype=torch.float32, block_size=16)
-    files = sorted(root.rglob("*.kv"))
-    for f in files:
-        data = f.read_bytes()
-        hlen = int.from_bytes(data[4:8], "little")
-        head = msgpack.unpackb(data[PREFIX_SIZE: PREFIX_SIZE + hlen])
-        bid = BlockId(int.from_bytes(head["hash"], "little"), int.from_bytes(head["parent"], "little"),
-                      head["ns"], head["tokens"])
-        assert bid.chain_ok(), f
-        assert f.name == f"{bid.hash:032x}.kv"
-        xxh = decode_header(layout, bid, data, align=4096)  # raises DecodeError on anything wrong
-        start = payload_offset(layout, 4096)
-        payload = memoryview(data)[start:]
-        assert len(payload) == layout.bytes_per_block, f
-        check_payload(payload, xxh)
-    return len(files)
-
-
 def test_overload_429_then_sigterm_drains_flushes_and_exits_0(tmp_path):
     l3 = tmp_path / "l3"
     srv = ServerProcess(["--served-model-name", MODEL, "--l1", "16MiB", "--l2", "16MiB",
@@ -400,7 +367,7 @@ def test_overload_429_then_sigterm_drains_flushes_and_exits_0(tmp_path):
     log = srv.log_path.read_text()
     assert code == 0, log
     assert "Traceback" not in log
-    assert _l3_objects_all_decode(l3) >= 2  # write-back blocks reached L3 at shutdown, all intact
+    assert l3_objects_all_decode(l3) >= 2  # write-back blocks reached L3 at shutdown, all intact
     assert not list(l3.rglob("*.tmp"))
 
 
