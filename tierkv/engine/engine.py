@@ -16,6 +16,7 @@ import torch
 from ..cache import TieredKVCache
 from ..config import CacheConfig
 from ..errors import ConfigError
+from ..tiers.l3 import redact_url
 from .loader import LoadedModel, load_model
 from .request import Request, RequestOutput, Status
 from .runner import ModelRunner
@@ -71,7 +72,7 @@ class Engine:
         self.runner = ModelRunner(self.lm, self.cache)
         self.requests: dict[str, Request] = {}
         log.info("engine: %s; L1 %d blocks, L2 %d blocks, L3 %s", self.lm.model_dir.name, self.cache.l1.num_blocks,
-                 self.cache.l2.num_blocks if self.cache.l2 else 0, list(l3) or "none")
+                 self.cache.l2.num_blocks if self.cache.l2 else 0, [redact_url(u) for u in l3] or "none")
 
     # ------------------------------------------------------------------ requests
 
