@@ -18,7 +18,7 @@ from ..config import CacheConfig
 from ..errors import ConfigError
 from ..tiers.l3 import redact_url
 from .loader import LoadedModel, load_model
-from .request import Request, RequestOutput, Status
+from .request import Request, RequestOutput
 from .runner import ModelRunner
 from .sampler import MAX_LOGPROBS, SamplingParams, find_stop_string, make_generator, stop_reason
 from .scheduler import Scheduler
