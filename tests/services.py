@@ -257,3 +257,12 @@ def same_bytes(a, b) -> bool:
     import torch
 
     return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def get_and_check(store, layout, ids, pays) -> list[bool]:
+    """store.get_many, asserting that every hit is byte-identical to what was stored."""
+    outs = empty_like_blocks(layout, len(ids))
+    ok = store.get_many(ids, outs)
+    for hit, out, pay in zip(ok, outs, pays):
+        assert not hit or same_bytes(out, pay)
+    return ok

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from services import block_chain, empty_like_blocks, same_bytes
+from services import block_chain, get_and_check, empty_like_blocks, same_bytes
 
 from tierkv.layout import KVLayout
 from tierkv.tiers.codec import key_hex
@@ -36,11 +36,7 @@ def _file(root, h) -> Path:
 
 def _check(store, ids, pays) -> list[bool]:
     """get_many, asserting that every hit is byte-identical to what was stored."""
-    outs = empty_like_blocks(LAYOUT, len(ids))
-    ok = store.get_many(ids, outs)
-    for hit, out, pay in zip(ok, outs, pays):
-        assert not hit or same_bytes(out, pay)
-    return ok
+    return get_and_check(store, LAYOUT, ids, pays)
 
 
 def test_roundtrip_and_lookup(tmp_path):

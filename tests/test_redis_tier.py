@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import torch
-from services import block_chain, empty_like_blocks, same_bytes
+from services import block_chain, get_and_check, empty_like_blocks
 
 from tierkv.layout import KVLayout
 from tierkv.tiers.codec import key_hex
@@ -23,11 +23,7 @@ TESTS = Path(__file__).parent
 
 
 def _check(store, ids, pays, layout=LAYOUT) -> list[bool]:
-    outs = empty_like_blocks(layout, len(ids))
-    ok = store.get_many(ids, outs)
-    for hit, out, pay in zip(ok, outs, pays):
-        assert not hit or same_bytes(out, pay)
-    return ok
+    return get_and_check(store, layout, ids, pays)
 
 
 def _wait_for_hits(store, ids, pays, timeout=10.0) -> list[bool]:

@@ -7,7 +7,7 @@ import time
 
 import boto3
 import torch
-from services import S3_SECRET, block_chain, empty_like_blocks, same_bytes
+from services import S3_SECRET, block_chain, get_and_check, empty_like_blocks
 from test_redis_tier import run_writer
 
 from tierkv.layout import KVLayout
@@ -18,11 +18,7 @@ LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.bfloat1
 
 
 def _check(store, ids, pays) -> list[bool]:
-    outs = empty_like_blocks(LAYOUT, len(ids))
-    ok = store.get_many(ids, outs)
-    for hit, out, pay in zip(ok, outs, pays):
-        assert not hit or same_bytes(out, pay)
-    return ok
+    return get_and_check(store, LAYOUT, ids, pays)
 
 
 def _wait_for_hits(store, ids, pays, timeout=20.0) -> list[bool]:

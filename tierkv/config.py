@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs, urlsplit, urlunsplit
 
 from .errors import ConfigError
 
@@ -46,6 +46,22 @@ def parse_size(value: int | float | str, field_name: str = "size") -> int:
             )
         return int(float(match.group(1)) * _UNITS[unit])
     raise ConfigError(f"{field_name} must be an int or a string like '8GiB', got {type(value).__name__}")
+
+
+def redact_url(url: str) -> str:
+    """The URL with any password and secret-looking query values replaced by '***' (safe to log)."""
+    try:
+        parts = urlsplit(url)
+        netloc = parts.netloc
+        if "@" in netloc:
+            netloc = "***@" + netloc.rsplit("@", 1)[1]
+        query = "&".join(
+            f"{k}=***" if any(s in k.lower() for s in ("key", "secret", "token", "pass", "cred")) else f"{k}={v[0]}"
+            for k, v in parse_qs(parts.query, keep_blank_values=True).items()
+        )
+        return urlunsplit((parts.scheme, netloc, parts.path, query, ""))
+    except ValueError:
+        return "<unparsable url>"
 
 
 def validate_l3_url(url: str, field_name: str = "l3") -> str:

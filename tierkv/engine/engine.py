@@ -8,15 +8,15 @@ single-threaded; nothing here knows about HTTP.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
 import torch
 
 from ..cache import TieredKVCache
-from ..config import CacheConfig
+from ..config import CacheConfig, redact_url
 from ..errors import ConfigError
-from ..tiers.l3 import redact_url
 from .loader import LoadedModel, load_model
 from .request import Request, RequestOutput
 from .runner import ModelRunner
@@ -97,7 +97,7 @@ class Engine:
         if params.max_tokens is None or params.max_tokens > room:
             if params.max_tokens is not None and params.max_tokens > room and params.max_tokens > 0:
                 log.debug("max_tokens %d capped at %d by max_model_len", params.max_tokens, room)
-            params = _with_max_tokens(params, room)
+            params = dataclasses.replace(params, max_tokens=room)  # validated again on construction
         needed = self.cache.blocks_needed(len(prompt_ids) + 1)
         if needed > self.cache.l1.num_blocks:
             raise ConfigError(
@@ -190,10 +190,3 @@ class Engine:
         self.cache.close()
 
 
-def _with_max_tokens(params: SamplingParams, max_tokens: int) -> SamplingParams:
-    """A copy of `params` with max_tokens replaced (SamplingParams validates on construction)."""
-    from dataclasses import fields
-
-    values = {f.name: getattr(params, f.name) for f in fields(SamplingParams)}
-    values["max_tokens"] = max_tokens
-    return SamplingParams(**values)

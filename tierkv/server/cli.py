@@ -18,6 +18,8 @@ import sys
 import threading
 from pathlib import Path
 
+from ..config import redact_url
+
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 API_KEY_ENV = "TIERKV_API_KEY"
@@ -131,10 +133,6 @@ class Redact(logging.Filter):
         if clean != msg:
             record.msg, record.args = clean, None
         return True
-
-
-def redact_url(url: str) -> str:
-    return Redact.URL_SECRET.sub(r"\1***@", url)
 
 
 def _setup_logging(level: str, secrets: list[str]) -> Redact:

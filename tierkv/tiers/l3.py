@@ -29,9 +29,9 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
-from urllib.parse import parse_qs, urlsplit, urlunsplit
+from urllib.parse import parse_qs, urlsplit
 
-from ..config import parse_size, validate_l3_url
+from ..config import parse_size, redact_url, validate_l3_url
 from ..errors import ConfigError
 from ..layout import KVLayout
 from .codec import BlockId, byte_view, key_hex
@@ -52,22 +52,6 @@ ERROR_KINDS = (
     "too_large",  # object above the store's limits (Redis proto-max-bulk-len, disk budget)
     "unavailable",  # skipped: the service failed moments ago and is being given time to return
 )
-
-
-def redact_url(url: str) -> str:
-    """The URL with any password and secret-looking query values replaced by '***' (safe to log)."""
-    try:
-        parts = urlsplit(url)
-        netloc = parts.netloc
-        if "@" in netloc:
-            netloc = "***@" + netloc.rsplit("@", 1)[1]
-        query = "&".join(
-            f"{k}=***" if any(s in k.lower() for s in ("key", "secret", "token", "pass", "cred")) else f"{k}={v[0]}"
-            for k, v in parse_qs(parts.query, keep_blank_values=True).items()
-        )
-        return urlunsplit((parts.scheme, netloc, parts.path, query, ""))
-    except ValueError:
-        return "<unparsable url>"
 
 
 class UrlOptions:
