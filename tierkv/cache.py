@@ -389,13 +389,15 @@ class TieredKVCache:
         self.l1.free.give(private)
         seq.slots, seq.entries, seq.freed = [], [], True
 
-    def block_table(self, seqs: list[SequenceBlocks], width: int | None = None) -> torch.Tensor:
-        """[len(seqs), width] int32 on the cache's device; rows padded with -1."""
+    def block_table(
+        self, seqs: list[SequenceBlocks], width: int | None = None, device: str | torch.device | None = None
+    ) -> torch.Tensor:
+        """[len(seqs), width] int32 on `device` (default: the cache's); rows padded with -1."""
         width = width if width is not None else max((len(s.slots) for s in seqs), default=0)
         table = torch.full((len(seqs), width), -1, dtype=torch.int32)
         for row, s in enumerate(seqs):
             table[row, : len(s.slots)] = torch.tensor(s.slots[:width], dtype=torch.int32)
-        return table.to(self.device, non_blocking=True)
+        return table.to(device if device is not None else self.device, non_blocking=True)
 
     # ------------------------------------------------------------------ policy hooks
 

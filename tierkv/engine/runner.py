@@ -36,7 +36,7 @@ class ModelRunner:
         cu[1:] = lens.cumsum(0)
         row = torch.repeat_interleave(torch.arange(len(step)), lens)  # [T]: which sequence
         positions = torch.tensor(starts)[row] + torch.arange(len(ids)) - cu[:-1].long()[row]  # [T]
-        table = self.cache.block_table([r.seq for r in step.requests]).cpu()  # [B, max_blocks]
+        table = self.cache.block_table([r.seq for r in step.requests], device="cpu")  # [B, max_blocks]
         slots = table[row, positions // bs].long() * bs + positions % bs  # [T]
         sampling = [r for r, start, n in zip(step.requests, starts, step.num_new) if start + n == r.num_tokens]
         last = [int(cu[i + 1]) - 1 for i, (r, start, n) in enumerate(zip(step.requests, starts, step.num_new))

@@ -109,14 +109,16 @@ class Scheduler:
         for req in sorted(self.waiting, key=lambda r: (-r.priority, r.arrival)):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
+            if req.prefetch is not None and not req.prefetch.done() and now < req.prefetch_until:
+                continue  # its L3 blocks are still on their way: no need to look it up again yet
             limit = None if self.prefix_caching else 0
             match = self.cache.match(req.all_ids, req.salt, limit=limit)
             if match.by_tier["l3"] and req.prefetch is None:
                 # bring the L3 part up into L2 in the background; others run meanwhile
                 req.prefetch = self.cache.prefetch(match, self.prefetch_deadline_s, priority=req.priority)
                 req.prefetch_until = now + self.prefetch_deadline_s
-            if req.prefetch is not None and not req.prefetch.done() and now < req.prefetch_until:
-                continue
+                if not req.prefetch.done():
+                    continue
             if not self.cache.can_allocate(req.num_tokens, match):
                 if not self.running and not step.requests:
                     self._give_up(req)  # nothing holds L1 and it still does not fit: it never will
