@@ -23,6 +23,7 @@ __all__ = [
     "paged_prefill",
     "gather_blocks",
     "scatter_blocks",
+    "copy_blocks",
 ]
 
 # public name -> module of this package that holds its Triton version; a name missing here
@@ -33,6 +34,7 @@ _TRITON_HOME: dict[str, str] = {
     "paged_prefill": "prefill",
     "gather_blocks": "block_copy",
     "scatter_blocks": "block_copy",
+    "copy_blocks": "block_copy",
 }
 
 
@@ -74,3 +76,8 @@ def gather_blocks(pool: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) ->
 def scatter_blocks(src: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """[n, layers, 2, bs, h, d] src -> pool slots (see reference.scatter_blocks)."""
     return _impl("scatter_blocks", pool)(src, pool, slots)
+
+
+def copy_blocks(src: torch.Tensor, src_slots: torch.Tensor, dst: torch.Tensor, dst_slots: torch.Tensor) -> torch.Tensor:
+    """dst[dst_slots[i]] = src[src_slots[i]] along dim 0; src may be pinned host (see reference.copy_blocks)."""
+    return _impl("copy_blocks", dst)(src, src_slots, dst, dst_slots)

@@ -119,3 +119,18 @@ def check_blocks(pool, slots, staged, staged_name: str) -> None:
         )
     if slots.device != pool.device:
         _fail(f"slots must be on the pool's device {pool.device}, got {slots.device}")
+
+
+def check_copy_blocks(src, src_slots, dst, dst_slots) -> None:
+    """src [N, ...] and dst [M, ...] hold blocks of one shape and dtype; the slot lists pair up."""
+    check_tensor("src_slots", src_slots, 1, INDEX_DTYPES)
+    check_tensor("dst_slots", dst_slots, 1, INDEX_DTYPES)
+    for name, t in (("src", src), ("dst", dst)):
+        if not isinstance(t, torch.Tensor) or t.dim() < 2:
+            _fail(f"{name} must be a tensor of blocks [n, ...], got {getattr(t, 'shape', type(t).__name__)}")
+    if tuple(src.shape[1:]) != tuple(dst.shape[1:]) or src.dtype != dst.dtype:
+        _fail(f"src blocks {tuple(src.shape[1:])} {src.dtype} differ from dst blocks {tuple(dst.shape[1:])} {dst.dtype}")
+    if src_slots.shape[0] != dst_slots.shape[0]:
+        _fail(f"src_slots lists {src_slots.shape[0]} blocks but dst_slots {dst_slots.shape[0]}")
+    if dst_slots.device != dst.device:
+        _fail(f"dst_slots must be on dst's device {dst.device}, got {dst_slots.device}")

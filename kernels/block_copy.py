@@ -1,9 +1,10 @@
-"""Triton block gather/scatter between the layer-first L1 pool and block-first staging storage.
+"""Triton block copies between the layer-first L1 pool, block-first staging storage and L2.
 
 gather: pool [layers, slots, 2, bs, h, d] -> staged [n, layers, 2, bs, h, d]; scatter: the inverse.
-One program copies a piece of one (block, layer) chunk of 2*bs*h*d contiguous elements. The
-staging side may be pinned host memory (the GPU then writes it over PCIe, no copy engine). This
-file moves bytes only; it must never decide which blocks move (transfer.py does).
+copy_blocks: dst[dst_slots[i]] = src[src_slots[i]] for one-layer block views (streamed attention).
+One program copies a piece of one (block, layer) chunk of 2*bs*h*d contiguous elements. The host
+side may be pinned memory (the GPU then reads or writes it over PCIe, no copy engine). This
+file moves bytes only; it must never decide which blocks move (transfer.py, streaming.py do).
 """
 
 from __future__ import annotations
@@ -86,3 +87,37 @@ def scatter_blocks(src: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor) -
         return reference.scatter_blocks(src, pool, slots)
     _launch(pool, src, slots, gather=False)
     return pool
+
+
+@triton.jit
+def _indexed_copy_kernel(Src, Dst, SrcIdx, DstIdx, stride_s, stride_d, chunk, BLOCK: tl.constexpr):
+    i = tl.program_id(0)
+    piece = tl.program_id(1)
+    src = tl.load(SrcIdx + i).to(tl.int64)
+    dst = tl.load(DstIdx + i).to(tl.int64)
+    offs = piece * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < chunk
+    tl.store(Dst + dst * stride_d + offs, tl.load(Src + src * stride_s + offs, mask=mask), mask=mask)
+
+
+def copy_blocks(src: torch.Tensor, src_slots: torch.Tensor, dst: torch.Tensor, dst_slots: torch.Tensor) -> torch.Tensor:
+    """dst[dst_slots[i]] = src[src_slots[i]]: src [N, ...] and dst [M, ...] with one dense block each.
+
+    Typical use: one layer of L2, `l2.kv[:, layer]` [N, 2, bs, h, d] (pinned host, rows strided
+    by the layer count), into a device staging buffer, read by the GPU over PCIe.
+    """
+    _checks.check_copy_blocks(src, src_slots, dst, dst_slots)
+    usable = _inner_contiguous(src, 1) and _inner_contiguous(dst, 1) and (
+        INTERPRETING or (dst.is_cuda and (src.is_cuda or src.is_pinned()))
+    )
+    if not usable:
+        return reference.copy_blocks(src, src_slots, dst, dst_slots)
+    n = src_slots.shape[0]
+    if n == 0:
+        return dst
+    chunk = src[0].numel()
+    grid = (n, triton.cdiv(chunk, _CHUNK_PIECE))
+    _indexed_copy_kernel[grid](
+        src, dst, src_slots, dst_slots, src.stride(0), dst.stride(0), chunk, BLOCK=_CHUNK_PIECE, num_warps=8
+    )
+    return dst

@@ -151,3 +151,15 @@ def scatter_blocks(src: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor) -
     _checks.check_blocks(pool, slots, src, "src")
     pool.index_copy_(1, slots.long(), src.to(pool.device).transpose(0, 1))
     return pool
+
+
+def copy_blocks(src: torch.Tensor, src_slots: torch.Tensor, dst: torch.Tensor, dst_slots: torch.Tensor) -> torch.Tensor:
+    """dst[dst_slots[i]] = src[src_slots[i]] for blocks along dim 0 (any inner shape, one dtype).
+
+    src: [N, ...] (may be host memory), src_slots: [n]; dst: [M, ...] with the same inner shape,
+    dst_slots: [n] distinct. Returns dst, written in place.
+    """
+    _checks.check_copy_blocks(src, src_slots, dst, dst_slots)
+    rows = src.index_select(0, src_slots.to(src.device).long())
+    dst.index_copy_(0, dst_slots.to(dst.device).long(), rows.to(dst.device, non_blocking=True))
+    return dst

@@ -180,3 +180,34 @@ def test_stats_report_hits_per_tier():
     assert s["queries"] == 2 and s["query_tokens"] == 16 and s["hit_tokens"] == 16
     assert s["tiers"]["l1"]["hit_tokens"] == 8 and s["tiers"]["l2"]["hit_tokens"] == 8
     assert s["hit_rate"] == 1.0
+
+
+def test_evict_empties_a_tier_into_the_next_one_down(tmp_path):
+    cache = make(l1=8, l2=8, write_policy="write_back", l3=[f"file://{tmp_path}"])
+    tokens = list(range(21))  # 5 full blocks
+    store(cache, tokens)
+    cache.evict("l1")  # write-back: the blocks are copied down now, as eviction would
+    assert cache.match(tokens).by_tier == {"l1": 0, "l2": 20, "l3": 0}
+    cache.evict("l2")  # L3 admits them: they are written there before L2 lets go
+    assert cache.flush(timeout=30)
+    cache.evict("l2")
+    m = cache.match(tokens)
+    assert m.by_tier == {"l1": 0, "l2": 0, "l3": 20}
+    n, kv = cache.retrieve(tokens)
+    assert n == 20 and torch.equal(kv, prefix_kv(LAYOUT, tokens)[:, :, :20])
+    with pytest.raises(ValueError, match="'l1' or 'l2'"):
+        cache.evict("l3")
+    cache.close()
+
+
+def test_evict_keeps_what_a_running_sequence_holds():
+    cache = make(l1=8, l2=8)
+    tokens = list(range(17))
+    seq = cache.allocate(tokens)
+    write_into_slots(cache, seq, tokens, 0)
+    cache.commit(seq, tokens)
+    cache.evict("l1")
+    assert cache.match(tokens).by_tier["l1"] == 16  # pinned by the sequence
+    cache.free(seq)
+    cache.evict("l1")
+    assert cache.match(tokens).by_tier == {"l1": 0, "l2": 16, "l3": 0}

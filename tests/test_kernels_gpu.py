@@ -127,6 +127,18 @@ def test_block_gather_scatter(pinned):
     assert int(fresh.count_nonzero()) == int(fresh[:, slots].count_nonzero())
 
 
+def test_copy_blocks_reads_a_pinned_layer_view():
+    block_copy = _kernels()[3]
+    host = torch.randn(40, 4, 2, 16, 8, 128).to(torch.bfloat16).pin_memory()  # L2: [slots, layers, ...]
+    staging = torch.zeros(64, 2, 16, 8, 128, dtype=torch.bfloat16, device="cuda")
+    src = torch.tensor([39, 0, 17, 18, 5], device="cuda")
+    rows = torch.tensor([63, 2, 3, 10, 0], device="cuda")
+    block_copy.copy_blocks(host[:, 2], src, staging, rows)
+    torch.cuda.synchronize()
+    assert torch.equal(staging[rows].cpu(), host[src.cpu(), 2])
+    assert int(staging.count_nonzero()) == int(staging[rows].count_nonzero())
+
+
 def test_package_dispatches_cuda_to_triton():
     import tierkv.kernels as K
 

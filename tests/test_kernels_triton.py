@@ -178,6 +178,15 @@ def test_block_gather_scatter_round_trip(tk):
     assert not fresh[:, [1, 2, 4, 5, 6]].any()
 
 
+def test_copy_blocks_between_strided_layer_views(tk):
+    host = torch.randn(9, 3, 2, 16, 2, 64).half()  # L2-like: [slots, layers, 2, bs, h, d]
+    staging = torch.zeros(6, 2, 16, 2, 64).half()
+    src, rows = torch.tensor([8, 0, 5]), torch.tensor([4, 1, 2])
+    tk.block_copy.copy_blocks(host[:, 1], src, staging, rows)  # layer 1: rows strided by 3 layers
+    assert torch.equal(staging[rows], host[src, 1])
+    assert not staging[[0, 3, 5]].any()
+
+
 def test_dispatch_env_forces_triton(tk, monkeypatch):
     import tierkv.kernels as K
 

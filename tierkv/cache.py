@@ -4,7 +4,9 @@ Two ways in. The simple one, for engines that keep their own KV: `store` a prefi
 a prompt against every tier, `retrieve` the cached prefix back. The block-level one, for paged
 engines whose attention reads the L1 pool directly: `allocate` a sequence (pins its L1 hits,
 loads its L2 hits, reserves fresh blocks for the rest), `append` room for new tokens, `commit`
-blocks as they fill, `free` at the end; `block_table` turns sequences into a kernel input.
+blocks as they fill, `free` at the end; `block_table` turns sequences into a kernel input. A
+sequence larger than L1 `offload`s its oldest blocks to L2 and attention reads them through
+`stream` (streaming.py), one layer at a time.
 
 Here is where tiers meet policies: which block is evicted, demoted or copied down. This file
 never knows about requests, scheduling or HTTP, and never moves bytes itself (transfer.py does).
@@ -24,6 +26,7 @@ from .hashing import hash_blocks, namespace, token_bytes
 from .index import BlockEntry
 from .layout import KVLayout
 from .tiering import Prefetch, Tiering
+from .streaming import LayerStream, LayerStreamer, StreamPlan
 from .tiers.codec import BlockId
 from .transfer import DONE, Transfer
 
@@ -46,18 +49,33 @@ class Match:
 
 @dataclass(slots=True, eq=False)
 class SequenceBlocks:
-    """The L1 blocks one running sequence holds. Made by `allocate`, released by `free`."""
+    """The blocks one running sequence holds. Made by `allocate`, released by `free`.
+
+    Normally every block is in L1. A streamed sequence (one larger than L1) keeps its first
+    `offloaded` blocks in L2 instead: their L1 slot is -1 and `l2_slots` says where they are.
+    """
 
     ns: bytes
     priority: int
-    slots: list[int]  # L1 slot of each block, in token order: the sequence's block table
-    entries: list[BlockEntry | None]  # the index entry each slot belongs to; None = private to this sequence
+    slots: list[int]  # L1 slot of each block, in token order (-1: offloaded to L2)
+    entries: list[BlockEntry | None]  # the index entry of each block; None = private to this sequence
     hashes: list[int]  # chained hashes known so far (at least those of the committed blocks)
     committed: int  # leading blocks already committed to the index
     num_tokens: int  # tokens the slots are reserved for
     num_cached_tokens: int  # prefix tokens that came from the cache at allocation
     pending: list[Transfer]  # loads into these slots still in flight
+    l2_slots: list[int] = field(default_factory=list)  # L2 slot of each offloaded leading block
     freed: bool = False
+
+    @property
+    def offloaded(self) -> int:
+        """Leading blocks that live in L2 only; attention streams them."""
+        return len(self.l2_slots)
+
+    @property
+    def resident(self) -> int:
+        """Blocks in L1."""
+        return len(self.slots) - len(self.l2_slots)
 
     def wait(self) -> None:
         """Order the current CUDA stream after the loads into this sequence's blocks (no host sync)."""
@@ -97,6 +115,7 @@ class TieredKVCache:
         self.tiers = Tiering(layout, config, self.device)
         # The parts engines and tests look at directly.
         self.l1, self.l2, self.index, self.counters = self.tiers.l1, self.tiers.l2, self.tiers.index, self.tiers.counters
+        self.streamer = LayerStreamer(self.l1, self.l2) if self.l2 is not None else None
 
     def __enter__(self) -> TieredKVCache:
         return self
@@ -274,24 +293,45 @@ class TieredKVCache:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def can_allocate(self, num_tokens: int, match: Match) -> bool:
-        """Whether `allocate` of a sequence of `num_tokens` with this match would succeed now."""
-        return self._shortfall(num_tokens, match.blocks) <= 0
+    def can_allocate(self, num_tokens: int, match: Match, *, stream: bool = False, reserve: int | None = None) -> bool:
+        """Whether `allocate` with these arguments would succeed now."""
+        blocks = match.blocks
+        k = self._streamable(blocks) if stream else 0
+        return self._shortfall(self._reserve(num_tokens, reserve, len(blocks)), blocks[k:], k) <= 0
 
-    def _shortfall(self, num_tokens: int, blocks: list[BlockEntry]) -> int:
+    def _shortfall(self, num_tokens: int, blocks: list[BlockEntry], offloaded: int = 0) -> int:
+        """L1 blocks missing to hold `num_tokens` tokens whose first `offloaded` blocks stay in L2
+        and whose next cached blocks are `blocks`."""
         l1_hits = [e for e in blocks if e.l1 >= 0]
-        need = self.blocks_needed(num_tokens) - len(l1_hits)
+        need = self.blocks_needed(num_tokens) - offloaded - len(l1_hits)
         available = len(self.l1.free) + self.index.evictable("l1") - sum(1 for e in l1_hits if e.ref == 0)
         return need - available
 
+    def _streamable(self, blocks: list[BlockEntry]) -> int:
+        """How many leading cached blocks L2 holds: a streamed sequence reads them from there."""
+        if self.l2 is None:
+            return 0
+        return next((i for i, e in enumerate(blocks) if e.l2 < 0), len(blocks))
+
+    def _reserve(self, num_tokens: int, reserve: int | None, cached_blocks: int) -> int:
+        """Tokens to reserve room for: all by default, never fewer than the cached prefix."""
+        if reserve is None:
+            return num_tokens
+        return min(num_tokens, max(reserve, cached_blocks * self.block_size))
+
     def allocate(
-        self, tokens, salt: str | None = None, *, priority: int = 0, match: Match | None = None
+        self, tokens, salt: str | None = None, *, priority: int = 0, match: Match | None = None,
+        stream: bool = False, reserve: int | None = None,
     ) -> SequenceBlocks:
         """Reserve L1 blocks for `tokens`: cached prefix blocks are shared (L1) or loaded (L2), the rest is fresh.
 
         Uses what L1 and L2 hold now: L3 hits are brought up by `prefetch` first (or recomputed).
         Raises CacheFullError, changing nothing, when L1 cannot make room. Call `seq.wait()`
         before attention reads the sequence's blocks (L2 loads run asynchronously on CUDA).
+
+        For sequences larger than L1: `reserve` limits the room taken now to the first `reserve`
+        tokens (`append` adds more later), and `stream=True` leaves the leading cached blocks that
+        L2 holds in L2, offloaded, instead of loading them (attention streams them).
         """
         m = match if match is not None else self.match(tokens, salt)
         self.tiers.reap()
@@ -300,34 +340,39 @@ class TieredKVCache:
             raise ValueError("allocate() needs at least one token")
         # Walk again: the index may have changed since the match (evictions, prefetches landing).
         blocks = self.index.walk(m.hashes[: (num_tokens - 1) // self.block_size], m.ns, m.token_bytes, self.block_size)
-        short = self._shortfall(num_tokens, blocks)
+        k = self._streamable(blocks) if stream else 0
+        offloaded, cached = blocks[:k], blocks[k:]
+        reserved = self._reserve(num_tokens, reserve, len(blocks))
+        short = self._shortfall(reserved, cached, k)
         if short > 0:
-            raise CacheFullError(f"a sequence of {num_tokens} tokens needs {short} more L1 blocks than can be freed")
-        l1_hits = [e for e in blocks if e.l1 >= 0]
-        l2_hits = [e for e in blocks if e.l1 < 0]
+            raise CacheFullError(f"a sequence of {reserved} tokens needs {short} more L1 blocks than can be freed")
+        self.index.hold_l2(offloaded)  # they stay in L2 for as long as the sequence runs
+        l1_hits = [e for e in cached if e.l1 >= 0]
+        l2_hits = [e for e in cached if e.l1 < 0]
         for e in l1_hits:
             self.index.pin(e)
         self.index.hold_l2(l2_hits)  # the evictions below must not drop what we are about to load
-        fresh = self.tiers.take_l1(self.blocks_needed(num_tokens) - len(l1_hits))
+        fresh = self.tiers.take_l1(self.blocks_needed(reserved) - k - len(l1_hits))
         load = self.tiers.load_l2(l2_hits, fresh[: len(l2_hits)])
         self.index.release_l2(l2_hits)
         for e, slot in zip(l2_hits, fresh):
             self.index.pin(e)
             self.index.place(e, "l1", slot)
             e.loading = load if load is not DONE else None
-        pending = [e.loading for e in blocks if e.loading is not None and not e.loading.done()]
+        pending = [e.loading for e in cached if e.loading is not None and not e.loading.done()]
         self._use(blocks, priority)
         rest = fresh[len(l2_hits) :]
         return SequenceBlocks(
             ns=m.ns,
             priority=priority,
-            slots=[e.l1 for e in blocks] + rest,
+            slots=[-1] * k + [e.l1 for e in cached] + rest,
             entries=[*blocks, *([None] * len(rest))],
             hashes=list(m.hashes),
             committed=len(blocks),
-            num_tokens=num_tokens,
+            num_tokens=reserved,
             num_cached_tokens=len(blocks) * self.block_size,
             pending=pending,
+            l2_slots=[e.l2 for e in offloaded],
         )
 
     def can_append(self, seq: SequenceBlocks, num_tokens: int = 1) -> bool:
@@ -364,7 +409,7 @@ class TieredKVCache:
             h, parent = seq.hashes[i], seq.hashes[i - 1] if i else 0
             blk = tb[(i - start) * 4 * bs : (i - start + 1) * 4 * bs]
             entry, collided = self.index.lookup(h, parent, seq.ns, blk)
-            if collided or (entry is not None and entry.l1 >= 0):
+            if seq.slots[i] < 0 or collided or (entry is not None and entry.l1 >= 0):
                 continue  # someone else holds this block (or its hash): ours stays private
             if entry is None:
                 entry = self.index.create(h, parent, seq.ns, blk, seq.priority)
@@ -380,14 +425,94 @@ class TieredKVCache:
         """Release everything `seq` holds: shared blocks become evictable (tail first), private ones free."""
         if seq.freed:
             raise ValueError("free() of a sequence that was already freed")
+        k = seq.offloaded
+        if k:
+            self.streamer.synchronize()  # its L2 slots may be read by a streamed load in flight
         private = []
-        for slot, entry in zip(reversed(seq.slots), reversed(seq.entries)):
+        for slot, entry in zip(reversed(seq.slots[k:]), reversed(seq.entries[k:])):
             if entry is None:
                 private.append(slot)
             else:
                 self.index.unpin(entry)
         self.l1.free.give(private)
-        seq.slots, seq.entries, seq.freed = [], [], True
+        for slot, entry in zip(reversed(seq.l2_slots), reversed(seq.entries[:k])):
+            if entry is None:
+                self.l2.free.give([slot])
+            else:
+                self.index.release_l2([entry])
+        seq.slots, seq.entries, seq.l2_slots, seq.freed = [], [], [], True
+
+    # ------------------------------------------------------------------ sequences larger than L1
+
+    def offload(self, seq: SequenceBlocks, num_blocks: int) -> int:
+        """Move the oldest `num_blocks` L1 blocks of `seq` to L2, freeing their L1 room.
+
+        The blocks must hold computed KV (full blocks before the sequence's next token). Shared
+        blocks stay indexed (now unpinned in L1, held in L2); private ones move to a private L2
+        slot. Returns how many moved: fewer when L2 has no room left.
+        """
+        if self.l2 is None or num_blocks <= 0:
+            return 0
+        first = seq.offloaded
+        todo = range(first, min(first + num_blocks, len(seq.slots)))
+        self.tiers.write_down([e for i in todo if (e := seq.entries[i]) is not None])
+        private = [i for i in todo if seq.entries[i] is None]
+        private_l2 = dict(zip(private, self.tiers.take_l2(len(private))))
+        # Offloaded blocks stay a prefix: stop at the first block that found no room in L2.
+        n = next((j for j, i in enumerate(todo) if not self._has_l2_copy(seq.entries[i], i in private_l2)), len(todo))
+        moved = todo[:n]
+        self.l2.free.give([slot for i, slot in private_l2.items() if i not in moved])
+        copies = [(seq.slots[i], private_l2[i]) for i in moved if seq.entries[i] is None]
+        if copies:
+            self.tiers.mover.l1_to_l2([a for a, _ in copies], [b for _, b in copies])
+            self.tiers.count("l2", len(copies), into=True)
+        for i in moved:
+            e = seq.entries[i]
+            if e is None:
+                seq.l2_slots.append(private_l2[i])
+            else:
+                self.index.hold_l2([e])
+                self.index.unpin(e)
+                seq.l2_slots.append(e.l2)
+        self.l1.free.give([seq.slots[i] for i in moved if seq.entries[i] is None])
+        if copies:
+            self.tiers.mover.fence()  # the freed L1 slots are reused only after the copies out of them
+        for i in moved:
+            seq.slots[i] = -1
+        return n
+
+    @staticmethod
+    def _has_l2_copy(entry: BlockEntry | None, private_slot: bool) -> bool:
+        return private_slot if entry is None else entry.l2 >= 0
+
+    def stream(self, seqs: list[SequenceBlocks]) -> LayerStream:
+        """Start assembling the KV of `seqs` (streamed sequences) layer by layer for one step.
+
+        Returns the step's LayerStream: its `plan.block_tables` [len(seqs), width] index the
+        staging buffer that `layer_kv(layer, pool)` fills (see streaming.py).
+        """
+        l2_slots, l2_rows, l1_slots, l1_rows = [], [], [], []
+        width = max(len(s.slots) for s in seqs)
+        table = torch.full((len(seqs), width), -1, dtype=torch.int32)
+        row = 0
+        for b, s in enumerate(seqs):
+            n, k = len(s.slots), s.offloaded
+            table[b, :n] = torch.arange(row, row + n, dtype=torch.int32)
+            l2_slots += s.l2_slots
+            l2_rows += range(row, row + k)
+            l1_slots += s.slots[k:]
+            l1_rows += range(row + k, row + n)
+            row += n
+        dev = self.device
+
+        def index(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64).to(dev, non_blocking=True)
+
+        plan = StreamPlan(index(l2_slots), index(l2_rows), index(l1_slots), index(l1_rows),
+                          table.to(dev, non_blocking=True), row)
+        self.tiers.count("l2", len(l2_slots), into=False)
+        mover = self.tiers.mover
+        return self.streamer.start(plan, mover.last if mover is not None else DONE)
 
     def block_table(
         self, seqs: list[SequenceBlocks], width: int | None = None, device: str | torch.device | None = None
@@ -425,6 +550,14 @@ class TieredKVCache:
     def flush(self, timeout: float | None = None) -> bool:
         """Write every block that L3 lacks to L3 and wait (shutdown); True if all landed within `timeout`."""
         return self.tiers.flush(timeout)
+
+    def evict(self, tier: str) -> None:
+        """Empty `tier` ("l1" or "l2") of every block no running sequence holds, as memory pressure
+        would (L1 demotes to L2 by the write policy, L2 writes to L3 first where it admits them).
+        For operators and benchmarks: cached prefixes then hit the tier below."""
+        if tier not in ("l1", "l2"):
+            raise ValueError(f"evict() takes 'l1' or 'l2', got {tier!r}")
+        self.tiers.evict_all(tier)
 
     def close(self) -> None:
         """Finish pending transfers and L3 writes, then release the L3 stores."""

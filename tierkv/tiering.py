@@ -121,7 +121,7 @@ class Tiering:
         if self.l2 is None:
             return 0
         entries = [e for e in entries if e.l2 < 0 and e.l1 >= 0]
-        slots = self._take_l2(len(entries))
+        slots = self.take_l2(len(entries))
         entries = entries[: len(slots)]
         if entries:
             moved = self.mover.l1_to_l2([e.l1 for e in entries], slots)
@@ -133,20 +133,40 @@ class Tiering:
                 self._flush(entries, moved)
         return len(entries)
 
-    def _take_l2(self, n: int) -> list[int]:
+    def take_l2(self, n: int) -> list[int]:
         """Up to `n` free L2 slots. A victim that L3 admits but does not have yet is first
         written there and stays, held, until the write ends; one whose write failed, or that L3
         does not admit, goes at once (a dead L3 must not fill L2 with blocks waiting for it)."""
-        while len(self.l2.free) < n and (e := self.index.victim("l2")) is not None:
-            if self.l3 is not None and e.l3 == "" and self._admits(e):
-                self.index.place(e, "l2", e.l2)  # back in L2, held by the flush until written
-                self._flush([e], self.mover.last)
-                continue
-            if e.l1 < 0 and e.l3 != "written":
-                self.counters.tiers["l2"].drops += 1
-            self.l2.free.give([self.index.unplace(e, "l2")])
-            self.counters.tiers["l2"].evictions += 1
+        while len(self.l2.free) < n and self._evict_l2():
+            pass
         return self.l2.free.take(min(n, len(self.l2.free)))
+
+    def _evict_l2(self) -> bool:
+        """Give up the L2 policy's next victim, or start its L3 write; False when none is left."""
+        e = self.index.victim("l2")
+        if e is None:
+            return False
+        if self.l3 is not None and e.l3 == "" and self._admits(e):
+            self.index.place(e, "l2", e.l2)  # back in L2, held by the flush until written
+            self._flush([e], self.mover.last)
+            return True
+        if e.l1 < 0 and e.l3 != "written":
+            self.counters.tiers["l2"].drops += 1
+        self.l2.free.give([self.index.unplace(e, "l2")])
+        self.counters.tiers["l2"].evictions += 1
+        return True
+
+    def evict_all(self, tier: str) -> None:
+        """Give up every block of `tier` that nothing holds, as memory pressure would: L1 blocks
+        demote to L2 by the write policy, L2 blocks go to L3 first where it admits them."""
+        if tier == "l1":
+            victims = []
+            while (e := self.index.victim("l1")) is not None:
+                victims.append(e)
+            self._evict_l1(victims)
+        elif self.l2 is not None:
+            while self._evict_l2():
+                pass
 
     def load_l2(self, entries: list[BlockEntry], l1_slots: list[int]) -> Transfer:
         """Start copying L2 blocks into L1 slots; the caller places the entries."""
@@ -187,7 +207,7 @@ class Tiering:
         """Start reading the blocks `ids` (a chain's L3 part, in order) into fresh L2 slots."""
         self.reap()
         ids = [b for b in ids if b.hash not in self.index.entries and b.hash not in self._fetching]
-        slots = self._take_l2(len(ids)) if ids and self.l3 is not None else []
+        slots = self.take_l2(len(ids)) if ids and self.l3 is not None else []
         if not slots:
             return Prefetch(None, None)
         ids = ids[: len(slots)]

@@ -52,6 +52,11 @@ class Transfer:
         if self.event is not None:
             torch.cuda.current_stream().wait_event(self.event)
 
+    def wait_on(self, stream: torch.cuda.Stream) -> None:
+        """Make `stream` wait for this transfer (no host sync)."""
+        if self.event is not None:
+            stream.wait_event(self.event)
+
     def synchronize(self) -> None:
         """Block the calling thread until the copies are complete (needed before the CPU reads L2)."""
         if self.event is not None:

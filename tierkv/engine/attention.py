@@ -3,6 +3,8 @@
 The runner builds one `AttentionMetadata` per step and hands it to the model explicitly; this
 file never keeps state between calls (no module globals) and never allocates or frees blocks:
 it writes this step's K/V into slots the scheduler already owns, then attends through them.
+Sequences larger than L1 ("streamed") attend over a staging buffer that `LayerStream` fills
+with the layer's KV from L2 and L1; they come last in the batch.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from tierkv import kernels
+from tierkv.streaming import LayerStream
 
 
 @dataclass(slots=True)
@@ -30,6 +33,7 @@ class AttentionMetadata:
                     the last new token of each sequence that finishes its prompt or decodes.
     is_decode:      True when every sequence has exactly one new token (T == B); the model then
                     uses the decode kernel, which is cheaper and CUDA-graph friendly.
+    streamed:       set when the batch ends with streamed sequences (see StreamedAttention).
     """
 
     slot_mapping: torch.Tensor
@@ -38,6 +42,7 @@ class AttentionMetadata:
     cu_seqlens_q: torch.Tensor
     logits_indices: torch.Tensor
     is_decode: bool = False
+    streamed: StreamedAttention | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -48,6 +53,29 @@ class AttentionMetadata:
         return int(self.seq_lens.shape[0])
 
 
+@dataclass(slots=True)
+class StreamedAttention:
+    """The split of a batch whose last sequences are streamed.
+
+    first_token: new tokens [0, first_token) belong to the L1-only sequences, the rest to the
+                 streamed ones.
+    head:        metadata of the L1-only sequences (None if there are none).
+    tail:        metadata of the streamed sequences; its block_tables index the staging buffer.
+    stream:      the step's LayerStream, which fills that buffer layer by layer.
+    """
+
+    first_token: int
+    head: AttentionMetadata | None
+    tail: AttentionMetadata
+    stream: LayerStream
+
+
+def _attend(q: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None):
+    if meta.is_decode:  # one query per sequence: [B, Hq, D] with B == T
+        return kernels.paged_decode(q, kv, meta.block_tables, meta.seq_lens, scale, window)
+    return kernels.paged_prefill(q, kv, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens, scale, window)
+
+
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -56,18 +84,22 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    layer: int = 0,
 ) -> torch.Tensor:
     """Store this step's K/V in the pool, then attend each new query over its whole sequence.
 
-    q: [T, Hq, D]; k, v: [T, Hkv, D] (already rotated); kv: one layer's pool
+    q: [T, Hq, D]; k, v: [T, Hkv, D] (already rotated); kv: layer `layer`'s pool
     [num_blocks, 2, block_size, Hkv, D]. Returns [T, Hq, D] in q's dtype.
     """
     # The write comes first: the kernels read a sequence's keys only through the pool, so the
     # new tokens must already be there to see themselves (causal includes the diagonal).
     kernels.kv_write(k, v, kv, meta.slot_mapping)
-    if meta.is_decode:
-        # one query per sequence: [B, Hq, D] with B == T
-        return kernels.paged_decode(q, kv, meta.block_tables, meta.seq_lens, scale, sliding_window)
-    return kernels.paged_prefill(
-        q, kv, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens, scale, sliding_window
-    )
+    s = meta.streamed
+    if s is None:
+        return _attend(q, kv, meta, scale, sliding_window)
+    staged = s.stream.layer_kv(layer, kv)  # [rows, 2, bs, Hkv, D]: this layer's KV of the streamed sequences
+    out_tail = _attend(q[s.first_token :], staged, s.tail, scale, sliding_window)
+    s.stream.release(layer)
+    if s.head is None:
+        return out_tail
+    return torch.cat([_attend(q[: s.first_token], kv, s.head, scale, sliding_window), out_tail])

@@ -169,6 +169,7 @@ class Attention(nn.Module):
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
+        self.layer = layer
         self.sliding_window = cfg.layer_windows[layer] if cfg.layer_windows else None
         # q, k and v in one GEMM: one weight read and one launch instead of three.
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
@@ -188,7 +189,7 @@ class Attention(nn.Module):
             # Qwen3: RMSNorm over each head's D features, before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        out = paged_attention(q, k, v.contiguous(), kv, meta, self.scale, self.sliding_window)  # [T, Hq, D]
+        out = paged_attention(q, k, v.contiguous(), kv, meta, self.scale, self.sliding_window, self.layer)  # [T, Hq, D]
         return self.o_proj(out.reshape(t, self.q_size))  # [T, hidden]
 
 

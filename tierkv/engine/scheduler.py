@@ -6,7 +6,9 @@ arrival while L1 can hold them. Admission goes through the cache: L1 hits are sh
 load while other requests compute, and L3 hits are prefetched into L2 first (the request waits
 for them up to a deadline, then recomputes what has not arrived). When L1 runs out, the
 lowest-priority, latest request is preempted: its full blocks are committed and released, so
-they demote to L2 instead of vanishing, and its next admission finds them there.
+they demote to L2 instead of vanishing, and its next admission finds them there. A request that
+all of L1 cannot hold is streamed instead: it keeps at most half of L1, moves its oldest
+computed blocks to L2 as it grows, and attention reads them back layer by layer.
 
 Never runs the model and never touches tensors.
 """
@@ -36,6 +38,11 @@ class ScheduledStep:
         return all(n == 1 for n in self.num_new)
 
 
+# Blocks a streamed request moves to L2 at once when it needs room: one copy of many blocks
+# rather than one per step.
+OFFLOAD_BATCH_BLOCKS = 64
+
+
 class Scheduler:
     def __init__(
         self,
@@ -51,6 +58,9 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.prefix_caching = enable_prefix_caching
         self.prefetch_deadline_s = prefetch_deadline_s
+        # Seconds to recompute one prompt token, set by the engine: a cached prefix in a slow tier
+        # is only loaded where that is faster (None: always load).
+        self.recompute_seconds_per_token: float | None = None
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.given_up: list[Request] = []  # finished by the scheduler itself; the engine reports them
@@ -70,7 +80,7 @@ class Scheduler:
         for req in list(self.running):  # oldest first; a preemption below may remove later ones
             if req.status is not Status.RUNNING:
                 continue
-            n = min(req.num_tokens - req.num_computed, budget)
+            n = min(req.num_tokens - req.num_computed, budget, self._chunk_cap(req))
             if n <= 0:
                 continue
             if not self._make_room(req, n, step):
@@ -85,6 +95,8 @@ class Scheduler:
         """Reserve slots for `n` more tokens of `req`, preempting others if L1 is short."""
         extra = req.num_computed + n - req.seq.num_tokens  # tokens beyond what its blocks cover
         while extra > 0 and not self.cache.can_append(req.seq, extra):
+            if self._offload_own(req, extra):
+                continue
             victim = self._victim(exclude=step.requests)
             if victim is req and len(self.running) == 1:
                 # alone and still out of room: all of L1 cannot hold it, so it ends here
@@ -96,6 +108,31 @@ class Scheduler:
         if extra > 0:
             self.cache.append(req.seq, extra)
         return True
+
+    def _streams(self, req: Request) -> bool:
+        """Whether `req` runs streamed: it is already, or all of L1 could never hold it."""
+        if self.cache.l2 is None:
+            return False
+        if req.seq is not None and req.seq.offloaded:
+            return True
+        return self.cache.blocks_needed(req.num_tokens + 1) > self.cache.l1.num_blocks
+
+    def _chunk_cap(self, req: Request) -> int:
+        """Most new tokens `req` computes in one step: a streamed request keeps to half of L1."""
+        if not self._streams(req):
+            return req.num_tokens
+        return max(1, self.cache.l1.num_blocks // 2) * self.cache.block_size
+
+    def _offload_own(self, req: Request, extra: int) -> bool:
+        """Make room for `extra` tokens of `req` by moving its own oldest computed blocks to L2;
+        done for requests that stream, or that are alone and would otherwise end here."""
+        if self.cache.l2 is None or not (self._streams(req) or self.running == [req]):
+            return False
+        movable = req.num_computed // self.cache.block_size - req.seq.offloaded  # full blocks in L1
+        if movable <= 0:
+            return False
+        want = max(self.cache.blocks_needed(extra), OFFLOAD_BATCH_BLOCKS)
+        return self.cache.offload(req.seq, min(want, movable)) > 0
 
     def _victim(self, exclude: list[Request]) -> Request:
         """The running request to preempt: lowest priority, then latest arrival. Requests already
@@ -112,20 +149,27 @@ class Scheduler:
             if req.prefetch is not None and not req.prefetch.done() and now < req.prefetch_until:
                 continue  # its L3 blocks are still on their way: no need to look it up again yet
             limit = None if self.prefix_caching else 0
-            match = self.cache.match(req.all_ids, req.salt, limit=limit)
+            match = self.cache.match(req.all_ids, req.salt, limit=limit,
+                                     recompute_seconds_per_token=self.recompute_seconds_per_token)
             if match.by_tier["l3"] and req.prefetch is None:
                 # bring the L3 part up into L2 in the background; others run meanwhile
                 req.prefetch = self.cache.prefetch(match, self.prefetch_deadline_s, priority=req.priority)
                 req.prefetch_until = now + self.prefetch_deadline_s
                 if not req.prefetch.done():
                     continue
-            if not self.cache.can_allocate(req.num_tokens, match):
+            # A request larger than L1 is admitted streamed: room for its first chunk only, and
+            # its cached prefix read from L2 where L2 holds it.
+            stream = self._streams(req)
+            reserve = min(req.num_tokens, match.tokens + min(budget, self._chunk_cap(req))) if stream else None
+            if not self.cache.can_allocate(req.num_tokens, match, stream=stream, reserve=reserve):
                 if not self.running and not step.requests:
                     self._give_up(req)  # nothing holds L1 and it still does not fit: it never will
                     continue
                 break  # first come first served: nobody overtakes a request that does not fit yet
             try:
-                req.seq = self.cache.allocate(req.all_ids, req.salt, priority=req.priority, match=match)
+                req.seq = self.cache.allocate(
+                    req.all_ids, req.salt, priority=req.priority, match=match, stream=stream, reserve=reserve
+                )
             except CacheFullError:
                 break
             self.waiting.remove(req)
@@ -135,7 +179,7 @@ class Scheduler:
             if req.cached_tokens is None:
                 req.cached_tokens = req.seq.num_cached_tokens
             self.running.append(req)
-            n = min(req.num_tokens - req.num_computed, budget)
+            n = min(req.seq.num_tokens - req.num_computed, budget)  # a streamed request reserved one chunk
             step.requests.append(req)
             step.num_new.append(n)
             budget -= n

@@ -1,0 +1,264 @@
+"""bench_long_context: a 100K-token prompt on a Llama-3.1-8B-shaped model, from every tier.
+
+One run, bf16, random weights saved as safetensors (the model of bench_latency):
+1. Cold prefill: TTFT of a --tokens (100K) random prompt through `tierkv.LLM` (one output
+   token), against transformers' forward over the same prompt (sdpa, logits of the last token
+   only, the same weights); target <= 1.0x transformers' time.
+2. The same prompt again with its KV in L1, in L2 (`cache.evict("l1")`), and on the disk tier
+   (`flush`, then L1 and L2 evicted): TTFT each and speed-up over cold. Load-or-recompute
+   decides per tier; the disk case runs twice: as the engine chooses, and forced to load
+   (recompute estimate off, long prefetch deadline), so the JSON shows what loading would have
+   cost. Targets: L2 >= 20x faster than cold; no tier slower than cold.
+3. A context 4x the L1 budget: L1 set to a quarter of the prompt's KV, so prefill and decode
+   stream the older blocks from L2 layer by layer. Decode tok/s against the PCIe bound:
+   bytes streamed per step (from the cache's counter) / pinned host->device bandwidth measured
+   in this run (one large copy-engine transfer); target >= 80%.
+4. With --serve: the 100K-token prompt through `tierkv-serve` with that small L1 (HTTP, token
+   ids), checking the answer arrives.
+Writes bench_long_context-<gpu>.json and a PNG of TTFT by tier.
+
+    python benchmarks/bench_long_context.py [--tokens 100000] [--serve] [--out DIR]
+    python benchmarks/bench_long_context.py --smoke --out /tmp/x      # tiny Llama on CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_latency import LLAMA31_8B, TINY_LLAMA3, sync
+from bench_throughput import device_and_dtype, release_memory, save_random_model
+from common import RESULTS, machine_tag, write_results
+
+import tierkv
+
+
+@torch.inference_mode()
+def hf_prefill_seconds(model, prompt: list[int], device: torch.device) -> float:
+    """transformers forward over the whole prompt at once, logits of the last token only."""
+    ids = torch.tensor([prompt], device=device)
+    model(ids[:, :1024], logits_to_keep=1)  # warm-up
+    sync(device)
+    t = time.perf_counter()
+    model(ids, logits_to_keep=1)
+    sync(device)
+    return time.perf_counter() - t
+
+
+def h2d_bandwidth(nbytes: int) -> float:
+    """Bytes/s of one pinned host -> device copy (copy engine), the PCIe bound of streaming."""
+    src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst.copy_(src, non_blocking=True)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        dst.copy_(src, non_blocking=True)
+    end.record()
+    end.synchronize()
+    return 5 * nbytes / (start.elapsed_time(end) / 1e3)
+
+
+def ttft(llm: tierkv.LLM, prompt: list[int]) -> dict:
+    """Time to the first (only) token, the prefix tokens the cache served, and from which tier."""
+    before = {t: v["hit_tokens"] for t, v in llm.cache.stats()["tiers"].items()}
+    t = time.perf_counter()
+    out = llm.generate(prompt, tierkv.SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), use_tqdm=False)[0]
+    seconds = time.perf_counter() - t
+    after = llm.cache.stats()["tiers"]
+    return dict(ttft_s=seconds, cached_tokens=out.cached_tokens,
+                hit_tokens_by_tier={t: after[t]["hit_tokens"] - before[t] for t in after})
+
+
+def tier_runs(model_dir: str, prompt: list[int], disk: Path, device, dtype, kv_bytes: int) -> dict:
+    """Cold, then L1, L2 and disk hits of the same prompt, in one engine."""
+    l2 = 2 * kv_bytes + 2**30
+    llm = tierkv.LLM(model_dir, device=str(device), dtype=dtype, l2=l2,
+                     l3=[f"file://{disk}?size={3 * kv_bytes + 2**30}"], write_policy="write_through")
+    ttft(llm, [t + 1 for t in prompt[:2048]])  # warm-up: kernel compilation, allocator (another prefix)
+    runs = dict(cold=ttft(llm, prompt))
+    runs["l1"] = ttft(llm, prompt)
+    llm.cache.evict("l1")
+    runs["l2"] = ttft(llm, prompt)
+    assert llm.cache.flush(timeout=600), "the disk tier did not take the prefix within 10 minutes"
+    scheduler = llm.engine.scheduler
+    for name, forced in (("disk", False), ("disk_forced_load", True)):
+        llm.cache.evict("l1")
+        llm.cache.evict("l2")
+        estimate, deadline = scheduler.recompute_seconds_per_token, scheduler.prefetch_deadline_s
+        if forced:  # load whatever the disk holds, however long it takes
+            scheduler.recompute_seconds_per_token, scheduler.prefetch_deadline_s = None, 600.0
+        runs[name] = ttft(llm, prompt)
+        runs[name]["recompute_seconds_per_token"] = estimate
+        scheduler.recompute_seconds_per_token, scheduler.prefetch_deadline_s = estimate, deadline
+    runs["disk_store"] = llm.cache.stats()["l3_stores"]
+    llm.close()
+    return runs
+
+
+def streamed_run(model_dir: str, prompt: list[int], device, dtype, kv_bytes: int, decode_tokens: int,
+                 h2d: float | None) -> dict:
+    """L1 = a quarter of the prompt's KV: prefill and decode stream the rest from L2."""
+    l1 = kv_bytes // 4
+    llm = tierkv.LLM(model_dir, device=str(device), dtype=dtype, l1=l1, l2=2 * kv_bytes + 2**30)
+    engine, cache = llm.engine, llm.cache
+    params = tierkv.SamplingParams(temperature=0, max_tokens=decode_tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    req = engine.add_request(prompt, params)
+    stamps, streamed = [], []
+    while engine.has_unfinished():
+        outs = engine.step()
+        if any(o.request_id == req.request_id and o.new_token_ids for o in outs):
+            stamps.append(time.perf_counter())
+            streamed.append(cache.streamer.bytes_read)
+    assert len(stamps) == decode_tokens, f"{len(stamps)} tokens instead of {decode_tokens}"
+    steps = len(stamps) - 1
+    decode_s = stamps[-1] - stamps[0]
+    bytes_per_step = (streamed[-1] - streamed[0]) / max(steps, 1)
+    out = dict(l1_bytes=cache.l1.num_blocks * cache.layout.bytes_per_block, kv_bytes=kv_bytes,
+               context_over_l1=kv_bytes / (cache.l1.num_blocks * cache.layout.bytes_per_block),
+               ttft_s=stamps[0] - t0, decode_tok_s=steps / decode_s, streamed_bytes_per_step=bytes_per_step)
+    if h2d:
+        out["pcie_bound_tok_s"] = h2d / bytes_per_step
+        out["fraction_of_pcie_bound"] = out["decode_tok_s"] / out["pcie_bound_tok_s"]
+    llm.close()
+    return out
+
+
+def serve_run(model_dir: str, prompt: list[int], l1: int, l2: int, port: int = 8123) -> dict:
+    """The prompt through tierkv-serve (small L1, so it streams): HTTP status, tokens, seconds."""
+    cmd = ["tierkv-serve", "--model", model_dir, "--port", str(port), "--l1", str(l1), "--l2", str(l2),
+           "--log-level", "warning"]
+    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        for _ in range(600):
+            try:
+                urllib.request.urlopen(f"{base}/health", timeout=1)
+                break
+            except OSError:
+                if server.poll() is not None:
+                    raise RuntimeError(f"tierkv-serve exited: {server.stderr.read()[-2000:]}")
+                time.sleep(0.5)
+        body = json.dumps({"model": Path(model_dir).name, "prompt": prompt, "max_tokens": 8, "temperature": 0}).encode()
+        t = time.perf_counter()
+        request = urllib.request.Request(f"{base}/v1/completions", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=900) as resp:
+            answer = json.load(resp)
+        seconds = time.perf_counter() - t
+        return dict(status=200, seconds=seconds, usage=answer["usage"],
+                    completion_tokens=answer["usage"]["completion_tokens"])
+    finally:
+        server.terminate()
+        server.wait(60)
+
+
+def plot(figures: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = figures["tiers"]
+    names = ["cold", "l1", "l2", "disk", "disk_forced_load"]
+    labels = ["cold\n(recompute)", "L1 hit", "L2 hit", "disk hit\n(engine's choice)", "disk hit\n(forced load)"]
+    values = [runs[n]["ttft_s"] for n in names]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    bars = ax.bar(labels, values, color=["#888", "#2a7", "#3a8fd8", "#d89a3a", "#c55"])
+    for bar, v in zip(bars, values):
+        ax.text(bar.get_x() + bar.get_width() / 2, v, f"{v:.2f} s", ha="center", va="bottom")
+    if "peer" in figures:
+        ax.axhline(figures["peer"]["prefill_s"], ls="--", c="k", lw=1, label="transformers prefill")
+        ax.legend()
+    ax.set_ylabel("time to first token (s)")
+    ax.set_title(f"{figures['workload']['tokens']:,}-token prompt, {figures['workload']['model']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tokens", type=int, default=100_000)
+    p.add_argument("--decode-tokens", type=int, default=32)
+    p.add_argument("--disk", type=Path, default=None, help="directory for the disk tier (default: a temp dir)")
+    p.add_argument("--no-peer", action="store_true")
+    p.add_argument("--serve", action="store_true", help="also send the prompt through tierkv-serve")
+    p.add_argument("--smoke", action="store_true", help="tiny Llama on CPU: checks the script")
+    p.add_argument("--out", type=Path, default=None, help="results directory (benchmarks/results)")
+    a = p.parse_args()
+    if a.smoke:
+        a.tokens, a.decode_tokens = 600, 8
+
+    from transformers import LlamaConfig
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    device, dtype = device_and_dtype(a.smoke)
+    config = LlamaConfig(**(TINY_LLAMA3 if a.smoke else LLAMA31_8B))
+    rng = random.Random(0)
+    prompt = [rng.randrange(config.vocab_size) for _ in range(a.tokens)]
+    figures = dict(workload=dict(model="Llama-3.1-8B shape, random weights" if not a.smoke else "tiny Llama (smoke)",
+                                 dtype=str(dtype), tokens=a.tokens, decode_tokens=a.decode_tokens),
+                   targets=dict(cold_vs_peer="<= 1.0", l2_speedup=">= 20", every_tier_vs_cold="<= 1.0",
+                                streamed_decode_fraction_of_pcie_bound=">= 0.8"))
+    h2d = h2d_bandwidth(2**30) if device.type == "cuda" else None
+    figures["pinned_h2d_gbps"] = h2d / 1e9 if h2d else None
+    with tempfile.TemporaryDirectory(prefix="bench-long-") as tmp:
+        model_dir, disk = Path(tmp) / "model", a.disk or Path(tmp) / "disk"
+        t = time.perf_counter()
+        model, sizes = save_random_model(config, model_dir, device, dtype)
+        figures["model_sizes"], figures["build_and_save_s"] = sizes, time.perf_counter() - t
+        kv_bytes = sizes["kv_bytes_per_token"] * a.tokens
+        if not a.no_peer:
+            figures["peer"] = dict(peer="transformers forward, sdpa, logits_to_keep=1",
+                                   prefill_s=hf_prefill_seconds(model, prompt, device))
+            print(f"transformers prefill of {a.tokens} tokens: {figures['peer']['prefill_s']:.2f} s", flush=True)
+        del model
+        release_memory()
+
+        runs = tier_runs(str(model_dir), prompt, disk, device, dtype, kv_bytes)
+        cold = runs["cold"]["ttft_s"]
+        for name in ("l1", "l2", "disk", "disk_forced_load"):
+            runs[name]["speedup_vs_cold"] = cold / runs[name]["ttft_s"]
+        figures["tiers"] = runs
+        if "peer" in figures:
+            figures["cold_vs_peer"] = cold / figures["peer"]["prefill_s"]
+        figures["slowest_tier_vs_cold"] = max(runs[n]["ttft_s"] for n in ("l1", "l2", "disk")) / cold
+        release_memory()
+        figures["streamed"] = streamed_run(str(model_dir), prompt, device, dtype, kv_bytes, a.decode_tokens, h2d)
+        if a.serve:
+            figures["serve"] = serve_run(str(model_dir), prompt, kv_bytes // 4, 2 * kv_bytes + 2**30)
+
+    path = write_results("bench_long_context", figures, a.out)
+    plot(figures, path.with_suffix(".png"))
+    print(f"\n{'prompt of ' + format(a.tokens, ','):<22} {'TTFT s':>9} {'vs cold':>9}  served from")
+    for name, r in runs.items():
+        if name == "disk_store":
+            continue
+        print(f"{name:<22} {r['ttft_s']:9.2f} {cold / r['ttft_s']:8.1f}x  {r['hit_tokens_by_tier']}")
+    if "peer" in figures:
+        print(f"cold / transformers prefill: {figures['cold_vs_peer']:.2f}x (target <= 1.0)")
+    s = figures["streamed"]
+    line = f"streamed decode, context {s['context_over_l1']:.1f}x L1: {s['decode_tok_s']:.2f} tok/s"
+    if "fraction_of_pcie_bound" in s:
+        line += f" = {s['fraction_of_pcie_bound']:.0%} of the PCIe bound {s['pcie_bound_tok_s']:.2f} tok/s (target >= 80%)"
+    print(line)
+    if "serve" in figures:
+        print(f"tierkv-serve: {figures['serve']['completion_tokens']} tokens in {figures['serve']['seconds']:.1f} s")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

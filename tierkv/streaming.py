@@ -1,0 +1,118 @@
+"""Streamed attention input: the KV of sequences larger than L1, assembled one layer at a time.
+
+A streamed sequence keeps its oldest blocks in L2 (pinned host) and only its recent blocks in L1.
+For each step and layer, `LayerStream` builds that layer's KV of every streamed sequence in a
+device staging buffer: the L2 blocks are read by the GPU over PCIe on a side stream, one layer
+ahead of the compute (two buffers, events per layer), and the L1 blocks are copied in once the
+layer's new K/V are written. Attention then reads the staging buffer through ordinary block
+tables, so the kernels do not know streaming exists. This file moves bytes only: which blocks
+live where is decided in cache.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import kernels
+from .tiers import DevicePool, HostPool
+from .transfer import Transfer
+
+
+@dataclass(slots=True)
+class StreamPlan:
+    """Where every block of this step's streamed sequences comes from, and its staging row.
+
+    l2_slots/l2_rows: [m] int64, L2 slot -> staging row, for the blocks that live in L2.
+    l1_slots/l1_rows: [r] int64, L1 slot -> staging row, for the blocks that live in L1.
+    block_tables: [B, width] int32, each sequence's staging rows in token order (-1 padded).
+    """
+
+    l2_slots: torch.Tensor
+    l2_rows: torch.Tensor
+    l1_slots: torch.Tensor
+    l1_rows: torch.Tensor
+    block_tables: torch.Tensor
+    num_rows: int
+
+    @property
+    def l2_blocks(self) -> int:
+        return int(self.l2_slots.shape[0])
+
+
+class LayerStreamer:
+    """Owns the two staging buffers and the side stream; `start` hands out one step's LayerStream."""
+
+    def __init__(self, l1: DevicePool, l2: HostPool) -> None:
+        self.l1, self.l2 = l1, l2
+        self.device = l1.device
+        self.cuda = self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.buffers: list[torch.Tensor] = []  # 2 x [rows, 2, bs, h, d], grown on demand, never shrunk
+        self.bytes_read = 0  # bytes streamed out of L2 so far (all layers)
+
+    def start(self, plan: StreamPlan, after: Transfer) -> LayerStream:
+        """Begin a step: its first two layers start loading at once. `after`: the last L1<->L2 move,
+        which may have written the L2 blocks the plan reads."""
+        if not self.buffers or self.buffers[0].shape[0] < plan.num_rows:
+            rows = max(plan.num_rows, 2 * self.buffers[0].shape[0] if self.buffers else 0)
+            self.synchronize()  # the old buffers may still be read by the previous step
+            shape = (rows, *self.l1.kv.shape[2:])
+            self.buffers = [torch.empty(shape, dtype=self.l1.kv.dtype, device=self.device) for _ in range(2)]
+        self.bytes_read += plan.l2_blocks * self.l1.layout.bytes_per_block
+        return LayerStream(self, plan, after)
+
+    def synchronize(self) -> None:
+        """Wait until every load issued so far is complete (before L2 slots it read are reused)."""
+        if self.stream is not None:
+            self.stream.synchronize()
+
+
+class LayerStream:
+    """One step's streamed KV: `layer_kv(i, pool_i)` before layer i's attention, `release(i)` after."""
+
+    def __init__(self, streamer: LayerStreamer, plan: StreamPlan, after: Transfer) -> None:
+        self.s, self.plan = streamer, plan
+        self.num_layers = streamer.l1.layout.num_layers
+        self.loaded: list[torch.cuda.Event | None] = [None] * self.num_layers
+        if streamer.cuda:
+            # The side stream must not overwrite a buffer the previous step still reads, and must
+            # see the L1 -> L2 copies that filled the blocks it reads.
+            streamer.stream.wait_stream(torch.cuda.current_stream(streamer.device))
+            after.wait_on(streamer.stream)
+        for layer in range(min(2, self.num_layers)):
+            self._load(layer)
+
+    def _buffer(self, layer: int) -> torch.Tensor:
+        return self.s.buffers[layer % 2][: self.plan.num_rows]  # [rows, 2, bs, h, d]
+
+    def _load(self, layer: int) -> None:
+        """Copy layer `layer` of the plan's L2 blocks into its buffer (on the side stream on CUDA)."""
+        src = self.s.l2.kv[:, layer]  # [N, 2, bs, h, d], rows strided by the layer count
+        if not self.s.cuda:
+            kernels.copy_blocks(src, self.plan.l2_slots, self._buffer(layer), self.plan.l2_rows)
+            return
+        with torch.cuda.stream(self.s.stream):
+            kernels.copy_blocks(src, self.plan.l2_slots, self._buffer(layer), self.plan.l2_rows)
+            event = torch.cuda.Event()
+            event.record(self.s.stream)
+        self.loaded[layer] = event
+
+    def layer_kv(self, layer: int, pool: torch.Tensor) -> torch.Tensor:
+        """Layer `layer`'s staged KV [rows, 2, bs, h, d]; `pool` is that layer's L1 view, whose new
+        K/V must already be written (the L1 blocks are copied now, on the current stream)."""
+        if self.loaded[layer] is not None:
+            torch.cuda.current_stream(self.s.device).wait_event(self.loaded[layer])
+        buf = self._buffer(layer)
+        kernels.copy_blocks(pool, self.plan.l1_slots, buf, self.plan.l1_rows)
+        return buf
+
+    def release(self, layer: int) -> None:
+        """Layer `layer`'s attention is issued: its buffer may take layer + 2 once that attention ends."""
+        nxt = layer + 2
+        if nxt >= self.num_layers:
+            return
+        if self.s.cuda:
+            self.s.stream.wait_stream(torch.cuda.current_stream(self.s.device))
+        self._load(nxt)
