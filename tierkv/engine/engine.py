@@ -50,6 +50,7 @@ class Engine:
         dtype: str | torch.dtype | None = None,
         cache_dir: str | None = None,
         loaded: LoadedModel | None = None,
+        enforce_eager: bool = False,
     ) -> None:
         self.lm = loaded if loaded is not None else load_model(model, device=device, dtype=dtype, cache_dir=cache_dir)
         self.tokenizer = self.lm.tokenizer
@@ -69,7 +70,9 @@ class Engine:
             self.cache, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=enable_prefix_caching,
         )
-        self.runner = ModelRunner(self.lm, self.cache)
+        # enforce_eager: no CUDA graphs for decode steps (debugging, or to save their capture time)
+        self.runner = ModelRunner(self.lm, self.cache, max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
+                                  enforce_eager=enforce_eager)
         self.requests: dict[str, Request] = {}
         log.info("engine: %s; L1 %d blocks, L2 %d blocks, L3 %s", self.lm.model_dir.name, self.cache.l1.num_blocks,
                  self.cache.l2.num_blocks if self.cache.l2 else 0, [redact_url(u) for u in l3] or "none")

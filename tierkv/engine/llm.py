@@ -31,7 +31,7 @@ class LLM:
         """`model`: a Hugging Face model directory (or a hub id already in the local cache);
         None is the bundled SmolLM2-135M-Instruct. Options: l1, l2, l3, eviction, write_policy,
         block_size, enable_prefix_caching, max_model_len, max_num_batched_tokens, max_num_seqs,
-        device, dtype, cache_dir (see Engine)."""
+        device, dtype, cache_dir, enforce_eager (True: no CUDA graphs for decode steps) (see Engine)."""
         self.engine = Engine(model, **options)
         self.tokenizer = self.engine.tokenizer
 

@@ -18,11 +18,23 @@ from .scheduler import ScheduledStep
 
 
 class ModelRunner:
-    def __init__(self, lm: LoadedModel, cache: TieredKVCache) -> None:
+    def __init__(
+        self, lm: LoadedModel, cache: TieredKVCache, *,
+        max_num_seqs: int = 256, max_model_len: int | None = None, enforce_eager: bool = False,
+    ) -> None:
+        from .graphs import DecodeGraphs
+
         self.lm, self.cache = lm, cache
         self.device = lm.device
         self.vocab_size = lm.config.vocab_size
         self.sampler = Sampler()
+        # Decode steps replay CUDA graphs (never on CPU or with enforce_eager); captured now,
+        # before any request runs, so no step pays for it.
+        self.graphs = DecodeGraphs(
+            lm.model, cache.l1.kv, block_size=cache.block_size, enabled=not enforce_eager,
+            max_model_len=max_model_len or lm.config.max_position_embeddings, max_batch_size=max_num_seqs,
+        )
+        self.graphs.capture()
 
     def prepare(self, step: ScheduledStep) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[Request]]:
         """input_ids [T], positions [T], the step's AttentionMetadata, and the requests that sample."""
@@ -58,7 +70,9 @@ class ModelRunner:
         input_ids, positions, meta, sampling = self.prepare(step)
         for r in step.requests:
             r.seq.wait()  # L2 -> L1 loads into its blocks, ordered before the attention reads
-        logits = self.lm.model(input_ids, positions, self.cache.l1.kv, meta)  # [len(sampling), vocab]
+        logits = self.graphs.run(input_ids, positions, self.cache.l1.kv, meta)  # None: not a graph step
+        if logits is None:
+            logits = self.lm.model(input_ids, positions, self.cache.l1.kv, meta)  # [len(sampling), vocab]
         if not sampling:
             return [], None
         batch = SamplingBatch.build(

@@ -1,0 +1,230 @@
+"""CUDA graphs of the decode step (tierkv/engine/graphs.py).
+
+On CPU the runner never tries graphs. On a GPU: a replay gives the eager forward's logits and
+writes the KV pool only at the live rows' slots, whatever batch ran before; greedy generation
+with graphs equals enforce_eager token for token, with decode batches that are and are not
+captured sizes, and with batches larger than the largest graph (which run eagerly).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models import make_pool, save_tiny_checkpoint
+
+from tierkv import LLM, SamplingParams
+from tierkv.engine import graphs as graphs_module
+from tierkv.engine.attention import AttentionMetadata
+from tierkv.engine.graphs import DecodeGraphs, capture_sizes
+from tierkv.engine.loader import load_model
+
+pytest.importorskip("transformers")  # builds the tiny checkpoints
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run through the device tool)")
+
+
+def test_capture_sizes():
+    assert capture_sizes(256) == [1, 2, 4] + list(range(8, 257, 8))
+    assert capture_sizes(8) == [1, 2, 4, 8]
+    assert capture_sizes(5) == [1, 2, 4, 5]
+    assert capture_sizes(12) == [1, 2, 4, 8, 12]
+    assert capture_sizes(1) == [1]
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    return str(save_tiny_checkpoint("llama", tmp_path_factory.mktemp("llama-graphs"), seed=5))
+
+
+def varied_prompts(vocab: int, lengths) -> list[list[int]]:
+    g = torch.Generator().manual_seed(11)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def varied_params(n: int) -> list[SamplingParams]:
+    """Requests end one after another, so decode batches shrink through every size below n."""
+    return [SamplingParams(temperature=0, max_tokens=6 + 3 * i, ignore_eos=True) for i in range(n)]
+
+
+def test_cpu_never_uses_graphs(tiny_llama):
+    llm = LLM(tiny_llama, device="cpu", l1="16MiB")
+    g = llm.engine.runner.graphs
+    assert not g.enabled and "cpu" in g.disabled_reason and not g.graphs
+    prompts = varied_prompts(512, (5, 17, 30))
+    outs = llm.generate(prompts, varied_params(3), use_tqdm=False)
+    eager = LLM(tiny_llama, device="cpu", l1="16MiB", enforce_eager=True)
+    assert eager.engine.runner.graphs.disabled_reason == "enforce_eager"
+    assert [o.token_ids for o in outs] == [o.token_ids for o in eager.generate(prompts, varied_params(3), use_tqdm=False)]
+    assert g.replays == 0
+
+
+class Rerun:
+    """Stands in for a CUDA graph on CPU: "replay" runs the captured work again on the static
+    buffers, so the buffer handling (padding, stale rows, row selection) is checked in CI."""
+
+    def __init__(self, graphs: DecodeGraphs, bs: int) -> None:
+        self.graphs, self.bs, self.meta = graphs, bs, graphs._meta(bs)
+
+    def replay(self) -> None:
+        self.graphs._forward(self.bs, self.meta)
+
+
+def decode_meta(lens: list[int], table: torch.Tensor, sample: list[int], block_size: int, device) -> AttentionMetadata:
+    """One new token per sequence at position len - 1, written into its own block table's slot."""
+    b = len(lens)
+    pos = torch.tensor(lens) - 1
+    slots = table[torch.arange(b), pos // block_size].long() * block_size + pos % block_size  # [B]
+    return AttentionMetadata(
+        slot_mapping=slots.to(device), block_tables=table.to(device),
+        seq_lens=torch.tensor(lens, dtype=torch.int32).to(device),
+        cu_seqlens_q=torch.arange(b + 1, dtype=torch.int32).to(device),
+        logits_indices=torch.tensor(sample, dtype=torch.int64).to(device), is_decode=True,
+    )
+
+
+@torch.inference_mode()
+def check_replays(graphs: DecodeGraphs, model, pool: torch.Tensor, block_size: int, max_len: int) -> None:
+    """Batches go up and down, so padding rows hold stale inputs of an earlier, larger batch and
+    must still write nothing; each replay must give the eager forward's logits and pool writes."""
+    dev, num_blocks, vocab = pool.device, pool.shape[1], model.config.vocab_size
+    bs = block_size
+    g = torch.Generator().manual_seed(0)
+    for b in (8, 3, 5, 1, 3, 2, 7):
+        lens = torch.randint(1, max_len + 1, (b,), generator=g).tolist()
+        need = [-(-n // bs) for n in lens]
+        table = torch.randperm(num_blocks, generator=g)[: b * max(need)].view(b, max(need)).int()  # distinct blocks
+        for row, n in enumerate(need):
+            table[row, n:] = -1  # as the cache pads its tables
+        sample = [i for i in range(b) if i % 3 != 1]  # some rows do not sample
+        meta = decode_meta(lens, table, sample, bs, dev)
+        ids = torch.randint(0, vocab, (b,), generator=g).to(dev)
+        pos = torch.tensor(lens).to(dev) - 1
+        ref_pool = pool.clone()
+        ref = model(ids, pos, ref_pool, meta)  # [len(sample), vocab]
+        before = pool.clone()
+        out = graphs.run(ids, pos, pool, meta)
+        assert out is not None and out.shape == ref.shape
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-3)
+        torch.testing.assert_close(pool, ref_pool, rtol=1e-4, atol=1e-4)
+        written = (pool != before).any(dim=5).any(dim=4).any(dim=2).any(dim=0).cpu()  # [blocks, bs]
+        expected = torch.zeros(num_blocks, bs, dtype=torch.bool)
+        slots = meta.slot_mapping.cpu()
+        expected[slots // bs, slots % bs] = True
+        assert torch.equal(written, expected), f"batch {b}: the graph wrote outside the live slots"
+    assert graphs.replays == 7
+
+    # what a graph cannot serve runs eagerly (run returns None)
+    def runs(meta: AttentionMetadata, kv=pool) -> bool:
+        n = meta.num_seqs
+        return graphs.run(torch.zeros(n, dtype=torch.int64, device=dev), torch.full((n,), 4, device=dev), kv, meta) is not None
+
+    too_many = graphs.sizes[-1] + 1
+    assert not runs(decode_meta([5] * too_many, torch.arange(too_many, dtype=torch.int32)[:, None], [0], bs, dev))
+    assert not runs(decode_meta([5, 5], torch.zeros(2, graphs.width + 1, dtype=torch.int32), [0, 1], bs, dev))
+    meta = decode_meta([5, 5], torch.zeros(2, 1, dtype=torch.int32), [0, 1], bs, dev)
+    meta.is_decode = False
+    assert not runs(meta)
+    meta.is_decode = True
+    assert not runs(meta, kv=pool.clone())  # not the pool the graphs captured
+    assert graphs.replays == 7
+
+
+def test_static_buffers_on_cpu(tmp_path):
+    """The replay path's buffer handling, with `Rerun` in place of CUDA graphs (fp32 Qwen3)."""
+    bs, max_len = 16, 256
+    lm = load_model(save_tiny_checkpoint("qwen3", tmp_path / "qwen3"), device="cpu", dtype=torch.float32)
+    pool = make_pool(lm.model, 160, bs).normal_()  # [layers, blocks, 2, bs, Hkv, D], random KV everywhere
+    graphs = DecodeGraphs(lm.model, pool, block_size=bs, max_model_len=max_len, max_batch_size=8)
+    graphs.capture()  # a no-op on CPU
+    assert not graphs.graphs
+    graphs.disabled_reason, graphs.sizes = None, capture_sizes(8)
+    graphs._allocate()
+    graphs.graphs = {n: Rerun(graphs, n) for n in graphs.sizes}
+    check_replays(graphs, lm.model, pool, bs, max_len)
+
+
+# ---------------------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_replay_matches_eager_and_writes_only_live_slots(tmp_path):
+    """fp32 Qwen3 (q/k norm) with random KV everywhere in the pool."""
+    bs, max_len = 16, 256
+    lm = load_model(save_tiny_checkpoint("qwen3", tmp_path / "qwen3"), device="cuda", dtype=torch.float32)
+    pool = make_pool(lm.model, 160, bs).normal_()  # [layers, blocks, 2, bs, Hkv, D]
+    graphs = DecodeGraphs(lm.model, pool, block_size=bs, max_model_len=max_len, max_batch_size=8)
+    graphs.capture()
+    assert graphs.enabled, graphs.disabled_reason
+    assert sorted(graphs.graphs) == [1, 2, 4, 8] and graphs.width == max_len // bs
+    check_replays(graphs, lm.model, pool, bs, max_len)
+
+
+def generate_both(path: str, prompts, params, **options):
+    """(tokens with graphs, tokens eager, the graphs object) for the same prompts."""
+    common = dict(device="cuda", l1="64MiB", **options)
+    llm = LLM(path, **common)
+    graphs = llm.engine.runner.graphs
+    assert graphs.enabled, graphs.disabled_reason
+    with_graphs = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    llm.close()
+    eager_llm = LLM(path, enforce_eager=True, **common)
+    assert not eager_llm.engine.runner.graphs.graphs
+    eager = [o.token_ids for o in eager_llm.generate(prompts, params, use_tqdm=False)]
+    eager_llm.close()
+    return with_graphs, eager, graphs
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("n", [3, 5, 8])
+def test_fp32_greedy_with_graphs_equals_eager(tiny_llama, n):
+    """Decode batches shrink from n to 1 (3, 5, 6, 7 are padded); prefix caching and
+    chunked prefill stay on, as in normal serving."""
+    prompts = varied_prompts(512, [4 + 9 * i for i in range(n)])
+    ours, eager, graphs = generate_both(tiny_llama, prompts, varied_params(n), dtype="float32", max_num_seqs=8)
+    assert graphs.sizes == [1, 2, 4, 8]
+    assert ours == eager
+    assert graphs.replays > 0
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_batches_larger_than_the_largest_graph_run_eagerly(tiny_llama, monkeypatch):
+    monkeypatch.setattr(graphs_module, "MAX_CAPTURE_BATCH", 4)
+    prompts = varied_prompts(512, [6 + 7 * i for i in range(7)])
+    ours, eager, graphs = generate_both(tiny_llama, prompts, varied_params(7), dtype="float32", max_num_seqs=8)
+    assert graphs.sizes == [1, 2, 4]
+    assert ours == eager
+    # decode batches of 7, 6, 5 ran eagerly, those of 4 and below replayed
+    assert graphs.replays > 0
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_bf16_graph_logits_are_close_to_eager(tmp_path, monkeypatch):
+    """In bf16 the padded GEMMs and the wider block table (another split count) may round a
+    little differently from eager, so compare logits of every decode step rather than tokens."""
+    path = str(save_tiny_checkpoint("qwen3", tmp_path / "qwen3", seed=2))
+    llm = LLM(path, device="cuda", dtype="bfloat16", l1="64MiB", max_num_seqs=8)
+    graphs, model = llm.engine.runner.graphs, llm.engine.lm.model
+    replay = graphs.run
+    rows, agree, worst = 0, 0, 0.0
+
+    def run_both(input_ids, positions, kv_pool, meta):
+        nonlocal rows, agree, worst
+        ref = model(input_ids, positions, kv_pool, meta)  # eager first: writes the same K/V slots
+        out = replay(input_ids, positions, kv_pool, meta)
+        if out is not None:
+            rows += out.shape[0]
+            agree += int((out.argmax(-1) == ref.argmax(-1)).sum())
+            worst = max(worst, float((out - ref).abs().max() / ref.abs().max()))
+        return out
+
+    monkeypatch.setattr(graphs, "run", run_both)
+    prompts = varied_prompts(512, [5, 20, 33, 47, 60])
+    llm.generate(prompts, varied_params(5), use_tqdm=False)
+    llm.close()
+    assert rows > 0 and graphs.replays > 0
+    assert agree >= 0.95 * rows, f"argmax agrees on {agree}/{rows} rows"
+    assert worst < 0.05, f"largest logit difference {worst:.4f} of the logits' scale"

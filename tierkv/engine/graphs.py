@@ -1,0 +1,193 @@
+"""DecodeGraphs: the decode step's forward pass as CUDA graphs, one per padded batch size.
+
+A decode step of B sequences copies its inputs into static buffers, replays the graph captured
+for the smallest size >= B (rows past B are padding: KV slot -1, length 0), and computes the
+logits of the rows that sample eagerly from the graph's hidden states. Anything else (prefill,
+streamed steps, CPU, enforce_eager, too large a batch or block table) runs eagerly: `run`
+returns None. This file must never sync the host, allocate with data-dependent shapes on the
+replay path, or write the KV pool anywhere but the live rows' slots.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+
+import torch
+
+from tierkv import kernels
+
+from .attention import AttentionMetadata
+from .model import CausalLM
+
+log = logging.getLogger(__name__)
+
+# Largest batch captured, whatever max_num_seqs says: beyond it the launch overhead a graph
+# saves is small next to the step's own work, and each size costs capture time.
+MAX_CAPTURE_BATCH = 256
+
+
+def capture_sizes(max_batch: int) -> list[int]:
+    """Batch sizes to capture: 1, 2, 4, 8, then every multiple of 8, then max_batch itself.
+
+    Padding a batch wastes at most 7 rows past 8 (of a memory-bound step, so almost free).
+    """
+    sizes = [s for s in (1, 2, 4) if s < max_batch] + list(range(8, max_batch + 1, 8))
+    if not sizes or sizes[-1] != max_batch:
+        sizes.append(max_batch)
+    return sizes
+
+
+class DecodeGraphs:
+    """Captured decode forwards of `model` over the pool `kv_pool`, and the static buffers they read.
+
+    The graphs bake in the addresses of the pool, the weights and the static buffers. The L1
+    pool (`TieredKVCache.l1.kv`) is allocated once and never reallocated; `run` checks that
+    it is given the very tensor it captured and runs eagerly otherwise.
+    """
+
+    def __init__(
+        self,
+        model: CausalLM,
+        kv_pool: torch.Tensor,
+        *,
+        block_size: int,
+        max_model_len: int,
+        max_batch_size: int,
+        enabled: bool = True,
+    ) -> None:
+        self.model, self.kv = model, kv_pool  # kv: [layers, num_blocks, 2, block_size, Hkv, D]
+        self.device = kv_pool.device
+        self.disabled_reason: str | None = None
+        if not enabled:
+            self.disabled_reason = "enforce_eager"
+        elif self.device.type != "cuda":
+            self.disabled_reason = f"the model runs on {self.device.type}"
+        elif kernels.backend_for(kv_pool) != "triton":
+            # the torch reference kernels read lengths on the host (.tolist()): not capturable
+            self.disabled_reason = "the reference kernels are forced (TIERKV_KERNELS)"
+        self.sizes = capture_sizes(min(max_batch_size, MAX_CAPTURE_BATCH)) if self.enabled else []
+        # Every sequence fits max_model_len tokens, so its block-table row fits this width. The
+        # decode kernel picks its split count from the width (a shape), so one width per graph.
+        self.width = -(-max_model_len // block_size)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.replays = 0  # decode steps served by a graph (tests and stats read it)
+        self._warned_pool = False
+
+    @property
+    def enabled(self) -> bool:
+        return self.disabled_reason is None
+
+    # ------------------------------------------------------------------ capture
+
+    def _allocate(self) -> None:
+        """Static inputs sized for the largest batch, and the hidden-state output all graphs share."""
+        n, dev = self.sizes[-1], self.device
+        hidden = self.model.config.hidden_size
+        dtype = self.model.model.embed_tokens.weight.dtype
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)          # [max_bs]
+        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)          # [max_bs]
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=dev)  # [max_bs], -1: no write
+        self.block_tables = torch.zeros(n, self.width, dtype=torch.int32, device=dev)  # [max_bs, width]
+        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=dev)           # [max_bs], 0: padding
+        self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=dev)  # [max_bs + 1], one token each
+        self.logits_indices = torch.arange(n, dtype=torch.int64, device=dev)    # [max_bs]
+        self.hidden = torch.zeros(n, hidden, dtype=dtype, device=dev)           # [max_bs, hidden] graph output
+
+    def _meta(self, bs: int) -> AttentionMetadata:
+        """Metadata over the first `bs` rows of the static buffers (views: the graph reads them live)."""
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:bs],
+            block_tables=self.block_tables[:bs],
+            seq_lens=self.seq_lens[:bs],
+            cu_seqlens_q=self.cu_seqlens_q[: bs + 1],
+            logits_indices=self.logits_indices[:bs],
+            is_decode=True,
+        )
+
+    def _forward(self, bs: int, meta: AttentionMetadata) -> None:
+        """The captured work: hidden states of `bs` rows into the shared output buffer."""
+        hidden = self.model.hidden_states(self.input_ids[:bs], self.positions[:bs], self.kv, meta)  # [bs, hidden]
+        self.hidden[:bs].copy_(hidden)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture one graph per size, largest first, all in one memory pool; once, before serving.
+
+        While capturing, every slot is -1 and every length 0: the pool is neither read nor
+        written. On failure, logs a warning and leaves the engine eager rather than failing it.
+        """
+        if not self.enabled or self.graphs:
+            return
+        start = time.perf_counter()
+        try:
+            with torch.cuda.device(self.device):
+                self._allocate()
+                pool = torch.cuda.graph_pool_handle()
+                side = torch.cuda.Stream()
+                for bs in reversed(self.sizes):
+                    meta = self._meta(bs)
+                    # Warm up on a side stream first (PyTorch's recipe): Triton compiles, cuBLAS
+                    # picks its kernels and workspaces, none of which may happen while capturing.
+                    side.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(side):
+                        self._forward(bs, meta)
+                    torch.cuda.current_stream().wait_stream(side)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        self._forward(bs, meta)
+                    self.graphs[bs] = graph
+                torch.cuda.synchronize()
+        except Exception as exc:  # an op that cannot be captured: serve eagerly, say so
+            log.warning("CUDA graph capture failed (%s: %s); decoding eagerly. Pass enforce_eager=True to "
+                        "skip the attempt.", type(exc).__name__, exc, exc_info=True)
+            self.graphs.clear()
+            self.disabled_reason = f"capture failed: {exc}"
+            return
+        log.info("captured %d decode CUDA graphs (batch sizes %d..%d, block-table width %d) in %.2f s",
+                 len(self.graphs), self.sizes[0], self.sizes[-1], self.width, time.perf_counter() - start)
+
+    # ------------------------------------------------------------------ replay
+
+    def size_for(self, batch: int) -> int | None:
+        """The smallest captured size >= batch, or None when the batch is larger than all."""
+        i = bisect.bisect_left(self.sizes, batch)
+        return self.sizes[i] if i < len(self.sizes) and self.graphs else None
+
+    @torch.inference_mode()
+    def run(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_pool: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor | None:
+        """Logits [len(meta.logits_indices), vocab] fp32 as `CausalLM.forward` gives them, from a
+        graph replay; None when this step must run eagerly (the caller then runs the model).
+
+        input_ids, positions: [B]; meta: a decode step of B sequences (one new token each).
+        """
+        if not self.graphs or not meta.is_decode or getattr(meta, "streamed", None) is not None:
+            return None
+        b = input_ids.shape[0]
+        bs = self.size_for(b)
+        table = meta.block_tables  # [B, w]
+        if b == 0 or bs is None or meta.num_seqs != b or table.shape[1] > self.width:
+            return None
+        if kv_pool.data_ptr() != self.kv.data_ptr() or kv_pool.shape != self.kv.shape:
+            if not self._warned_pool:
+                log.warning("the KV pool is not the one the decode graphs captured; decoding eagerly")
+                self._warned_pool = True
+            return None
+        # Live rows first; padding rows write nothing (slot -1) and attend to nothing (length 0).
+        # Block-table columns past w keep stale entries: the kernel reads entries only below a
+        # row's length, which fits w blocks.
+        self.input_ids[:b].copy_(input_ids)
+        self.positions[:b].copy_(positions)
+        self.slot_mapping[:b].copy_(meta.slot_mapping)
+        self.seq_lens[:b].copy_(meta.seq_lens)
+        self.block_tables[:b, : table.shape[1]].copy_(table)
+        if b < bs:
+            self.slot_mapping[b:bs].fill_(-1)
+            self.seq_lens[b:bs].zero_()
+        self.graphs[bs].replay()
+        self.replays += 1
+        # As CausalLM.forward: final norm and LM head only on the rows that sample.
+        return self.model.compute_logits(self.hidden[:b].index_select(0, meta.logits_indices))
