@@ -29,7 +29,7 @@ def _decode_split_kernel(
     stride_ob, stride_oh, stride_od,
     stride_pb, stride_ph, stride_ps,
     stride_lb, stride_lh,
-    qk_scale, window, tokens_per_split,
+    qk_scale, window, num_splits,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, DIRECT: tl.constexpr,
     DOT_PREC: tl.constexpr,
@@ -40,11 +40,15 @@ def _decode_split_kernel(
     split = tl.program_id(1)
     b = tl.program_id(2)
     seq_len = tl.load(SL + b)
-    lo = split * tokens_per_split
-    hi = tl.minimum(seq_len, lo + tokens_per_split)
+    first = 0
     if HAS_WINDOW:
         # the query sits at seq_len - 1 and sees positions > seq_len - 1 - window
-        lo = tl.maximum(lo, seq_len - window)
+        first = tl.maximum(seq_len - window, 0)
+    # Each sequence divides its own range into the splits (whole tiles each), so a short one in
+    # a wide block table (a CUDA graph sized for max_model_len) still spreads over all of them.
+    per_split = tl.cdiv(tl.cdiv(seq_len - first, num_splits), BLOCK_N) * BLOCK_N
+    lo = first + split * per_split
+    hi = tl.minimum(seq_len, lo + per_split)
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
@@ -157,9 +161,8 @@ def _paged_decode(q, kv, block_tables, seq_lens, scale, sliding_window=None, *,
     auto_splits, auto_block_n = choose_launch(batch, hkv, max_tokens, d, q.device)
     block_n = block_n or auto_block_n
     splits = num_splits or auto_splits
-    # whole tiles per split, so tiles of one split never straddle another's
-    per_split = triton.cdiv(triton.cdiv(max(max_tokens, 1), splits), block_n) * block_n
-    splits = max(1, triton.cdiv(max(max_tokens, 1), per_split))
+    # no more splits than whole tiles of the longest possible sequence (each split gets at least one)
+    splits = max(1, min(splits, triton.cdiv(max(max_tokens, 1), block_n)))
     direct = splits == 1
     if direct:
         part, lse = out, out  # unused placeholders
@@ -173,7 +176,7 @@ def _paged_decode(q, kv, block_tables, seq_lens, scale, sliding_window=None, *,
         q, kv, block_tables, seq_lens, out, part, lse,
         *q.stride(), *kv.stride(), *block_tables.stride(), *out.stride(),
         *part_strides, *lse_strides,
-        scale * _LOG2E, sliding_window or 0, per_split,
+        scale * _LOG2E, sliding_window or 0, splits,
         GROUP=group, BLOCK_G=pow2(group, 16), HEAD_D=d, BLOCK_D=block_d, PAGE=page, BLOCK_N=block_n,
         HAS_WINDOW=sliding_window is not None, DIRECT=direct, DOT_PREC=dot_precision(q.dtype),
         num_warps=num_warps or 4, num_stages=num_stages or 3,

@@ -1,24 +1,49 @@
 #!/usr/bin/env bash
-# One device call for the kernels: install tierkv (no network there), run the GPU tests of the
-# kernels, then benchmarks/bench_kernels.py. Everything lands in $OUT (log, JSON, PNG).
-# Usage (device tool): bash scripts/gpu_check.sh [extra bench_kernels.py args, e.g. --sweep]
-# GPU_TESTS overrides which tests run (default: the kernels' GPU tests; "all" = pytest -m gpu).
+# One device call: install tierkv on the GPU machine (no network there: the wheels in .whl/ from
+# ../shared/tools/device-wheels.sh, carried), then run the named parts in order, each under its
+# own time limit, so one failure never costs the others. Everything lands in $OUT (log, JSON, PNG).
+#   parts: tests (pytest -m gpu, or the files in GPU_TESTS), kernels, throughput, latency,
+#          long_context, serving
+# Usage (device tool, carry [".whl"]): bash scripts/gpu_check.sh tests kernels throughput
+# Extra arguments per benchmark: KERNELS_ARGS, THROUGHPUT_ARGS, LATENCY_ARGS, LONG_ARGS, SERVING_ARGS.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/tierkv-out}
 mkdir -p "$OUT"
 LOG="$OUT/gpu_check.log"
-{
+
+install() {
   echo "== $(date -u) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null)"
-  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+  if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  fi
   python3 -m pip install -q --no-deps --no-build-isolation -e . || exit 1
-  targets=${GPU_TESTS:-tests/test_kernels_gpu.py}
-  [ "$targets" = all ] && targets=""
-  echo "== pytest -m gpu $targets"
-  timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider --durations=5 $targets
-  echo "== pytest exit $?"
-  echo "== bench_kernels $*"
-  timeout 420 python3 benchmarks/bench_kernels.py --out "$OUT" "$@"
-  echo "== bench exit $?"
+  python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+}
+
+part() {  # part NAME SECONDS COMMAND...
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name (limit ${limit}s): $*"
+  local t0=$SECONDS
+  timeout "$limit" "$@"
+  echo "== $name exit $? after $((SECONDS - t0)) s"
+}
+
+{
+  install
+  for p in "$@"; do
+    case $p in
+      tests) part tests 300 python3 -m pytest -m gpu -q -p no:cacheprovider --durations=10 ${GPU_TESTS:-tests} ;;
+      kernels) part kernels 300 python3 benchmarks/bench_kernels.py --out "$OUT" ${KERNELS_ARGS:-} ;;
+      throughput) part throughput 300 python3 benchmarks/bench_throughput.py --out "$OUT" ${THROUGHPUT_ARGS:-} ;;
+      latency) part latency 240 python3 benchmarks/bench_latency.py --out "$OUT" ${LATENCY_ARGS:-} ;;
+      long_context) part long_context 420 python3 benchmarks/bench_long_context.py --out "$OUT" ${LONG_ARGS:-} ;;
+      serving) part serving 300 python3 benchmarks/bench_serving.py --out "$OUT" ${SERVING_ARGS:-} ;;
+      *) echo "unknown part $p" ;;
+    esac
+  done
+  echo "== done $(date -u)"
 } 2>&1 | tee "$LOG"

@@ -29,6 +29,10 @@ log = logging.getLogger(__name__)
 CPU_L1_BYTES = 2**30  # default L1 on CPU
 GPU_L1_FRACTION = 0.8  # of the GPU memory free after loading the weights
 ACTIVATION_RESERVE = 4 * 2**30  # left free on a GPU for activations and the allocator
+# Load-or-recompute needs the cost of recomputing a token before the first prefill measures it:
+# on a GPU, 2 FLOPs per weight at a dense bf16 rate a real prefill reaches (H100/H200 class).
+GPU_PREFILL_FLOPS = 4e14
+PREFILL_SAMPLE_TOKENS = 256  # steps computing at least this many tokens measure the prefill cost
 
 
 class Engine:
@@ -70,6 +74,9 @@ class Engine:
             self.cache, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=enable_prefix_caching,
         )
+        if dev.type == "cuda":
+            params = sum(p.numel() for p in self.lm.model.parameters())
+            self.scheduler.recompute_seconds_per_token = 2 * params / GPU_PREFILL_FLOPS
         # enforce_eager: no CUDA graphs for decode steps (debugging, or to save their capture time)
         self.runner = ModelRunner(self.lm, self.cache, max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
                                   enforce_eager=enforce_eager)
@@ -102,10 +109,12 @@ class Engine:
                 log.debug("max_tokens %d capped at %d by max_model_len", params.max_tokens, room)
             params = dataclasses.replace(params, max_tokens=room)  # validated again on construction
         needed = self.cache.blocks_needed(len(prompt_ids) + 1)
-        if needed > self.cache.l1.num_blocks:
+        l1_blocks, l2_blocks = self.cache.l1.num_blocks, self.cache.l2.num_blocks if self.cache.l2 else 0
+        # Larger than L1, a sequence streams: it keeps at most half of L1, the rest lives in L2.
+        if needed > l1_blocks and needed > l1_blocks // 2 + l2_blocks:
             raise ConfigError(
-                f"the prompt needs {needed} KV blocks but L1 holds {self.cache.l1.num_blocks}: "
-                "raise l1 or shorten the prompt"
+                f"the prompt needs {needed} KV blocks but L1 holds {l1_blocks} and L2 {l2_blocks}: "
+                "raise l1 or l2 (sequences larger than L1 stream their older blocks from L2), or shorten the prompt"
             )
         if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
             raise ConfigError(f"logprobs must be at most {MAX_LOGPROBS}")
@@ -141,12 +150,14 @@ class Engine:
             if self.scheduler.waiting and not self.scheduler.running:
                 time.sleep(0.001)  # waiting only for L3 prefetches to land
             return outputs
+        started = time.perf_counter()
         sampled, out = self.runner.run(step)
         for req, n in zip(step.requests, step.num_new):
             self.scheduler.computed(req, n)
         if out is None:
             return outputs
         token_ids = out.token_ids.tolist()  # the one host sync of the step
+        self._measure_prefill(sum(step.num_new), time.perf_counter() - started)
         now = time.monotonic()
         for i, (req, tok) in enumerate(zip(sampled, token_ids)):
             if req.first_token_time is None:
@@ -171,6 +182,14 @@ class Engine:
                 self.requests.pop(req.request_id, None)
             outputs.append(self.output(req, [tok], new_text))
         return outputs
+
+    def _measure_prefill(self, tokens: int, seconds: float) -> None:
+        """Fold a prefill-sized step into the recompute cost that load-or-recompute weighs."""
+        if tokens < PREFILL_SAMPLE_TOKENS or self.lm.device.type != "cuda":
+            return  # CPU runs (tests, tiny models) always load what the cache holds
+        per_token = seconds / tokens
+        old = self.scheduler.recompute_seconds_per_token
+        self.scheduler.recompute_seconds_per_token = per_token if old is None else old + 0.2 * (per_token - old)
 
     def _ended(self, req: Request) -> RequestOutput:
         log.warning("request %s stopped at %d tokens: L1 cannot hold more of it", req.request_id, req.num_tokens)

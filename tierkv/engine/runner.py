@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..cache import TieredKVCache
-from .attention import AttentionMetadata
+from .attention import AttentionMetadata, StreamedAttention
 from .loader import LoadedModel
 from .request import Request
 from .sampler import Sampler, SamplerOutput, SamplingBatch
@@ -39,6 +39,10 @@ class ModelRunner:
     def prepare(self, step: ScheduledStep) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[Request]]:
         """input_ids [T], positions [T], the step's AttentionMetadata, and the requests that sample."""
         bs = self.cache.block_size
+        # Streamed sequences (larger than L1) go last: attention takes the batch's head from the
+        # L1 pool and its tail from the staging buffer their layers stream into.
+        order = sorted(range(len(step)), key=lambda i: step.requests[i].seq.offloaded > 0)
+        step = ScheduledStep([step.requests[i] for i in order], [step.num_new[i] for i in order])
         starts = [r.num_computed for r in step.requests]
         ids: list[int] = []
         for r, start, n in zip(step.requests, starts, step.num_new):
@@ -62,7 +66,28 @@ class ModelRunner:
             logits_indices=torch.tensor(last, dtype=torch.int64).to(dev, non_blocking=True),
             is_decode=step.is_decode,
         )
+        first = next((b for b, r in enumerate(step.requests) if r.seq.offloaded), None)
+        if first is not None:
+            meta.streamed = self._streamed(meta, step, first, cu.tolist())
         return torch.tensor(ids).to(dev, non_blocking=True), positions.to(dev, non_blocking=True), meta, sampling
+
+    def _streamed(self, meta: AttentionMetadata, step: ScheduledStep, first: int, cu: list[int]) -> StreamedAttention:
+        """Split `meta` at sequence `first`, where the streamed sequences begin, and start their stream."""
+
+        def part(lo: int, hi: int) -> AttentionMetadata:  # the sequences [lo, hi) of the batch
+            return AttentionMetadata(
+                slot_mapping=meta.slot_mapping[cu[lo] : cu[hi]],
+                block_tables=meta.block_tables[lo:hi],
+                seq_lens=meta.seq_lens[lo:hi],
+                cu_seqlens_q=meta.cu_seqlens_q[lo : hi + 1] - cu[lo],
+                logits_indices=meta.logits_indices[:0],
+                is_decode=all(n == 1 for n in step.num_new[lo:hi]),
+            )
+
+        stream = self.cache.stream([r.seq for r in step.requests[first:]])
+        tail = part(first, len(step))
+        tail.block_tables = stream.plan.block_tables  # [B_streamed, width]: rows of the staging buffer
+        return StreamedAttention(cu[first], part(0, first) if first else None, tail, stream)
 
     @torch.inference_mode()
     def run(self, step: ScheduledStep) -> tuple[list[Request], SamplerOutput | None]:
