@@ -20,7 +20,9 @@ from ._launch import check_triton_device, dot_precision, pow2, sm_count
 _LOG2E = 1.4426950408889634
 
 
-@triton.jit
+# integers that change from step to step are not specialised on (1, multiples of 16):
+# each new combination would compile another copy of the kernel in the middle of serving
+@triton.jit(do_not_specialize=["stride_btb", "window", "num_splits"])
 def _decode_split_kernel(
     Q, KV, BT, SL, Out, Part, Lse,
     stride_qb, stride_qh, stride_qd,
@@ -96,7 +98,9 @@ def _decode_split_kernel(
         tl.store(Lse + b.to(tl.int64) * stride_lb + heads * stride_lh + split, lse, mask=g_mask)
 
 
-@triton.jit
+# integers that change from step to step are not specialised on (1, multiples of 16):
+# each new combination would compile another copy of the kernel in the middle of serving
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_merge_kernel(
     Part, Lse, Out,
     stride_pb, stride_ph, stride_ps,

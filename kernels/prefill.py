@@ -30,7 +30,9 @@ def _tile(KV, bt_row, stride_btn, offs_n, n_mask, head_off, offs_d, d_mask,
     return row[:, None] + offs_d[None, :] * stride_kvd
 
 
-@triton.jit
+# integers that change from step to step are not specialised on (1, multiples of 16):
+# each new combination would compile another copy of the kernel in the middle of serving
+@triton.jit(do_not_specialize=["stride_btb", "window", "num_seqs"])
 def _prefill_kernel(
     Q, KV, BT, CU, SL, TileSeq, TileIdx, Out,
     stride_qt, stride_qh, stride_qd,

@@ -18,6 +18,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from .config import CacheConfig
@@ -519,10 +520,12 @@ class TieredKVCache:
     ) -> torch.Tensor:
         """[len(seqs), width] int32 on `device` (default: the cache's); rows padded with -1."""
         width = width if width is not None else max((len(s.slots) for s in seqs), default=0)
-        table = torch.full((len(seqs), width), -1, dtype=torch.int32)
+        # filled row by row in numpy: a torch op per row costs more than the row itself
+        table = np.full((len(seqs), width), -1, dtype=np.int32)
         for row, s in enumerate(seqs):
-            table[row, : len(s.slots)] = torch.tensor(s.slots[:width], dtype=torch.int32)
-        return table.to(device if device is not None else self.device, non_blocking=True)
+            n = min(len(s.slots), width)
+            table[row, :n] = s.slots[:n]
+        return torch.from_numpy(table).to(device if device is not None else self.device, non_blocking=True)
 
     # ------------------------------------------------------------------ policy hooks
 

@@ -32,7 +32,7 @@ ACTIVATION_RESERVE = 4 * 2**30  # left free on a GPU for activations and the all
 # Load-or-recompute needs the cost of recomputing a token before the first prefill measures it:
 # on a GPU, 2 FLOPs per weight at a dense bf16 rate a real prefill reaches (H100/H200 class).
 GPU_PREFILL_FLOPS = 4e14
-PREFILL_SAMPLE_TOKENS = 256  # steps computing at least this many tokens measure the prefill cost
+PREFILL_SAMPLE_TOKENS = 256  # prompts computing at least this many tokens measure the prefill cost
 
 
 class Engine:
@@ -150,18 +150,17 @@ class Engine:
             if self.scheduler.waiting and not self.scheduler.running:
                 time.sleep(0.001)  # waiting only for L3 prefetches to land
             return outputs
-        started = time.perf_counter()
         sampled, out = self.runner.run(step)
         for req, n in zip(step.requests, step.num_new):
             self.scheduler.computed(req, n)
         if out is None:
             return outputs
         token_ids = out.token_ids.tolist()  # the one host sync of the step
-        self._measure_prefill(sum(step.num_new), time.perf_counter() - started)
         now = time.monotonic()
         for i, (req, tok) in enumerate(zip(sampled, token_ids)):
             if req.first_token_time is None:
                 req.first_token_time = now
+                self._measure_prefill(req)
             req.output_ids.append(tok)
             if out.logprobs is not None and req.params.logprobs is not None:
                 k = req.params.logprobs
@@ -183,11 +182,13 @@ class Engine:
             outputs.append(self.output(req, [tok], new_text))
         return outputs
 
-    def _measure_prefill(self, tokens: int, seconds: float) -> None:
-        """Fold a prefill-sized step into the recompute cost that load-or-recompute weighs."""
-        if tokens < PREFILL_SAMPLE_TOKENS or self.lm.device.type != "cuda":
+    def _measure_prefill(self, req: Request) -> None:
+        """Fold a finished prefill (admission to first token) into the recompute cost per token
+        that load-or-recompute weighs; long prompts only, where that cost is what it decides on."""
+        tokens = len(req.prompt_ids) - (req.cached_tokens or 0)
+        if tokens < PREFILL_SAMPLE_TOKENS or req.admitted is None or self.lm.device.type != "cuda":
             return  # CPU runs (tests, tiny models) always load what the cache holds
-        per_token = seconds / tokens
+        per_token = (req.first_token_time - req.admitted) / tokens
         old = self.scheduler.recompute_seconds_per_token
         self.scheduler.recompute_seconds_per_token = per_token if old is None else old + 0.2 * (per_token - old)
 

@@ -47,6 +47,7 @@ class Request:
     text: str = ""
     logprobs: list[dict] = field(default_factory=list)
     finish_reason: str | None = None  # "stop", "length" or "abort"
+    admitted: float | None = None  # when it first got L1 blocks (its prefill began)
     first_token_time: float | None = None
     finish_time: float | None = None
 

@@ -7,6 +7,8 @@ the rows that finished their prompt or decode. Knows nothing of queues, tiers or
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from ..cache import TieredKVCache
@@ -44,31 +46,32 @@ class ModelRunner:
         order = sorted(range(len(step)), key=lambda i: step.requests[i].seq.offloaded > 0)
         step = ScheduledStep([step.requests[i] for i in order], [step.num_new[i] for i in order])
         starts = [r.num_computed for r in step.requests]
+        ends = [start + n for start, n in zip(starts, step.num_new)]
+        cu = list(itertools.accumulate(step.num_new, initial=0))  # [B + 1]
         ids: list[int] = []
-        for r, start, n in zip(step.requests, starts, step.num_new):
-            ids += r.tokens(start, start + n)
+        for r, start, end in zip(step.requests, starts, ends):
+            ids += r.tokens(start, end)
+        # the rows that finish their prompt or decode sample a token, from their last new token
+        sample_rows = [b for b, (r, end) in enumerate(zip(step.requests, ends)) if end == r.num_tokens]
+        sampling = [step.requests[b] for b in sample_rows]
+        last = [cu[b + 1] - 1 for b in sample_rows]
         lens = torch.tensor(step.num_new)  # [B]
-        cu = torch.zeros(len(step) + 1, dtype=torch.int32)
-        cu[1:] = lens.cumsum(0)
         row = torch.repeat_interleave(torch.arange(len(step)), lens)  # [T]: which sequence
-        positions = torch.tensor(starts)[row] + torch.arange(len(ids)) - cu[:-1].long()[row]  # [T]
+        positions = torch.arange(len(ids)) + torch.tensor([s - c for s, c in zip(starts, cu)])[row]  # [T]
         table = self.cache.block_table([r.seq for r in step.requests], device="cpu")  # [B, max_blocks]
         slots = table[row, positions // bs].long() * bs + positions % bs  # [T]
-        sampling = [r for r, start, n in zip(step.requests, starts, step.num_new) if start + n == r.num_tokens]
-        last = [int(cu[i + 1]) - 1 for i, (r, start, n) in enumerate(zip(step.requests, starts, step.num_new))
-                if start + n == r.num_tokens]
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=slots.to(dev, non_blocking=True),
             block_tables=table.to(dev, non_blocking=True),
-            seq_lens=(torch.tensor(starts) + lens).to(torch.int32).to(dev, non_blocking=True),
-            cu_seqlens_q=cu.to(dev, non_blocking=True),
+            seq_lens=torch.tensor(ends, dtype=torch.int32).to(dev, non_blocking=True),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32).to(dev, non_blocking=True),
             logits_indices=torch.tensor(last, dtype=torch.int64).to(dev, non_blocking=True),
             is_decode=step.is_decode,
         )
         first = next((b for b, r in enumerate(step.requests) if r.seq.offloaded), None)
         if first is not None:
-            meta.streamed = self._streamed(meta, step, first, cu.tolist())
+            meta.streamed = self._streamed(meta, step, first, cu)
         return torch.tensor(ids).to(dev, non_blocking=True), positions.to(dev, non_blocking=True), meta, sampling
 
     def _streamed(self, meta: AttentionMetadata, step: ScheduledStep, first: int, cu: list[int]) -> StreamedAttention:

@@ -178,6 +178,7 @@ class Scheduler:
             req.num_computed = req.seq.num_cached_tokens
             if req.cached_tokens is None:
                 req.cached_tokens = req.seq.num_cached_tokens
+                req.admitted = now
             self.running.append(req)
             n = min(req.seq.num_tokens - req.num_computed, budget)  # a streamed request reserved one chunk
             step.requests.append(req)

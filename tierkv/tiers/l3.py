@@ -242,10 +242,11 @@ class L3Store(ABC):
         """Expected seconds to get `num_blocks` now (round trip + bytes / bandwidth); 0 before any sample."""
         s = self._stats
         latency = s.latency_s or 0.0
-        bandwidth = s.read_Bps or s.write_Bps  # before the first read, the write speed is the best guess
-        if not bandwidth:
+        if not s.read_Bps:
+            # Before the first read, nothing is known (writes land in the page cache and say
+            # nothing of reads): load, and let the prefetch deadline bound what that costs.
             return latency
-        return latency + num_blocks * self.layout.bytes_per_block / bandwidth
+        return latency + num_blocks * self.layout.bytes_per_block / s.read_Bps
 
     def stats(self) -> dict[str, Any]:
         return {"name": self.name, "url": self.url, **self._stats.snapshot(), **self._extra_stats()}
