@@ -113,6 +113,28 @@ def test_load_or_recompute_skips_tiers_slower_than_recomputing(tmp_path):
     cache.close()
 
 
+def test_an_unmeasured_l3_is_probed_then_judged_by_its_measured_speed(tmp_path):
+    from tierkv.cache import L3_PROBE_BLOCKS
+
+    url = f"file://{tmp_path}?size=64MiB"
+    doc = list(range(4 * 40 + 1))  # 40 full blocks
+    with make([url], l1=48, l2=48) as first:
+        store(first, doc)
+        assert first.flush(timeout=30)
+    with make([url], l1=48, l2=48) as cache:  # restarted: nothing read from the disk yet
+        assert cache.match(doc).by_tier["l3"] == 160
+        # slow recompute: everything is worth loading, measured or not
+        assert cache.match(doc, recompute_seconds_per_token=1.0).by_tier["l3"] == 160
+        # free recompute: only a probe is loaded, so that the disk's real speed gets measured
+        probe = cache.match(doc, recompute_seconds_per_token=1e-15)
+        assert probe.by_tier == {"l1": 0, "l2": 0, "l3": 4 * L3_PROBE_BLOCKS}
+        assert cache.prefetch(probe).wait(30)
+        assert cache.tiers.l3.read_measured
+        assert cache.match(doc).by_tier == {"l1": 0, "l2": 4 * L3_PROBE_BLOCKS, "l3": 160 - 4 * L3_PROBE_BLOCKS}
+        # measured now: no more probing, the L3 part is judged by that speed (free recompute wins)
+        assert cache.match(doc, recompute_seconds_per_token=1e-15).tokens == 0
+
+
 def test_redis_dying_mid_run_slows_nothing_down_to_wrong(redis_server):
     cache = make([redis_server.url])
     docs = [list(range(i * 100, i * 100 + 13)) for i in range(4)]

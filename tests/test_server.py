@@ -379,6 +379,7 @@ def test_config_file_and_flags(tmp_path):
     opts = load_options(["--config", str(cfg), "--l1", "1GiB"])
     assert opts["port"] == 9001 and opts["l3"] == ["file:///tmp/x"] and opts["write_policy"] == "write_back"
     assert opts["l1"] == "1GiB" and opts["host"] == "127.0.0.1"
+    assert opts["enforce_eager"] is False and load_options(["--enforce-eager"])["enforce_eager"] is True
     cfg.write_text("prot: 1\n")
     with pytest.raises(SystemExit):
         load_options(["--config", str(cfg)])

@@ -34,6 +34,9 @@ from .transfer import DONE, Transfer
 log = logging.getLogger(__name__)
 
 DEFAULT_L3_DEADLINE_S = 5.0  # how long retrieve() waits for L3 reads before recomputing instead
+# L3 blocks loaded anyway while L3's read speed is unmeasured and recomputing looks cheaper: a
+# cheap probe, so that load-or-recompute learns the real speed instead of never reading.
+L3_PROBE_BLOCKS = 16
 
 
 @dataclass(slots=True)
@@ -178,6 +181,8 @@ class TieredKVCache:
             cost = sum(self.tiers.load_seconds(t, c) for t, c in counts.items()) + (usable - k) * per_block
             if cost < best:
                 best_k, best = k, cost
+        if best_k >= len(blocks) and l3_blocks and not self.tiers.l3.read_measured:
+            best_k = min(best_k + L3_PROBE_BLOCKS, len(tiers))
         return blocks[:best_k], max(0, best_k - len(blocks))
 
     def prefetch(self, match: Match, deadline_s: float | None = None, *, priority: int = 0) -> Prefetch:

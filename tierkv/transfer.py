@@ -280,6 +280,11 @@ class L3Mover:
         """Expected seconds to read `num_blocks` from the first store (where reads go first)."""
         return self.stores[0].estimate_load_seconds(num_blocks)
 
+    @property
+    def read_measured(self) -> bool:
+        """Whether reads from the first store have been timed (estimate_seconds is then measured)."""
+        return self.stores[0].read_measured
+
     def stats(self) -> list[dict]:
         return [store.stats() for store in self.stores]
 

@@ -32,7 +32,8 @@ OPTIONS = {
     "model": None, "served_model_name": None, "host": DEFAULT_HOST, "port": DEFAULT_PORT, "api_key": None,
     "l1": None, "l2": None, "l3": [], "eviction": "lru", "write_policy": "write_through", "block_size": 16,
     "max_model_len": None, "max_num_batched_tokens": None, "max_num_seqs": 256, "max_waiting": 256,
-    "device": None, "dtype": None, "grace_period": 30.0, "flush_timeout": 60.0, "log_level": "info",
+    "device": None, "dtype": None, "enforce_eager": False, "grace_period": 30.0, "flush_timeout": 60.0,
+    "log_level": "info",
 }
 
 
@@ -69,6 +70,7 @@ def parser() -> argparse.ArgumentParser:
       "(default 256)")
     a("--device", help="cuda, cuda:N or cpu (default: cuda when there is one)")
     a("--dtype", help="auto, bfloat16, float16, float32 (default auto: bf16 on GPU, fp32 on CPU)")
+    a("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps (faster start, slower decode)")
     a("--grace-period", type=float, help="seconds running requests get to finish after SIGTERM (default 30)")
     a("--flush-timeout", type=float, help="seconds allowed for flushing write-back blocks to L3 on exit (default 60)")
     a("--log-level", help="debug, info, warning, error (default info)")
@@ -155,7 +157,8 @@ def _fmt_bytes(n: int) -> str:
 def tier_summary(engine, l3: list[str], opts: dict) -> str:
     c, layout = engine.cache, engine.cache.layout
     l1 = f"L1 {c.l1.num_blocks} blocks ({_fmt_bytes(c.l1.num_blocks * layout.bytes_per_block)}, {engine.lm.device})"
-    l2 = (f"L2 {c.l2.num_blocks} blocks ({_fmt_bytes(c.l2.num_blocks * layout.bytes_per_block)} pinned host)"
+    l2 = (f"L2 {c.l2.num_blocks} blocks ({_fmt_bytes(c.l2.num_blocks * layout.bytes_per_block)} "
+          f"{'pinned' if c.l2.pinned else 'pageable'} host)"
           if c.l2 is not None else "L2 off")
     l3s = "L3 " + (", ".join(redact_url(u) for u in l3) if l3 else "off")
     return (f"tiers: {l1} | {l2} | {l3s} | {opts['eviction']}, {opts['write_policy']}, "
@@ -183,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
         engine = Engine(opts["model"], l1=opts["l1"], l2=opts["l2"], l3=list(opts["l3"]), eviction=opts["eviction"],
                         write_policy=opts["write_policy"], block_size=opts["block_size"],
                         max_model_len=opts["max_model_len"], max_num_batched_tokens=opts["max_num_batched_tokens"],
-                        max_num_seqs=opts["max_num_seqs"], device=opts["device"], dtype=opts["dtype"])
+                        max_num_seqs=opts["max_num_seqs"], device=opts["device"], dtype=opts["dtype"],
+                        enforce_eager=bool(opts["enforce_eager"]))
     except TierKVError as err:
         print(f"tierkv-serve: {Redact([]).scrub(str(err))}", file=sys.stderr)
         return 2

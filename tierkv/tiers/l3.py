@@ -85,12 +85,16 @@ class UrlOptions:
         return parse_size(v)
 
 
+UNMEASURED_READ_BPS = 1e9  # bytes/s assumed of a store nothing has been read from yet
+
+
 class StoreStats:
     """Counters and running estimates of one store; every method is thread-safe.
 
     Latency is an EWMA of small round trips (lookups); bandwidth an EWMA of bytes per second of
-    get_many/put_many batches. Both start unknown; estimate_load_seconds is optimistic until a
-    first measurement so that the first loads happen and produce one.
+    get_many/put_many batches. Both start unknown; until the first read, estimate_load_seconds
+    assumes UNMEASURED_READ_BPS, a pace every local disk and nearby network store beats (the cache
+    loads a small probe meanwhile, so that a first measurement comes).
     """
 
     ALPHA = 0.2  # weight of the newest sample: reacts within ~5 batches, smooths single spikes
@@ -238,15 +242,20 @@ class L3Store(ABC):
         self._stats.sample_bandwidth(nbytes, time.monotonic() - t0, write=True)
         return ok
 
+    @property
+    def read_measured(self) -> bool:
+        """Whether a read has measured this store's bandwidth yet."""
+        return self._stats.read_Bps is not None
+
     def estimate_load_seconds(self, num_blocks: int) -> float:
-        """Expected seconds to get `num_blocks` now (round trip + bytes / bandwidth); 0 before any sample."""
+        """Expected seconds to get `num_blocks` now (round trip + bytes / bandwidth).
+
+        Before the first read the bandwidth is UNMEASURED_READ_BPS, not anything writes showed:
+        writes land in the page cache and say nothing of how fast reads come from the device.
+        """
         s = self._stats
         latency = s.latency_s or 0.0
-        if not s.read_Bps:
-            # Before the first read, nothing is known (writes land in the page cache and say
-            # nothing of reads): load, and let the prefetch deadline bound what that costs.
-            return latency
-        return latency + num_blocks * self.layout.bytes_per_block / s.read_Bps
+        return latency + num_blocks * self.layout.bytes_per_block / (s.read_Bps or UNMEASURED_READ_BPS)
 
     def stats(self) -> dict[str, Any]:
         return {"name": self.name, "url": self.url, **self._stats.snapshot(), **self._extra_stats()}
