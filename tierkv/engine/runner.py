@@ -1,8 +1,10 @@
 """ModelRunner: turns a scheduled step into one forward pass and the next token of each request.
 
 Builds the flat batch (token ids, positions, slot mapping, block tables, sequence lengths) with
-tensor ops rather than per-token Python loops, runs the model on the L1 pool, and samples only
-the rows that finished their prompt or decode. Knows nothing of queues, tiers or HTTP.
+tensor ops rather than per-token Python loops, runs the model on the L1 pool (decode steps as
+CUDA graph replays), and samples only the rows that finished their prompt or decode. Sequences
+larger than L1 go last in the batch and read their KV through the cache's per-layer stream.
+Knows nothing of queues, scheduling or HTTP.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch
 
 from ..cache import TieredKVCache
 from .attention import AttentionMetadata, StreamedAttention
+from .graphs import DecodeGraphs
 from .loader import LoadedModel
 from .request import Request
 from .sampler import Sampler, SamplerOutput, SamplingBatch
@@ -24,8 +27,6 @@ class ModelRunner:
         self, lm: LoadedModel, cache: TieredKVCache, *,
         max_num_seqs: int = 256, max_model_len: int | None = None, enforce_eager: bool = False,
     ) -> None:
-        from .graphs import DecodeGraphs
-
         self.lm, self.cache = lm, cache
         self.device = lm.device
         self.vocab_size = lm.config.vocab_size
