@@ -39,7 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_latency import LLAMA31_8B, TINY_LLAMA3, sync
 from bench_throughput import device_and_dtype, release_memory, save_random_model
-from common import RESULTS, machine_tag, write_results
+from common import write_results
 
 import tierkv
 

@@ -16,7 +16,6 @@ from prefix_kv import prefix_kv, write_into_slots
 
 from tierkv import LLM, CacheConfig, KVLayout, SamplingParams, TieredKVCache
 from tierkv.errors import ConfigError
-from tierkv.kernels import reference as ref
 
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, dtype=torch.float32, block_size=4)
 
