@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from prefix_kv import prefix_kv
+from prefix_kv import prefix_kv, read_slots, write_into_slots
 from tierkv import CacheConfig, KVLayout, TieredKVCache
 from tierkv.errors import ConfigError
 
@@ -133,6 +133,30 @@ def test_an_unmeasured_l3_is_probed_then_judged_by_its_measured_speed(tmp_path):
         assert cache.match(doc).by_tier == {"l1": 0, "l2": 4 * L3_PROBE_BLOCKS, "l3": 160 - 4 * L3_PROBE_BLOCKS}
         # measured now: no more probing, the L3 part is judged by that speed (free recompute wins)
         assert cache.match(doc, recompute_seconds_per_token=1e-15).tokens == 0
+
+
+def test_an_l3_tail_is_read_while_the_head_is_computed_then_adopted(tmp_path):
+    url = f"file://{tmp_path}?size=64MiB"
+    doc = list(range(4 * 40 + 1))  # 40 full blocks and the token whose logits are computed
+    with make([url], l1=48, l2=48) as first:
+        store(first, doc)
+        assert first.flush(timeout=30)
+    with make([url], l1=48, l2=48) as cache:
+        assert cache.prefetch(cache.match(doc), 30, blocks=(0, 1)).wait(30)  # one read: speed measured
+        # recomputing costs half of what reading costs, per block: read the end while computing the start
+        per_token = cache.tiers.load_seconds("l3", 39) / 39 / 2 / 4
+        m = cache.match(doc, recompute_seconds_per_token=per_token)
+        assert m.by_tier == {"l1": 0, "l2": 4, "l3": 0} and m.tail is not None
+        j, end = m.tail
+        assert 1 < j < end == 40
+        seq = cache.allocate(doc, match=m)
+        assert cache.prefetch(m, 30, blocks=m.tail).wait(30)
+        write_into_slots(cache, seq, doc[: 4 * j], 4)  # the engine computes blocks 1..j-1
+        cache.commit(seq, doc[: 4 * j])
+        assert cache.adopt(seq, doc) == 40 - j and seq.committed == 40
+        assert torch.equal(read_slots(cache, seq, 160), prefix_kv(LAYOUT, doc)[:, :, :160])
+        assert cache.adopt(seq, doc) == 0  # nothing past the prompt's last full block
+        cache.free(seq)
 
 
 def test_redis_dying_mid_run_slows_nothing_down_to_wrong(redis_server):

@@ -133,6 +133,36 @@ def test_decode_that_outgrows_l1_streams_instead_of_stopping(tiny_llama):
     assert llm.cache.streamer.bytes_read > 0
 
 
+def test_an_l3_tail_is_read_while_the_head_is_recomputed(tiny_llama, tmp_path):
+    (prompt,) = prompts(3, 300)  # 18 full blocks, then the token whose logits are computed
+    params = SamplingParams(temperature=0, max_tokens=8)
+    want = LLM(tiny_llama, device="cpu").generate(prompt, params, use_tqdm=False)[0].token_ids
+    bb = LLM(tiny_llama, device="cpu", l1=1 << 20).cache.layout.bytes_per_block
+    url = f"file://{tmp_path}?size=64MiB"
+    first = LLM(tiny_llama, device="cpu", l2=64 * bb, l3=[url])
+    first.generate(prompt, params, use_tqdm=False)
+    assert first.cache.flush(timeout=30)
+    first.close()
+
+    llm = LLM(tiny_llama, device="cpu", l2=64 * bb, l3=[url])  # a restart: only the disk has the prefix
+    cache, engine = llm.cache, llm.engine
+    assert cache.prefetch(cache.match(prompt), 30, blocks=(0, 1)).wait(30)  # one read: the disk's speed
+    # recomputing a block costs half of reading one: read the end while the start is computed
+    engine.scheduler.recompute_seconds_per_token = cache.tiers.load_seconds("l3", 17) / 17 / 2 / 16
+    req = engine.add_request(prompt, params)
+    engine.step()  # admitted: the tail is on its way, the start is being computed
+    start = req.adopt_at
+    assert req.tail is not None and 16 < start < 288
+    assert req.num_computed == start  # it stopped where the tail starts
+    assert req.tail.wait(30)
+    while engine.has_unfinished():
+        engine.step()
+    assert req.output_ids == want  # the same tokens as computing everything
+    # served from the cache: block 0 (read above) and the whole tail [start, 288); computed: the rest
+    assert req.cached_tokens == 16 + (288 - start)
+    assert cache.stats()["tiers"]["l3"]["blocks_out"] == 1 + (288 - start) // 16
+
+
 def test_a_prompt_larger_than_l1_and_l2_is_refused(tiny_llama):
     bb = LLM(tiny_llama, device="cpu", l1=1 << 20).cache.layout.bytes_per_block
     llm = LLM(tiny_llama, device="cpu", l1=4 * bb, l2=4 * bb)

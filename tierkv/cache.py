@@ -49,6 +49,9 @@ class Match:
     token_bytes: bytes = field(repr=False)
     hashes: list[int] = field(repr=False)  # chained hashes of every full block of the prompt
     blocks: list[BlockEntry] = field(repr=False)  # the matched blocks, in order
+    # Blocks [j, m) of the prompt that L3 holds but that are cheaper to load in the background
+    # while blocks up to j are recomputed than to load first or to recompute (see `match`).
+    tail: tuple[int, int] | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -141,7 +144,9 @@ class TieredKVCache:
         At most `limit` tokens count; by default len(tokens) - 1, because the last token of a
         prompt must be computed to get its logits. Pass limit=len(tokens) to match everything.
         With `recompute_seconds_per_token`, the match stops where loading the rest of the hit
-        from its tiers is expected to take longer than recomputing it (load-or-recompute).
+        from its tiers is expected to take longer than recomputing it (load-or-recompute); if it
+        stops before an L3 part, `tail` says which end of that part is worth reading while the
+        start is recomputed (the two overlap: the end's KV does not depend on the start).
         """
         self.tiers.reap()
         tb = token_bytes(tokens)
@@ -153,8 +158,12 @@ class TieredKVCache:
         usable = hashes[: limit // self.block_size]
         blocks = self.index.walk(usable, ns, tb, self.block_size)
         l3_blocks = self.tiers.l3_present(usable[len(blocks) :]) if len(blocks) < len(usable) else 0
+        tail = None
         if recompute_seconds_per_token is not None:
+            found, found_l3 = len(blocks), l3_blocks
             blocks, l3_blocks = self._worth_loading(blocks, l3_blocks, len(usable), recompute_seconds_per_token)
+            if found_l3 and not l3_blocks and len(blocks) == found:
+                tail = self._tail(found, found + found_l3, recompute_seconds_per_token)
         by_tier = {"l1": 0, "l2": 0, "l3": l3_blocks * self.block_size}
         for e in blocks:
             by_tier[e.tier()] += self.block_size
@@ -165,7 +174,27 @@ class TieredKVCache:
         c.hit_tokens += matched
         for tier, hit in by_tier.items():
             c.tiers[tier].hit_tokens += hit
-        return Match(matched, by_tier, ns, tb, hashes, blocks)
+        return Match(matched, by_tier, ns, tb, hashes, blocks, tail)
+
+    def _tail(self, first: int, end: int, per_token: float) -> tuple[int, int] | None:
+        """Blocks [j, end) of an L3 run [first, end) to read while [first, j) is recomputed: the j
+        where recomputing the start takes as long as reading the end, if that beats recomputing it all."""
+        per_block = per_token * self.block_size
+
+        def cost(j: int) -> float:  # the start is computed while the end is read
+            return max((j - first) * per_block, self.tiers.load_seconds("l3", end - j))
+
+        lo, hi = first, end  # recompute time grows with j and read time shrinks: bisect the crossing
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if (mid - first) * per_block < self.tiers.load_seconds("l3", end - mid):
+                lo = mid + 1
+            else:
+                hi = mid
+        j = min((lo - 1, lo), key=lambda j: cost(j) if first <= j < end else float("inf"))
+        if not first < j < end or cost(j) >= (end - first) * per_block:
+            return None
+        return j, end
 
     def _worth_loading(
         self, blocks: list[BlockEntry], l3_blocks: int, usable: int, per_token: float
@@ -185,22 +214,29 @@ class TieredKVCache:
             best_k = min(best_k + L3_PROBE_BLOCKS, len(tiers))
         return blocks[:best_k], max(0, best_k - len(blocks))
 
-    def prefetch(self, match: Match, deadline_s: float | None = None, *, priority: int = 0) -> Prefetch:
+    def prefetch(
+        self, match: Match, deadline_s: float | None = None, *, priority: int = 0,
+        blocks: tuple[int, int] | None = None,
+    ) -> Prefetch:
         """Start bringing the match's L3 blocks into L2, in the background.
 
         Returns at once; once `done()`, `match`/`allocate` find the blocks that arrived in L2.
         What has not arrived `deadline_s` seconds from now is not read: the engine recomputes it.
+        `blocks=(j, m)` reads blocks j..m-1 of the prompt instead (`match.tail`), which a running
+        sequence takes with `adopt` once it has computed the blocks before them.
         """
         deadline = None if deadline_s is None else time.monotonic() + deadline_s
-        return self.tiers.prefetch(self._l3_ids(match), deadline, priority)
+        if blocks is None:
+            first = len(match.blocks)
+            blocks = (first, first + match.by_tier["l3"] // self.block_size)
+        return self.tiers.prefetch(self._l3_ids(match, *blocks), deadline, priority)
 
-    def _l3_ids(self, match: Match) -> list[BlockId]:
-        """BlockIds of the match's L3 part, in chain order."""
-        first = len(match.blocks)
+    def _l3_ids(self, match: Match, first: int, end: int) -> list[BlockId]:
+        """BlockIds of blocks first..end-1 of the match's prompt, in chain order."""
         stride = 4 * self.block_size
         return [
             BlockId(match.hashes[i], match.hashes[i - 1] if i else 0, match.ns, match.token_bytes[i * stride : (i + 1) * stride])
-            for i in range(first, first + match.by_tier["l3"] // self.block_size)
+            for i in range(first, end)
         ]
 
     def store(self, tokens, kv: torch.Tensor, salt: str | None = None, *, priority: int = 0) -> int:
@@ -269,7 +305,9 @@ class TieredKVCache:
             self.prefetch(m, DEFAULT_L3_DEADLINE_S).wait()
             m = self.match(tokens, salt, limit=limit)
             if m.by_tier["l3"]:
-                direct = self.tiers.read_l3(self._l3_ids(m), time.monotonic() + DEFAULT_L3_DEADLINE_S)
+                first = len(m.blocks)
+                ids = self._l3_ids(m, first, first + m.by_tier["l3"] // self.block_size)
+                direct = self.tiers.read_l3(ids, time.monotonic() + DEFAULT_L3_DEADLINE_S)
         L, _, bs, H, D = self.layout.block_shape
         n = len(m.blocks)
         k = 0 if direct is None else direct.shape[0]
@@ -393,6 +431,46 @@ class TieredKVCache:
             seq.slots += slots
             seq.entries += [None] * need
         seq.num_tokens += num_tokens
+
+    def adopt(self, seq: SequenceBlocks, tokens) -> int:
+        """Take the blocks right after the sequence's committed prefix from the cache instead of
+        computing them, where the cache holds them now (a `prefetch` of `match.tail` landed, or
+        another request computed them): L1 copies are shared, L2 ones loaded into the sequence's
+        own slots. Returns how many blocks; their tokens count as computed. The last token of
+        `tokens` is never taken (its logits must be computed).
+        """
+        self.tiers.reap()
+        bs = self.block_size
+        tb = token_bytes(tokens)
+        end = min((len(tb) // 4 - 1) // bs, len(seq.slots), len(seq.hashes))
+        start = i = seq.committed
+        from_l2: list[tuple[int, BlockEntry]] = []
+        while i < end and seq.entries[i] is None and seq.slots[i] >= 0:
+            entry, _ = self.index.lookup(seq.hashes[i], seq.hashes[i - 1] if i else 0, seq.ns,
+                                         tb[i * 4 * bs : (i + 1) * 4 * bs])
+            if entry is None:
+                break
+            if entry.l1 >= 0:  # share it; the private slot we had reserved for it goes back
+                self.index.pin(entry)
+                self.l1.free.give([seq.slots[i]])
+                seq.slots[i] = entry.l1
+                if entry.loading is not None and not entry.loading.done():
+                    seq.pending.append(entry.loading)
+            else:
+                from_l2.append((i, entry))
+            seq.entries[i] = entry
+            i += 1
+        if from_l2:
+            load = self.tiers.load_l2([e for _, e in from_l2], [seq.slots[j] for j, _ in from_l2])
+            for j, e in from_l2:
+                self.index.pin(e)
+                self.index.place(e, "l1", seq.slots[j])
+                e.loading = load if load is not DONE else None
+            if load is not DONE:
+                seq.pending.append(load)
+        self._use(seq.entries[start:i], seq.priority)
+        seq.committed = i
+        return i - start
 
     def commit(self, seq: SequenceBlocks, tokens) -> int:
         """Enter the sequence's newly full blocks into the index, so other requests can share them.

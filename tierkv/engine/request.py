@@ -42,6 +42,8 @@ class Request:
     cached_tokens: int | None = None  # prompt tokens served from the cache at first admission
     prefetch: Prefetch | None = None  # L3 blocks on their way into L2 before admission
     prefetch_until: float = 0.0
+    tail: Prefetch | None = None  # the end of its L3 hit, read into L2 while the start is computed
+    adopt_at: int | None = None  # prompt position where that tail is taken
     generator: torch.Generator | None = None
     detokenizer: IncrementalDetokenizer | None = None
     text: str = ""

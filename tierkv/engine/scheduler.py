@@ -4,7 +4,9 @@ Continuous batching under a per-step token budget. Running requests go first (a 
 one token), then prompts continue in chunks, then waiting requests are admitted by priority and
 arrival while L1 can hold them. Admission goes through the cache: L1 hits are shared, L2 hits
 load while other requests compute, and L3 hits are prefetched into L2 first (the request waits
-for them up to a deadline, then recomputes what has not arrived). When L1 runs out, the
+for them up to a deadline, then recomputes what has not arrived; when loading all of it first
+would be slower than recomputing, the end of the L3 part is read in the background while the
+start is recomputed, and taken once the computation reaches it). When L1 runs out, the
 lowest-priority, latest request is preempted: its full blocks are committed and released, so
 they demote to L2 instead of vanishing, and its next admission finds them there. A request that
 all of L1 cannot hold is streamed instead: it keeps at most half of L1, moves its oldest
@@ -80,7 +82,9 @@ class Scheduler:
         for req in list(self.running):  # oldest first; a preemption below may remove later ones
             if req.status is not Status.RUNNING:
                 continue
-            n = min(req.num_tokens - req.num_computed, budget, self._chunk_cap(req))
+            if req.adopt_at is not None and req.num_computed >= req.adopt_at:
+                self._adopt(req)
+            n = min(req.num_tokens - req.num_computed, budget, self._chunk_cap(req), self._until_adopt(req))
             if n <= 0:
                 continue
             if not self._make_room(req, n, step):
@@ -134,6 +138,18 @@ class Scheduler:
         want = max(self.cache.blocks_needed(extra), OFFLOAD_BATCH_BLOCKS)
         return self.cache.offload(req.seq, min(want, movable)) > 0
 
+    @staticmethod
+    def _until_adopt(req: Request) -> int:
+        """Tokens `req` may compute before it stops to take its L3 tail (no limit without one)."""
+        return req.num_tokens if req.adopt_at is None else max(1, req.adopt_at - req.num_computed)
+
+    def _adopt(self, req: Request) -> None:
+        """`req` computed up to its L3 tail: take what of the tail has landed in L2 by now."""
+        gained = self.cache.adopt(req.seq, req.tokens(0, len(req.prompt_ids))) * self.cache.block_size
+        req.num_computed += gained
+        req.cached_tokens = (req.cached_tokens or 0) + gained
+        req.tail, req.adopt_at = None, None
+
     def _victim(self, exclude: list[Request]) -> Request:
         """The running request to preempt: lowest priority, then latest arrival. Requests already
         in this step are never chosen; the one asking is, if it ranks lowest."""
@@ -149,6 +165,9 @@ class Scheduler:
             if req.prefetch is not None and not req.prefetch.done() and now < req.prefetch_until:
                 continue  # its L3 blocks are still on their way: no need to look it up again yet
             limit = None if self.prefix_caching else 0
+            # A request larger than L1 is admitted streamed: room for its first chunk only, and
+            # its cached prefix read from L2 where L2 holds it.
+            stream = self._streams(req)
             match = self.cache.match(req.all_ids, req.salt, limit=limit,
                                      recompute_seconds_per_token=self.recompute_seconds_per_token)
             if match.by_tier["l3"] and req.prefetch is None:
@@ -157,9 +176,13 @@ class Scheduler:
                 req.prefetch_until = now + self.prefetch_deadline_s
                 if not req.prefetch.done():
                     continue
-            # A request larger than L1 is admitted streamed: room for its first chunk only, and
-            # its cached prefix read from L2 where L2 holds it.
-            stream = self._streams(req)
+            elif match.tail is not None and self.prefix_caching and not stream:
+                # recompute the start of the L3 part while its end is read into L2 in the background
+                first, end = match.tail
+                head_s = (first * self.cache.block_size - match.tokens) * (self.recompute_seconds_per_token or 0)
+                req.tail = self.cache.prefetch(match, 2 * head_s + self.prefetch_deadline_s, priority=req.priority,
+                                               blocks=match.tail)
+                req.adopt_at = first * self.cache.block_size
             reserve = min(req.num_tokens, match.tokens + min(budget, self._chunk_cap(req))) if stream else None
             if not self.cache.can_allocate(req.num_tokens, match, stream=stream, reserve=reserve):
                 if not self.running and not step.requests:
@@ -180,7 +203,8 @@ class Scheduler:
                 req.cached_tokens = req.seq.num_cached_tokens
                 req.admitted = now
             self.running.append(req)
-            n = min(req.seq.num_tokens - req.num_computed, budget)  # a streamed request reserved one chunk
+            # a streamed request reserved one chunk; one with an L3 tail stops where the tail starts
+            n = min(req.seq.num_tokens - req.num_computed, budget, self._until_adopt(req))
             step.requests.append(req)
             step.num_new.append(n)
             budget -= n
@@ -199,6 +223,7 @@ class Scheduler:
         self._release(req)
         req.status = Status.WAITING
         req.num_computed = 0
+        req.tail, req.adopt_at = None, None  # what of its tail landed, its next admission finds
         self.waiting.append(req)
         self.num_preemptions += 1
 
