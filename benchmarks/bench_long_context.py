@@ -5,10 +5,12 @@ One run, bf16, random weights saved as safetensors (the model of bench_latency):
    token), against transformers' forward over the same prompt (sdpa, logits of the last token
    only, the same weights); target <= 1.0x transformers' time.
 2. The same prompt again with its KV in L1, in L2 (`cache.evict("l1")`), and on the disk tier
-   (`flush`, then L1 and L2 evicted): TTFT each and speed-up over cold. Load-or-recompute
-   decides per tier; the disk case runs twice: as the engine chooses, and forced to load
-   (recompute estimate off, long prefetch deadline), so the JSON shows what loading would have
-   cost. Targets: L2 >= 20x faster than cold; no tier slower than cold.
+   (`flush`, then L1 and L2 evicted, page cache dropped): TTFT each and speed-up over cold.
+   Load-or-recompute decides per tier; the disk case runs three times: as the engine chooses
+   on its first read of the disk (speed unknown: a probe), as it chooses once that speed is
+   measured (the end read while the start is recomputed), and forced to load (recompute
+   estimate off, long prefetch deadline), so the JSON shows what loading alone would cost.
+   Targets: L2 >= 20x faster than cold; no tier slower than cold.
 3. A context 4x the L1 budget: L1 set to a quarter of the prompt's KV, so prefill and decode
    stream the older blocks from L2 layer by layer. Decode tok/s against the PCIe bound:
    bytes streamed per step (from the cache's counter) / pinned host->device bandwidth measured
@@ -105,7 +107,9 @@ def tier_runs(model_dir: str, prompt: list[int], disk: Path, device, dtype, kv_b
     runs["l2"] = ttft(llm, prompt)
     assert llm.cache.flush(timeout=600), "the disk tier did not take the prefix within 10 minutes"
     scheduler = llm.engine.scheduler
-    for name, forced in (("disk", False), ("disk_forced_load", True)):
+    # disk: the first read from it (its speed unmeasured: a probe, the rest recomputed);
+    # disk_measured: again, now judged by the measured speed (the end read while the start computes)
+    for name, forced in (("disk", False), ("disk_measured", False), ("disk_forced_load", True)):
         llm.cache.evict("l1")
         llm.cache.evict("l2")
         estimate, deadline = scheduler.recompute_seconds_per_token, scheduler.prefetch_deadline_s
@@ -185,11 +189,12 @@ def plot(figures: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     runs = figures["tiers"]
-    names = ["cold", "l1", "l2", "disk", "disk_forced_load"]
-    labels = ["cold\n(recompute)", "L1 hit", "L2 hit", "disk hit\n(engine's choice)", "disk hit\n(forced load)"]
+    names = ["cold", "l1", "l2", "disk", "disk_measured", "disk_forced_load"]
+    labels = ["cold\n(recompute)", "L1 hit", "L2 hit", "disk hit\n(first read)", "disk hit\n(speed known)",
+              "disk hit\n(forced load)"]
     values = [runs[n]["ttft_s"] for n in names]
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    bars = ax.bar(labels, values, color=["#888", "#2a7", "#3a8fd8", "#d89a3a", "#c55"])
+    bars = ax.bar(labels, values, color=["#888", "#2a7", "#3a8fd8", "#d89a3a", "#b8862a", "#c55"])
     for bar, v in zip(bars, values):
         ax.text(bar.get_x() + bar.get_width() / 2, v, f"{v:.2f} s", ha="center", va="bottom")
     if "peer" in figures:
@@ -244,12 +249,12 @@ def main() -> None:
 
         runs = tier_runs(str(model_dir), prompt, disk, device, dtype, kv_bytes)
         cold = runs["cold"]["ttft_s"]
-        for name in ("l1", "l2", "disk", "disk_forced_load"):
+        for name in ("l1", "l2", "disk", "disk_measured", "disk_forced_load"):
             runs[name]["speedup_vs_cold"] = cold / runs[name]["ttft_s"]
         figures["tiers"] = runs
         if "peer" in figures:
             figures["cold_vs_peer"] = cold / figures["peer"]["prefill_s"]
-        figures["slowest_tier_vs_cold"] = max(runs[n]["ttft_s"] for n in ("l1", "l2", "disk")) / cold
+        figures["slowest_tier_vs_cold"] = max(runs[n]["ttft_s"] for n in ("l1", "l2", "disk", "disk_measured")) / cold
         release_memory()
         figures["streamed"] = streamed_run(str(model_dir), prompt, device, dtype, kv_bytes, a.decode_tokens, h2d)
         if a.serve:
