@@ -55,6 +55,18 @@ TINY_LLAMA3 = dict(LLAMA31_8B, hidden_size=64, intermediate_size=128, num_hidden
                    rope_scaling=dict(LLAMA3_ROPE, original_max_position_embeddings=512))
 
 
+def llama_setup(smoke: bool):
+    """(LlamaConfig, device, dtype) of the Llama-3.1-8B shape (tiny on CPU with --smoke), with
+    transformers' logging and progress bars quiet."""
+    from transformers import LlamaConfig
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    device, dtype = device_and_dtype(smoke)
+    return LlamaConfig(**(TINY_LLAMA3 if smoke else LLAMA31_8B)), device, dtype
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -111,13 +123,7 @@ def main() -> None:
     if a.smoke:
         a.prompt_len, a.output_len = 16, 16
 
-    from transformers import LlamaConfig
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    device, dtype = device_and_dtype(a.smoke)
-    config = LlamaConfig(**(TINY_LLAMA3 if a.smoke else LLAMA31_8B))
+    config, device, dtype = llama_setup(a.smoke)
     rng = random.Random(a.seed)
     prompts = [[rng.randrange(config.vocab_size) for _ in range(a.prompt_len)] for _ in range(a.repeats + 1)]
     n = a.output_len

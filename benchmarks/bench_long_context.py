@@ -39,8 +39,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_latency import LLAMA31_8B, TINY_LLAMA3, sync
-from bench_throughput import device_and_dtype, release_memory, save_random_model
+from bench_latency import llama_setup, sync
+from bench_throughput import release_memory, save_random_model
 from common import write_results
 
 import tierkv
@@ -219,13 +219,7 @@ def main() -> None:
     if a.smoke:
         a.tokens, a.decode_tokens = 600, 8
 
-    from transformers import LlamaConfig
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    device, dtype = device_and_dtype(a.smoke)
-    config = LlamaConfig(**(TINY_LLAMA3 if a.smoke else LLAMA31_8B))
+    config, device, dtype = llama_setup(a.smoke)
     rng = random.Random(0)
     prompt = [rng.randrange(config.vocab_size) for _ in range(a.tokens)]
     figures = dict(workload=dict(model="Llama-3.1-8B shape, random weights" if not a.smoke else "tiny Llama (smoke)",

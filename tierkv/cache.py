@@ -26,7 +26,9 @@ from .errors import CacheFullError, ShapeError
 from .hashing import hash_blocks, namespace, token_bytes
 from .index import BlockEntry
 from .layout import KVLayout
+from .load_plan import tail_to_read, worth_loading
 from .tiering import Prefetch, Tiering
+from .sequence import SequenceBlocks
 from .streaming import LayerStream, LayerStreamer, StreamPlan
 from .tiers.codec import BlockId
 from .transfer import DONE, Transfer
@@ -34,9 +36,6 @@ from .transfer import DONE, Transfer
 log = logging.getLogger(__name__)
 
 DEFAULT_L3_DEADLINE_S = 5.0  # how long retrieve() waits for L3 reads before recomputing instead
-# L3 blocks loaded anyway while L3's read speed is unmeasured and recomputing looks cheaper: a
-# cheap probe, so that load-or-recompute learns the real speed instead of never reading.
-L3_PROBE_BLOCKS = 16
 
 
 @dataclass(slots=True)
@@ -52,46 +51,6 @@ class Match:
     # Blocks [j, m) of the prompt that L3 holds but that are cheaper to load in the background
     # while blocks up to j are recomputed than to load first or to recompute (see `match`).
     tail: tuple[int, int] | None = None
-
-
-@dataclass(slots=True, eq=False)
-class SequenceBlocks:
-    """The blocks one running sequence holds. Made by `allocate`, released by `free`.
-
-    Normally every block is in L1. A streamed sequence (one larger than L1) keeps its first
-    `offloaded` blocks in L2 instead: their L1 slot is -1 and `l2_slots` says where they are.
-    """
-
-    ns: bytes
-    priority: int
-    slots: list[int]  # L1 slot of each block, in token order (-1: offloaded to L2)
-    entries: list[BlockEntry | None]  # the index entry of each block; None = private to this sequence
-    hashes: list[int]  # chained hashes known so far (at least those of the committed blocks)
-    committed: int  # leading blocks already committed to the index
-    num_tokens: int  # tokens the slots are reserved for
-    num_cached_tokens: int  # prefix tokens that came from the cache at allocation
-    pending: list[Transfer]  # loads into these slots still in flight
-    l2_slots: list[int] = field(default_factory=list)  # L2 slot of each offloaded leading block
-    freed: bool = False
-
-    @property
-    def offloaded(self) -> int:
-        """Leading blocks that live in L2 only; attention streams them."""
-        return len(self.l2_slots)
-
-    @property
-    def resident(self) -> int:
-        """Blocks in L1."""
-        return len(self.slots) - len(self.l2_slots)
-
-    def wait(self) -> None:
-        """Order the current CUDA stream after the loads into this sequence's blocks (no host sync)."""
-        for t in self.pending:
-            t.wait()
-        self.pending = [t for t in self.pending if not t.done()]
-
-    def slot_of(self, position: int, block_size: int) -> int:
-        return self.slots[position // block_size] * block_size + position % block_size
 
 
 def _put_blocks(out: torch.Tensor, positions: list[int], blocks: torch.Tensor) -> None:
@@ -160,10 +119,11 @@ class TieredKVCache:
         l3_blocks = self.tiers.l3_present(usable[len(blocks) :]) if len(blocks) < len(usable) else 0
         tail = None
         if recompute_seconds_per_token is not None:
+            per_block = recompute_seconds_per_token * self.block_size
             found, found_l3 = len(blocks), l3_blocks
-            blocks, l3_blocks = self._worth_loading(blocks, l3_blocks, len(usable), recompute_seconds_per_token)
+            blocks, l3_blocks = worth_loading(self.tiers, blocks, l3_blocks, len(usable), per_block)
             if found_l3 and not l3_blocks and len(blocks) == found:
-                tail = self._tail(found, found + found_l3, recompute_seconds_per_token)
+                tail = tail_to_read(self.tiers, found, found + found_l3, per_block)
         by_tier = {"l1": 0, "l2": 0, "l3": l3_blocks * self.block_size}
         for e in blocks:
             by_tier[e.tier()] += self.block_size
@@ -175,44 +135,6 @@ class TieredKVCache:
         for tier, hit in by_tier.items():
             c.tiers[tier].hit_tokens += hit
         return Match(matched, by_tier, ns, tb, hashes, blocks, tail)
-
-    def _tail(self, first: int, end: int, per_token: float) -> tuple[int, int] | None:
-        """Blocks [j, end) of an L3 run [first, end) to read while [first, j) is recomputed: the j
-        where recomputing the start takes as long as reading the end, if that beats recomputing it all."""
-        per_block = per_token * self.block_size
-
-        def cost(j: int) -> float:  # the start is computed while the end is read
-            return max((j - first) * per_block, self.tiers.load_seconds("l3", end - j))
-
-        lo, hi = first, end  # recompute time grows with j and read time shrinks: bisect the crossing
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if (mid - first) * per_block < self.tiers.load_seconds("l3", end - mid):
-                lo = mid + 1
-            else:
-                hi = mid
-        j = min((lo - 1, lo), key=lambda j: cost(j) if first <= j < end else float("inf"))
-        if not first < j < end or cost(j) >= (end - first) * per_block:
-            return None
-        return j, end
-
-    def _worth_loading(
-        self, blocks: list[BlockEntry], l3_blocks: int, usable: int, per_token: float
-    ) -> tuple[list[BlockEntry], int]:
-        """The prefix length k minimising load time of blocks[:k] + recompute time of the rest."""
-        per_block = per_token * self.block_size
-        tiers = [e.tier() for e in blocks] + ["l3"] * l3_blocks
-        # Loads of one tier travel together: cost of the first k = sum over tiers of load_seconds(count).
-        counts = {"l1": 0, "l2": 0, "l3": 0}
-        best_k, best = 0, usable * per_block
-        for k, tier in enumerate(tiers, start=1):
-            counts[tier] += 1
-            cost = sum(self.tiers.load_seconds(t, c) for t, c in counts.items()) + (usable - k) * per_block
-            if cost < best:
-                best_k, best = k, cost
-        if best_k >= len(blocks) and l3_blocks and not self.tiers.l3.read_measured:
-            best_k = min(best_k + L3_PROBE_BLOCKS, len(tiers))
-        return blocks[:best_k], max(0, best_k - len(blocks))
 
     def prefetch(
         self, match: Match, deadline_s: float | None = None, *, priority: int = 0,
@@ -397,12 +319,8 @@ class TieredKVCache:
             self.index.pin(e)
         self.index.hold_l2(l2_hits)  # the evictions below must not drop what we are about to load
         fresh = self.tiers.take_l1(self.blocks_needed(reserved) - k - len(l1_hits))
-        load = self.tiers.load_l2(l2_hits, fresh[: len(l2_hits)])
+        self._load_pinned(l2_hits, fresh[: len(l2_hits)])
         self.index.release_l2(l2_hits)
-        for e, slot in zip(l2_hits, fresh):
-            self.index.pin(e)
-            self.index.place(e, "l1", slot)
-            e.loading = load if load is not DONE else None
         pending = [e.loading for e in cached if e.loading is not None and not e.loading.done()]
         self._use(blocks, priority)
         rest = fresh[len(l2_hits) :]
@@ -418,6 +336,16 @@ class TieredKVCache:
             pending=pending,
             l2_slots=[e.l2 for e in offloaded],
         )
+
+    def _load_pinned(self, entries: list[BlockEntry], l1_slots: list[int]) -> Transfer:
+        """Start copying L2 blocks `entries` into `l1_slots`, where they are placed and pinned for
+        the caller; each entry's `loading` is the copy until it is done."""
+        load = self.tiers.load_l2(entries, l1_slots)
+        for e, slot in zip(entries, l1_slots):
+            self.index.pin(e)
+            self.index.place(e, "l1", slot)
+            e.loading = load if load is not DONE else None
+        return load
 
     def can_append(self, seq: SequenceBlocks, num_tokens: int = 1) -> bool:
         need = self.blocks_needed(seq.num_tokens + num_tokens) - len(seq.slots)
@@ -460,14 +388,9 @@ class TieredKVCache:
                 from_l2.append((i, entry))
             seq.entries[i] = entry
             i += 1
-        if from_l2:
-            load = self.tiers.load_l2([e for _, e in from_l2], [seq.slots[j] for j, _ in from_l2])
-            for j, e in from_l2:
-                self.index.pin(e)
-                self.index.place(e, "l1", seq.slots[j])
-                e.loading = load if load is not DONE else None
-            if load is not DONE:
-                seq.pending.append(load)
+        load = self._load_pinned([e for _, e in from_l2], [seq.slots[j] for j, _ in from_l2])
+        if load is not DONE:
+            seq.pending.append(load)
         self._use(seq.entries[start:i], seq.priority)
         seq.committed = i
         return i - start
@@ -575,26 +498,8 @@ class TieredKVCache:
         Returns the step's LayerStream: its `plan.block_tables` [len(seqs), width] index the
         staging buffer that `layer_kv(layer, pool)` fills (see streaming.py).
         """
-        l2_slots, l2_rows, l1_slots, l1_rows = [], [], [], []
-        width = max(len(s.slots) for s in seqs)
-        table = torch.full((len(seqs), width), -1, dtype=torch.int32)
-        row = 0
-        for b, s in enumerate(seqs):
-            n, k = len(s.slots), s.offloaded
-            table[b, :n] = torch.arange(row, row + n, dtype=torch.int32)
-            l2_slots += s.l2_slots
-            l2_rows += range(row, row + k)
-            l1_slots += s.slots[k:]
-            l1_rows += range(row + k, row + n)
-            row += n
-        dev = self.device
-
-        def index(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64).to(dev, non_blocking=True)
-
-        plan = StreamPlan(index(l2_slots), index(l2_rows), index(l1_slots), index(l1_rows),
-                          table.to(dev, non_blocking=True), row)
-        self.tiers.count("l2", len(l2_slots), into=False)
+        plan = StreamPlan.build(seqs, self.device)
+        self.tiers.count("l2", plan.l2_blocks, into=False)
         mover = self.tiers.mover
         return self.streamer.start(plan, mover.last if mover is not None else DONE)
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from . import kernels
+from .sequence import SequenceBlocks
 from .tiers import DevicePool, HostPool
 from .transfer import Transfer
 
@@ -39,6 +40,29 @@ class StreamPlan:
     @property
     def l2_blocks(self) -> int:
         return int(self.l2_slots.shape[0])
+
+    @classmethod
+    def build(cls, seqs: list[SequenceBlocks], device: torch.device) -> StreamPlan:
+        """The plan for one step of `seqs`: each sequence's blocks take consecutive staging rows,
+        its offloaded leading blocks from L2, the rest from L1."""
+        l2_slots, l2_rows, l1_slots, l1_rows = [], [], [], []
+        width = max(len(s.slots) for s in seqs)
+        table = torch.full((len(seqs), width), -1, dtype=torch.int32)  # [B, width]
+        row = 0
+        for b, s in enumerate(seqs):
+            n, k = len(s.slots), s.offloaded
+            table[b, :n] = torch.arange(row, row + n, dtype=torch.int32)
+            l2_slots += s.l2_slots
+            l2_rows += range(row, row + k)
+            l1_slots += s.slots[k:]
+            l1_rows += range(row + k, row + n)
+            row += n
+
+        def index(values: list[int]) -> torch.Tensor:  # [n] int64 on the device
+            return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+
+        return cls(index(l2_slots), index(l2_rows), index(l1_slots), index(l1_rows),
+                   table.to(device, non_blocking=True), row)
 
 
 class LayerStreamer:

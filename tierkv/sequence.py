@@ -1,0 +1,53 @@
+"""SequenceBlocks: the blocks one running sequence holds, in token order, and where each lives.
+
+A plain record that TieredKVCache makes (`allocate`) and changes (`append`, `commit`, `adopt`,
+`offload`, `free`); engines read it for block tables and slot numbers. It never allocates,
+frees or moves anything itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .index import BlockEntry
+from .transfer import Transfer
+
+
+@dataclass(slots=True, eq=False)
+class SequenceBlocks:
+    """The blocks one running sequence holds. Made by `allocate`, released by `free`.
+
+    Normally every block is in L1. A streamed sequence (one larger than L1) keeps its first
+    `offloaded` blocks in L2 instead: their L1 slot is -1 and `l2_slots` says where they are.
+    """
+
+    ns: bytes
+    priority: int
+    slots: list[int]  # L1 slot of each block, in token order (-1: offloaded to L2)
+    entries: list[BlockEntry | None]  # the index entry of each block; None = private to this sequence
+    hashes: list[int]  # chained hashes known so far (at least those of the committed blocks)
+    committed: int  # leading blocks already committed to the index
+    num_tokens: int  # tokens the slots are reserved for
+    num_cached_tokens: int  # prefix tokens that came from the cache at allocation
+    pending: list[Transfer]  # loads into these slots still in flight
+    l2_slots: list[int] = field(default_factory=list)  # L2 slot of each offloaded leading block
+    freed: bool = False
+
+    @property
+    def offloaded(self) -> int:
+        """Leading blocks that live in L2 only; attention streams them."""
+        return len(self.l2_slots)
+
+    @property
+    def resident(self) -> int:
+        """Blocks in L1."""
+        return len(self.slots) - len(self.l2_slots)
+
+    def wait(self) -> None:
+        """Order the current CUDA stream after the loads into this sequence's blocks (no host sync)."""
+        for t in self.pending:
+            t.wait()
+        self.pending = [t for t in self.pending if not t.done()]
+
+    def slot_of(self, position: int, block_size: int) -> int:
+        return self.slots[position // block_size] * block_size + position % block_size
