@@ -114,7 +114,7 @@ def test_load_or_recompute_skips_tiers_slower_than_recomputing(tmp_path):
 
 
 def test_an_unmeasured_l3_is_probed_then_judged_by_its_measured_speed(tmp_path):
-    from tierkv.load_plan import L3_PROBE_BLOCKS
+    from tierkv.plan import L3_PROBE_BLOCKS
 
     url = f"file://{tmp_path}?size=64MiB"
     doc = list(range(4 * 40 + 1))  # 40 full blocks

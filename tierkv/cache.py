@@ -26,7 +26,7 @@ from .errors import CacheFullError, ShapeError
 from .hashing import hash_blocks, namespace, token_bytes
 from .index import BlockEntry
 from .layout import KVLayout
-from .load_plan import tail_to_read, worth_loading
+from .plan import AdmissionPlan, tail_to_read, worth_loading
 from .tiering import Prefetch, Tiering
 from .sequence import SequenceBlocks
 from .streaming import LayerStream, LayerStreamer, StreamPlan
@@ -212,7 +212,7 @@ class TieredKVCache:
             entry = self.index.create(hashes[i], parent, ns, tb[i * 4 * bs : (i + 1) * 4 * bs], priority)
             self.index.place(entry, "l1", slot)
             new.append(entry)
-        self._stored(new[::-1])
+        self.tiers.stored(new[::-1])
         return len(self.index.walk(hashes, ns, tb, bs)) * bs
 
     def retrieve(self, tokens, salt: str | None = None, *, limit: int | None = None) -> tuple[int, torch.Tensor]:
@@ -251,13 +251,67 @@ class TieredKVCache:
             out[:, :, n:] = direct.permute(1, 2, 0, 3, 4, 5).to(self.device)
         self.tiers.count("l1", len(in_l1), into=False)
         self.tiers.count("l2", len(in_l2), into=False)
-        self._use(m.blocks, 0)
+        self.tiers.used(m.blocks, 0)
         return (n + k) * bs, out.view(L, 2, (n + k) * bs, H, D)
 
     # ------------------------------------------------------------------ block-level API
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    # ------------------------------------------------------------------ admission
+
+    @property
+    def stream_window(self) -> int:
+        """Most tokens a streamed sequence computes or keeps in L1 at once: half of L1, so that
+        other requests still run beside it."""
+        return max(1, self.l1.num_blocks // 2) * self.block_size
+
+    def must_stream(self, num_tokens: int) -> bool:
+        """Whether a sequence of `num_tokens` (and its next token) is larger than all of L1, so
+        that it streams its older blocks from L2 (when there is an L2)."""
+        return self.l2 is not None and self.blocks_needed(num_tokens + 1) > self.l1.num_blocks
+
+    def max_tokens(self) -> int:
+        """The longest sequence the tiers can ever hold: all of L1, or, streamed, its window in
+        L1 and the rest in L2."""
+        in_l1 = self.l1.num_blocks * self.block_size
+        if self.l2 is None:
+            return in_l1
+        return max(in_l1, self.stream_window + self.l2.num_blocks * self.block_size)
+
+    def plan(
+        self, tokens, salt: str | None = None, *, budget: int, prefix_caching: bool = True,
+        recompute_seconds_per_token: float | None = None, deadline_s: float = 1.0,
+    ) -> AdmissionPlan:
+        """How to admit `tokens` now, decided in one place (see AdmissionPlan).
+
+        `budget`: tokens the step can still compute (a streamed sequence reserves L1 for its
+        cached prefix and one chunk of at most that). `recompute_seconds_per_token`: the
+        engine's measured prefill cost, for load-or-recompute (None: load whatever is cached).
+        `deadline_s`: how long L3 reads may take before what has not arrived is recomputed.
+        Changes nothing but the lookup counters; apply it with `prefetch` and `allocate`.
+        """
+        bs = self.block_size
+        num_tokens = len(tokens)
+        m = self.match(tokens, salt, limit=None if prefix_caching else 0,
+                       recompute_seconds_per_token=recompute_seconds_per_token)
+        stream = self.must_stream(num_tokens)
+        first_l3 = len(m.blocks)
+        fetch = (first_l3, first_l3 + m.by_tier["l3"] // bs) if m.by_tier["l3"] else None
+        tail, tail_deadline_s = None, 0.0
+        if fetch is None and m.tail is not None and not stream:
+            # the start of the L3 part is recomputed while its end is read: allow the read twice
+            # the recompute's expected time before giving up on it
+            head_s = (m.tail[0] * bs - m.tokens) * (recompute_seconds_per_token or 0.0)
+            tail, tail_deadline_s = m.tail, 2 * head_s + deadline_s
+        reserve = min(num_tokens, m.tokens + min(budget, self.stream_window)) if stream else None
+        return AdmissionPlan(
+            match=m, stream=stream, reserve=reserve,
+            fits=self.can_allocate(num_tokens, m, stream=stream, reserve=reserve),
+            fetch=fetch, fetch_deadline_s=deadline_s,
+            tail=tail, tail_deadline_s=tail_deadline_s, adopt_at=None if tail is None else tail[0] * bs,
+        )
 
     def can_allocate(self, num_tokens: int, match: Match, *, stream: bool = False, reserve: int | None = None) -> bool:
         """Whether `allocate` with these arguments would succeed now."""
@@ -270,7 +324,7 @@ class TieredKVCache:
         and whose next cached blocks are `blocks`."""
         l1_hits = [e for e in blocks if e.l1 >= 0]
         need = self.blocks_needed(num_tokens) - offloaded - len(l1_hits)
-        available = len(self.l1.free) + self.index.evictable("l1") - sum(1 for e in l1_hits if e.ref == 0)
+        available = self.tiers.l1_room() - sum(1 for e in l1_hits if e.ref == 0)
         return need - available
 
     def _streamable(self, blocks: list[BlockEntry]) -> int:
@@ -319,10 +373,10 @@ class TieredKVCache:
             self.index.pin(e)
         self.index.hold_l2(l2_hits)  # the evictions below must not drop what we are about to load
         fresh = self.tiers.take_l1(self.blocks_needed(reserved) - k - len(l1_hits))
-        self._load_pinned(l2_hits, fresh[: len(l2_hits)])
+        self.tiers.load_pinned(l2_hits, fresh[: len(l2_hits)])
         self.index.release_l2(l2_hits)
         pending = [e.loading for e in cached if e.loading is not None and not e.loading.done()]
-        self._use(blocks, priority)
+        self.tiers.used(blocks, priority)
         rest = fresh[len(l2_hits) :]
         return SequenceBlocks(
             ns=m.ns,
@@ -337,19 +391,9 @@ class TieredKVCache:
             l2_slots=[e.l2 for e in offloaded],
         )
 
-    def _load_pinned(self, entries: list[BlockEntry], l1_slots: list[int]) -> Transfer:
-        """Start copying L2 blocks `entries` into `l1_slots`, where they are placed and pinned for
-        the caller; each entry's `loading` is the copy until it is done."""
-        load = self.tiers.load_l2(entries, l1_slots)
-        for e, slot in zip(entries, l1_slots):
-            self.index.pin(e)
-            self.index.place(e, "l1", slot)
-            e.loading = load if load is not DONE else None
-        return load
-
     def can_append(self, seq: SequenceBlocks, num_tokens: int = 1) -> bool:
         need = self.blocks_needed(seq.num_tokens + num_tokens) - len(seq.slots)
-        return need <= len(self.l1.free) + self.index.evictable("l1")
+        return need <= self.tiers.l1_room()
 
     def append(self, seq: SequenceBlocks, num_tokens: int = 1) -> None:
         """Reserve room for `num_tokens` more tokens; raises CacheFullError (changing nothing) if L1 cannot."""
@@ -380,7 +424,7 @@ class TieredKVCache:
                 break
             if entry.l1 >= 0:  # share it; the private slot we had reserved for it goes back
                 self.index.pin(entry)
-                self.l1.free.give([seq.slots[i]])
+                self.tiers.give_l1([seq.slots[i]])
                 seq.slots[i] = entry.l1
                 if entry.loading is not None and not entry.loading.done():
                     seq.pending.append(entry.loading)
@@ -388,10 +432,10 @@ class TieredKVCache:
                 from_l2.append((i, entry))
             seq.entries[i] = entry
             i += 1
-        load = self._load_pinned([e for _, e in from_l2], [seq.slots[j] for j, _ in from_l2])
+        load = self.tiers.load_pinned([e for _, e in from_l2], [seq.slots[j] for j, _ in from_l2])
         if load is not DONE:
             seq.pending.append(load)
-        self._use(seq.entries[start:i], seq.priority)
+        self.tiers.used(seq.entries[start:i], seq.priority)
         seq.committed = i
         return i - start
 
@@ -425,7 +469,7 @@ class TieredKVCache:
             self.index.place(entry, "l1", seq.slots[i])
             seq.entries[i] = entry
         seq.committed = full
-        self._stored(new)
+        self.tiers.stored(new)
         return full - start
 
     def free(self, seq: SequenceBlocks) -> None:
@@ -441,10 +485,10 @@ class TieredKVCache:
                 private.append(slot)
             else:
                 self.index.unpin(entry)
-        self.l1.free.give(private)
+        self.tiers.give_l1(private)
         for slot, entry in zip(reversed(seq.l2_slots), reversed(seq.entries[:k])):
             if entry is None:
-                self.l2.free.give([slot])
+                self.tiers.give_l2([slot])
             else:
                 self.index.release_l2([entry])
         seq.slots, seq.entries, seq.l2_slots, seq.freed = [], [], [], True
@@ -468,7 +512,7 @@ class TieredKVCache:
         # Offloaded blocks stay a prefix: stop at the first block that found no room in L2.
         n = next((j for j, i in enumerate(todo) if not self._has_l2_copy(seq.entries[i], i in private_l2)), len(todo))
         moved = todo[:n]
-        self.l2.free.give([slot for i, slot in private_l2.items() if i not in moved])
+        self.tiers.give_l2([slot for i, slot in private_l2.items() if i not in moved])
         copies = [(seq.slots[i], private_l2[i]) for i in moved if seq.entries[i] is None]
         if copies:
             self.tiers.mover.l1_to_l2([a for a, _ in copies], [b for _, b in copies])
@@ -481,7 +525,7 @@ class TieredKVCache:
                 self.index.hold_l2([e])
                 self.index.unpin(e)
                 seq.l2_slots.append(e.l2)
-        self.l1.free.give([seq.slots[i] for i in moved if seq.entries[i] is None])
+        self.tiers.give_l1([seq.slots[i] for i in moved if seq.entries[i] is None])
         if copies:
             self.tiers.mover.fence()  # the freed L1 slots are reused only after the copies out of them
         for i in moved:
@@ -514,22 +558,6 @@ class TieredKVCache:
             n = min(len(s.slots), width)
             table[row, :n] = s.slots[:n]
         return torch.from_numpy(table).to(device if device is not None else self.device, non_blocking=True)
-
-    # ------------------------------------------------------------------ policy hooks
-
-    def _stored(self, new: list[BlockEntry]) -> None:
-        """New blocks entered L1: count them, and copy them down now under write-through."""
-        self.tiers.count("l1", len(new), into=True)
-        self.counters.stored_blocks += len(new)
-        if self.config.write_policy == "write_through":
-            self.tiers.write_down(new)
-
-    def _use(self, entries: list[BlockEntry], priority: int) -> None:
-        """A request reused these blocks: update recency/frequency, and copy down what `selective` now admits."""
-        for e in reversed(entries):  # tail first, so the head ends up most recent
-            self.index.touch(e, priority)
-        if self.config.write_policy == "selective":
-            self.tiers.write_down([e for e in entries if e.hits == self.config.selective_min_hits])
 
     # ------------------------------------------------------------------ lifecycle, reporting
 

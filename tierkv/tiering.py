@@ -1,8 +1,9 @@
 """Tiering: where a block goes when its tier fills up, and the moves that follow.
 
 Owns the pools (L1 device, L2 host), the movers (L1<->L2 on a CUDA stream, L2<->L3 on threads),
-and the index's tier bookkeeping: eviction, demotion and copy-down by write policy, L3 flushes
-and prefetches, and the per-tier load-time estimates behind load-or-recompute.
+and the index's tier bookkeeping: the one owner of every tier's slots (free lists, room, pins of
+loaded blocks, eviction order), demotion and copy-down by write policy, L3 flushes and
+prefetches, and the per-tier load-time estimates behind load-or-recompute.
 
 Single-threaded by design: only the caller's thread touches the index. L3 threads work on L2
 slots that are held for them and report back through a queue that `reap()` drains. This file
@@ -86,6 +87,10 @@ class Tiering:
 
     # ------------------------------------------------------------------ L1
 
+    def l1_room(self) -> int:
+        """L1 slots to be had now: the free ones and those eviction can free."""
+        return len(self.l1.free) + self.index.evictable("l1")
+
     def take_l1(self, n: int, partial: bool = False) -> list[int]:
         """`n` free L1 slots, evicting (and demoting) unpinned blocks as needed. Fewer only if `partial`."""
         short = n - len(self.l1.free)
@@ -97,6 +102,20 @@ class Tiering:
                 victims.append(e)
             self._evict_l1(victims)
         return self.l1.free.take(min(n, len(self.l1.free)))
+
+    def give_l1(self, slots: list[int]) -> None:
+        """Private L1 slots (no index entry) go back to the free list."""
+        self.l1.free.give(slots)
+
+    def load_pinned(self, entries: list[BlockEntry], l1_slots: list[int]) -> Transfer:
+        """Start copying L2 blocks `entries` into `l1_slots`, where they are placed and pinned for
+        the caller; each entry's `loading` is the copy until it is done."""
+        load = self.load_l2(entries, l1_slots)
+        for e, slot in zip(entries, l1_slots):
+            self.index.pin(e)
+            self.index.place(e, "l1", slot)
+            e.loading = load if load is not DONE else None
+        return load
 
     def _evict_l1(self, victims: list[BlockEntry]) -> None:
         copied = self.write_down([e for e in victims if e.l2 < 0 and self._admits(e)])
@@ -140,6 +159,10 @@ class Tiering:
         while len(self.l2.free) < n and self._evict_l2():
             pass
         return self.l2.free.take(min(n, len(self.l2.free)))
+
+    def give_l2(self, slots: list[int]) -> None:
+        """Private L2 slots (no index entry) go back to the free list."""
+        self.l2.free.give(slots)
 
     def _evict_l2(self) -> bool:
         """Give up the L2 policy's next victim, or start its L3 write; False when none is left."""
@@ -256,7 +279,7 @@ class Tiering:
                 self.index.place(e, "l2", slot)
                 arrived += 1
             else:
-                self.l2.free.give([slot])
+                self.give_l2([slot])
         c = self.counters.tiers["l3"]
         c.blocks_out += arrived
         c.bytes_out += arrived * self.layout.bytes_per_block
@@ -293,6 +316,22 @@ class Tiering:
         self.l3.wait_any(remaining)
         self.reap()
         return True
+
+    # ------------------------------------------------------------------ write policy
+
+    def stored(self, new: list[BlockEntry]) -> None:
+        """New blocks entered L1: count them, and copy them down now under write-through."""
+        self.count("l1", len(new), into=True)
+        self.counters.stored_blocks += len(new)
+        if self.config.write_policy == "write_through":
+            self.write_down(new)
+
+    def used(self, entries: list[BlockEntry], priority: int) -> None:
+        """A request reused these blocks: update recency/frequency, and copy down what `selective` now admits."""
+        for e in reversed(entries):  # tail first, so the head ends up most recent
+            self.index.touch(e, priority)
+        if self.config.write_policy == "selective":
+            self.write_down([e for e in entries if e.hits == self.config.selective_min_hits])
 
     # ------------------------------------------------------------------ estimates, counters
 

@@ -104,7 +104,10 @@ class BlockMover:
             self.bandwidth += EWMA_ALPHA * (nbytes / seconds - self.bandwidth)
 
     def _index(self, slots: list[int]) -> torch.Tensor:
-        return torch.tensor(slots, dtype=torch.int64, device=self.device)
+        """`slots` as a device tensor, without a host sync: built in pinned memory and copied
+        asynchronously (a copy from pageable memory would wait for the copy stream to drain, so
+        the host would sit out every chunk's DMA instead of launching the compute meanwhile)."""
+        return torch.tensor(slots, dtype=torch.int64).pin_memory().to(self.device, non_blocking=True)
 
     def l1_to_l2(self, l1_slots: list[int], l2_slots: list[int]) -> Transfer:
         """Copy L1 blocks `l1_slots` into L2 slots `l2_slots` (same length)."""

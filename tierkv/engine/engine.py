@@ -109,9 +109,8 @@ class Engine:
                 log.debug("max_tokens %d capped at %d by max_model_len", params.max_tokens, room)
             params = dataclasses.replace(params, max_tokens=room)  # validated again on construction
         needed = self.cache.blocks_needed(len(prompt_ids) + 1)
-        l1_blocks, l2_blocks = self.cache.l1.num_blocks, self.cache.l2.num_blocks if self.cache.l2 else 0
-        # Larger than L1, a sequence streams: it keeps at most half of L1, the rest lives in L2.
-        if needed > l1_blocks and needed > l1_blocks // 2 + l2_blocks:
+        if needed * self.cache.block_size > self.cache.max_tokens():
+            l1_blocks, l2_blocks = self.cache.l1.num_blocks, self.cache.l2.num_blocks if self.cache.l2 else 0
             raise ConfigError(
                 f"the prompt needs {needed} KV blocks but L1 holds {l1_blocks} and L2 {l2_blocks}: "
                 "raise l1 or l2 (sequences larger than L1 stream their older blocks from L2), or shorten the prompt"

@@ -115,17 +115,13 @@ class Scheduler:
 
     def _streams(self, req: Request) -> bool:
         """Whether `req` runs streamed: it is already, or all of L1 could never hold it."""
-        if self.cache.l2 is None:
-            return False
         if req.seq is not None and req.seq.offloaded:
             return True
-        return self.cache.blocks_needed(req.num_tokens + 1) > self.cache.l1.num_blocks
+        return self.cache.must_stream(req.num_tokens)
 
     def _chunk_cap(self, req: Request) -> int:
-        """Most new tokens `req` computes in one step: a streamed request keeps to half of L1."""
-        if not self._streams(req):
-            return req.num_tokens
-        return max(1, self.cache.l1.num_blocks // 2) * self.cache.block_size
+        """Most new tokens `req` computes in one step: a streamed request keeps to its window."""
+        return self.cache.stream_window if self._streams(req) else req.num_tokens
 
     def _offload_own(self, req: Request, extra: int) -> bool:
         """Make room for `extra` tokens of `req` by moving its own oldest computed blocks to L2;
@@ -157,6 +153,7 @@ class Scheduler:
         return min(candidates, key=lambda r: (r.priority, -r.arrival))
 
     def _admit(self, step: ScheduledStep, budget: int) -> None:
+        """Admit waiting requests, each by the cache's plan for it, while L1 and the budget last."""
         now = time.monotonic()
         # highest priority first, then first come first served
         for req in sorted(self.waiting, key=lambda r: (-r.priority, r.arrival)):
@@ -164,37 +161,31 @@ class Scheduler:
                 break
             if req.prefetch is not None and not req.prefetch.done() and now < req.prefetch_until:
                 continue  # its L3 blocks are still on their way: no need to look it up again yet
-            limit = None if self.prefix_caching else 0
-            # A request larger than L1 is admitted streamed: room for its first chunk only, and
-            # its cached prefix read from L2 where L2 holds it.
-            stream = self._streams(req)
-            match = self.cache.match(req.all_ids, req.salt, limit=limit,
-                                     recompute_seconds_per_token=self.recompute_seconds_per_token)
-            if match.by_tier["l3"] and req.prefetch is None:
+            plan = self.cache.plan(req.all_ids, req.salt, budget=budget, prefix_caching=self.prefix_caching,
+                                   recompute_seconds_per_token=self.recompute_seconds_per_token,
+                                   deadline_s=self.prefetch_deadline_s)
+            if plan.fetch is not None and req.prefetch is None:
                 # bring the L3 part up into L2 in the background; others run meanwhile
-                req.prefetch = self.cache.prefetch(match, self.prefetch_deadline_s, priority=req.priority)
-                req.prefetch_until = now + self.prefetch_deadline_s
+                req.prefetch = self.cache.prefetch(plan.match, plan.fetch_deadline_s, priority=req.priority,
+                                                   blocks=plan.fetch)
+                req.prefetch_until = now + plan.fetch_deadline_s
                 if not req.prefetch.done():
                     continue
-            elif match.tail is not None and self.prefix_caching and not stream:
-                # recompute the start of the L3 part while its end is read into L2 in the background
-                first, end = match.tail
-                head_s = (first * self.cache.block_size - match.tokens) * (self.recompute_seconds_per_token or 0)
-                req.tail = self.cache.prefetch(match, 2 * head_s + self.prefetch_deadline_s, priority=req.priority,
-                                               blocks=match.tail)
-                req.adopt_at = first * self.cache.block_size
-            reserve = min(req.num_tokens, match.tokens + min(budget, self._chunk_cap(req))) if stream else None
-            if not self.cache.can_allocate(req.num_tokens, match, stream=stream, reserve=reserve):
+            if not plan.fits:
                 if not self.running and not step.requests:
                     self._give_up(req)  # nothing holds L1 and it still does not fit: it never will
                     continue
                 break  # first come first served: nobody overtakes a request that does not fit yet
             try:
-                req.seq = self.cache.allocate(
-                    req.all_ids, req.salt, priority=req.priority, match=match, stream=stream, reserve=reserve
-                )
+                req.seq = self.cache.allocate(req.all_ids, req.salt, priority=req.priority, match=plan.match,
+                                              stream=plan.stream, reserve=plan.reserve)
             except CacheFullError:
-                break
+                break  # starting its fetch freed L2 room by dropping blocks of its own match: next step
+            if plan.tail is not None:
+                # recompute the start of the L3 part while its end is read into L2 in the background
+                req.tail = self.cache.prefetch(plan.match, plan.tail_deadline_s, priority=req.priority,
+                                               blocks=plan.tail)
+                req.adopt_at = plan.adopt_at
             self.waiting.remove(req)
             req.status = Status.RUNNING
             req.prefetch = None

@@ -1,18 +1,47 @@
-"""Load or recompute: how much of a cached prefix is worth bringing up, given measured speeds.
+"""How one prompt enters the cache: the admission plan, and the load-or-recompute arithmetic behind it.
 
-Arithmetic only, over the tiers' load-time estimates (Tiering.load_seconds) and the engine's
-cost of recomputing a block: it never moves a byte and never changes the index. Used by
-TieredKVCache.match.
+`AdmissionPlan` is everything a scheduler needs to admit a request, decided in one place
+(`TieredKVCache.plan`): the match (what each tier serves, cut where recomputing beats loading),
+whether the sequence streams, how much L1 it reserves now, which L3 blocks to fetch first or to
+read in the background, their deadlines, and whether L1 can take it now. The functions below are
+arithmetic over the tiers' load-time estimates (Tiering.load_seconds) and the engine's cost of
+recomputing a block. Nothing here moves a byte or changes the index.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 from .index import BlockEntry
 from .tiering import Tiering
+
+if TYPE_CHECKING:
+    from .cache import Match
 
 # L3 blocks loaded anyway while L3's read speed is unmeasured and recomputing looks cheaper: a
 # cheap probe, so that load-or-recompute learns the real speed instead of never reading.
 L3_PROBE_BLOCKS = 16
+
+
+@dataclass(slots=True)
+class AdmissionPlan:
+    """How to admit one prompt now. Made by `TieredKVCache.plan`; a scheduler applies it with
+    `prefetch` (fetch, tail) and `allocate` (match, stream, reserve), deciding nothing itself."""
+
+    match: Match  # the cached prefix worth taking, per tier; match.tokens is where recomputing starts
+    stream: bool  # larger than L1: its leading L2 blocks stay in L2 and attention streams them
+    reserve: int | None  # tokens to take L1 room for now (None: the whole prompt)
+    fits: bool  # whether L1 can make that room now
+    # Blocks [first, end) of the prompt to read from L3 into L2 before admission (None: nothing),
+    # and how long to wait for them; what has not arrived by then is recomputed.
+    fetch: tuple[int, int] | None
+    fetch_deadline_s: float
+    # Blocks [first, end) of an L3 hit to read in the background while the blocks before them are
+    # recomputed, taken (`adopt`) once the computation reaches them; with their deadline.
+    tail: tuple[int, int] | None
+    tail_deadline_s: float
+    adopt_at: int | None  # prompt position where the computation stops to take the tail
 
 
 def worth_loading(

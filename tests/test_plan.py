@@ -1,0 +1,102 @@
+"""cache.plan: the one admission decision (what each tier serves, streaming, the L1 reserve,
+L3 fetches and tails, whether L1 can take the prompt now), checked against the cache's state."""
+
+import torch
+
+from prefix_kv import prefix_kv
+from tierkv import CacheConfig, KVLayout, TieredKVCache
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float16, block_size=4)
+BPB = LAYOUT.bytes_per_block
+
+
+def make(l1=8, l2=0, l3=(), **kw) -> TieredKVCache:
+    return TieredKVCache(LAYOUT, CacheConfig(l1=l1 * BPB, l2=l2 * BPB, l3=list(l3), **kw), device="cpu",
+                         model="plan-test")
+
+
+def store(cache, tokens):
+    return cache.store(tokens, prefix_kv(LAYOUT, tokens))
+
+
+def test_an_l2_hit_is_loaded_whole_and_fits():
+    cache = make(l1=8, l2=16)
+    doc = list(range(13))  # 3 full blocks and the token whose logits are computed
+    store(cache, doc)
+    cache.evict("l1")
+    plan = cache.plan(doc, budget=64)
+    assert plan.match.by_tier == {"l1": 0, "l2": 12, "l3": 0}
+    assert (plan.stream, plan.reserve, plan.fits, plan.fetch, plan.tail, plan.adopt_at) == (
+        False, None, True, None, None, None)
+    seq = cache.allocate(doc, match=plan.match, stream=plan.stream, reserve=plan.reserve)
+    assert seq.num_cached_tokens == 12
+    cache.free(seq)
+
+
+def test_prefix_caching_off_matches_nothing():
+    cache = make(l1=8, l2=16)
+    doc = list(range(13))
+    store(cache, doc)
+    plan = cache.plan(doc, budget=64, prefix_caching=False)
+    assert plan.match.tokens == 0 and plan.fits
+
+
+def test_a_prompt_larger_than_l1_streams_and_reserves_one_window():
+    cache = make(l1=8, l2=32)
+    assert cache.stream_window == 16  # half of L1's 8 blocks of 4 tokens
+    doc = list(range(4 * 12 + 1))  # 13 blocks with the next token: more than L1
+    assert cache.must_stream(len(doc)) and not cache.must_stream(4 * 7)
+    store(cache, doc[:21])  # 5 blocks, some of which end in L2
+    cache.evict("l1")
+    plan = cache.plan(doc, budget=1000)
+    assert plan.stream and plan.match.by_tier["l2"] == 20
+    # room for the cached prefix and one window of new tokens, not for the whole prompt
+    assert plan.reserve == 20 + 16 and plan.fits
+    assert cache.plan(doc, budget=3).reserve == 20 + 3  # a smaller step budget reserves less
+    # the longest sequence: one window in L1 and all of L2
+    assert cache.max_tokens() == 16 + 32 * 4
+    assert make(l1=8).max_tokens() == 32  # no L2: L1 alone
+
+
+def test_a_full_l1_does_not_fit_until_it_is_released():
+    cache = make(l1=4, l2=8)
+    running = cache.allocate(list(range(100, 116)))  # 4 blocks: all of L1, pinned
+    plan = cache.plan(list(range(9)), budget=64)
+    assert not plan.fits
+    cache.free(running)
+    assert cache.plan(list(range(9)), budget=64).fits  # its private blocks are free again
+
+
+def test_an_l3_hit_is_fetched_before_admission(tmp_path):
+    cache = make(l1=4, l2=8, l3=[f"file://{tmp_path}?size=1MiB"])
+    doc = list(range(13))
+    store(cache, doc)
+    for r in range(3):  # traffic nobody shares, pushing the document out of L1 and L2
+        store(cache, list(range(10_000 + 100 * r, 10_000 + 100 * r + 13)))
+    assert cache.flush(timeout=30)
+    plan = cache.plan(doc, budget=64, deadline_s=7.0)
+    first = len(plan.match.blocks)
+    assert plan.match.by_tier["l3"] == 12 - 4 * first
+    assert plan.fetch == (first, 3) and plan.fetch_deadline_s == 7.0 and plan.tail is None
+    assert cache.prefetch(plan.match, plan.fetch_deadline_s, blocks=plan.fetch).wait(30)
+    after = cache.plan(doc, budget=64)
+    assert after.fetch is None and after.match.by_tier["l3"] == 0 and after.match.tokens == 12
+    cache.close()
+
+
+def test_a_slow_l3_hit_becomes_a_tail_read_while_the_head_is_recomputed(tmp_path):
+    url = f"file://{tmp_path}?size=64MiB"
+    doc = list(range(4 * 40 + 1))
+    with make(l1=48, l2=48, l3=[url]) as first:
+        store(first, doc)
+        assert first.flush(timeout=30)
+    with make(l1=48, l2=48, l3=[url]) as cache:
+        assert cache.prefetch(cache.match(doc), 30, blocks=(0, 1)).wait(30)  # one read: speed measured
+        per_token = cache.tiers.load_seconds("l3", 39) / 39 / 2 / 4  # recompute at half the read cost
+        plan = cache.plan(doc, budget=10_000, recompute_seconds_per_token=per_token, deadline_s=1.0)
+        assert plan.fetch is None and plan.tail is not None and not plan.stream
+        j, end = plan.tail
+        assert plan.adopt_at == 4 * j and end == 40
+        # the tail may take twice the expected recompute of the head, plus the deadline
+        head_s = (4 * j - plan.match.tokens) * per_token
+        assert abs(plan.tail_deadline_s - (2 * head_s + 1.0)) < 1e-9
