@@ -1,0 +1,63 @@
+"""Physical limits that benchmarks divide by, measured in the same run: pinned host -> device
+bandwidth (PCIe, the floor of an L2 hit) and a disk's raw sequential read speed (the floor of a
+disk hit). Each function measures one thing and returns bytes/second; none touches tierkv.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import torch
+
+
+def h2d_bandwidth(nbytes: int = 2**30) -> float:
+    """Bytes/s of one pinned host -> device copy (copy engine): the PCIe bound of L2 loads."""
+    src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst.copy_(src, non_blocking=True)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        dst.copy_(src, non_blocking=True)
+    end.record()
+    end.synchronize()
+    return 5 * nbytes / (start.elapsed_time(end) / 1e3)
+
+
+def drop_page_cache() -> bool:
+    """Make the next disk read come from the disk, not from the OS page cache (needs root)."""
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def disk_read_bandwidth(directory: Path, nbytes: int = 2**31, chunk: int = 8 << 20) -> float:
+    """Bytes/s of one sequential read of an `nbytes` file in `directory`, written and fsynced
+    first, then evicted from the page cache (fadvise), so the read comes from the disk."""
+    path = Path(directory) / "tierkv-raw-read.bin"
+    block = os.urandom(chunk)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for _ in range(nbytes // chunk):
+            os.write(fd, block)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        buf = bytearray(chunk)
+        t = time.perf_counter()
+        total = 0
+        while n := os.readv(fd, [buf]):
+            total += n
+        seconds = time.perf_counter() - t
+    finally:
+        os.close(fd)
+        path.unlink()
+    return total / seconds
