@@ -51,12 +51,23 @@ def worth_loading(
     L3 hits, out of `usable` blocks of the prompt. Returns the leading blocks and L3 count of
     the k that minimises load time of the first k plus recompute time of the rest."""
     kinds = [e.tier() for e in blocks] + ["l3"] * l3_blocks
-    # Loads of one tier travel together: cost of the first k = sum over tiers of load_seconds(count).
-    counts = {"l1": 0, "l2": 0, "l3": 0}
+    # Loads of one tier travel together, and each tier's estimate is affine in the block count
+    # (a round trip, then bytes over bandwidth): cost of the first k = sum over the tiers used of
+    # (fixed + per_block * count). Both parts are read once, so a 100K-token prompt's scan is
+    # plain arithmetic, not thousands of estimate calls.
+    per, fixed = {"l1": 0.0}, {"l1": 0.0}
+    for t in {k for k in kinds if k != "l1"}:
+        per[t] = tiers.load_seconds(t, 2) - tiers.load_seconds(t, 1)
+        fixed[t] = tiers.load_seconds(t, 1) - per[t]
+    started = {"l1": False, "l2": False, "l3": False}
+    load = 0.0
     best_k, best = 0, usable * per_block
     for k, tier in enumerate(kinds, start=1):
-        counts[tier] += 1
-        cost = sum(tiers.load_seconds(t, c) for t, c in counts.items()) + (usable - k) * per_block
+        if not started[tier]:
+            started[tier] = True
+            load += fixed[tier]
+        load += per[tier]
+        cost = load + (usable - k) * per_block
         if cost < best:
             best_k, best = k, cost
     if best_k >= len(blocks) and l3_blocks and not tiers.l3.read_measured:
