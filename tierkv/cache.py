@@ -48,6 +48,7 @@ class Match:
     token_bytes: bytes = field(repr=False)
     hashes: list[int] = field(repr=False)  # chained hashes of every full block of the prompt
     blocks: list[BlockEntry] = field(repr=False)  # the matched blocks, in order
+    removals: int = field(default=0, repr=False)  # the index's removal count when they were found
     # Blocks [j, m) of the prompt that L3 holds but that are cheaper to load in the background
     # while blocks up to j are recomputed than to load first or to recompute (see `match`).
     tail: tuple[int, int] | None = None
@@ -134,7 +135,7 @@ class TieredKVCache:
         c.hit_tokens += matched
         for tier, hit in by_tier.items():
             c.tiers[tier].hit_tokens += hit
-        return Match(matched, by_tier, ns, tb, hashes, blocks, tail)
+        return Match(matched, by_tier, ns, tb, hashes, blocks, self.index.removals, tail)
 
     def prefetch(
         self, match: Match, deadline_s: float | None = None, *, priority: int = 0,
@@ -358,8 +359,11 @@ class TieredKVCache:
         num_tokens = len(m.token_bytes) // 4
         if num_tokens == 0:
             raise ValueError("allocate() needs at least one token")
-        # Walk again: the index may have changed since the match (evictions, prefetches landing).
-        blocks = self.index.walk(m.hashes[: (num_tokens - 1) // self.block_size], m.ns, m.token_bytes, self.block_size)
+        # The match's blocks, as far as the match chose to take them (load-or-recompute may stop
+        # short of what the index holds); walked again only if an entry left the index since.
+        blocks = m.blocks
+        if m.removals != self.index.removals:
+            blocks = self.index.walk(m.hashes[: len(m.blocks)], m.ns, m.token_bytes, self.block_size)
         k = self._streamable(blocks) if stream else 0
         offloaded, cached = blocks[:k], blocks[k:]
         reserved = self._reserve(num_tokens, reserve, len(blocks))

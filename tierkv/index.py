@@ -50,6 +50,7 @@ class BlockIndex:
     entries: dict[int, BlockEntry] = field(default_factory=dict)
     policies: dict[str, EvictionPolicy] = field(default_factory=dict)
     collisions: int = 0
+    removals: int = 0  # entries dropped from the index so far: a walk done before is still valid while unchanged
 
     def __post_init__(self) -> None:
         self.policies = {tier: make_policy(self.eviction) for tier in TIERS}
@@ -108,6 +109,7 @@ class BlockIndex:
             entry.l2 = -1
         if entry.l1 < 0 and entry.l2 < 0:
             del self.entries[entry.hash]
+            self.removals += 1
         return slot
 
     def victim(self, tier: str) -> BlockEntry | None:

@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import time
 
+import numpy as np
 import torch
 
 from ..cache import TieredKVCache
@@ -96,8 +97,14 @@ class Engine:
         if not prompt_ids:
             raise ConfigError("the prompt is empty: give at least one token")
         vocab = self.lm.config.vocab_size
-        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in prompt_ids):
+        # one vectorised check (a 100K-token prompt costs ~1 ms, not ~10 ms of Python)
+        try:
+            ids = np.asarray(prompt_ids)
+        except (ValueError, TypeError):  # nested or ragged lists
+            ids = np.asarray([])
+        if ids.dtype.kind not in "iu" or ids.ndim != 1 or ids.min() < 0 or ids.max() >= vocab:
             raise ConfigError(f"prompt token ids must be ints in [0, {vocab})")
+        prompt_ids = ids.tolist()  # plain ints (numpy integers are not JSON-serialisable)
         if len(prompt_ids) >= self.max_model_len:
             raise ConfigError(
                 f"the prompt has {len(prompt_ids)} tokens; this model takes at most {self.max_model_len - 1} "

@@ -161,9 +161,7 @@ class Scheduler:
                 break
             if req.prefetch is not None and not req.prefetch.done() and now < req.prefetch_until:
                 continue  # its L3 blocks are still on their way: no need to look it up again yet
-            plan = self.cache.plan(req.all_ids, req.salt, budget=budget, prefix_caching=self.prefix_caching,
-                                   recompute_seconds_per_token=self.recompute_seconds_per_token,
-                                   deadline_s=self.prefetch_deadline_s)
+            plan = self._plan(req, budget)
             if plan.fetch is not None and req.prefetch is None:
                 # bring the L3 part up into L2 in the background; others run meanwhile
                 req.prefetch = self.cache.prefetch(plan.match, plan.fetch_deadline_s, priority=req.priority,
@@ -171,6 +169,7 @@ class Scheduler:
                 req.prefetch_until = now + plan.fetch_deadline_s
                 if not req.prefetch.done():
                     continue
+                plan = self._plan(req, budget)  # what landed already is loaded from L2
             if not plan.fits:
                 if not self.running and not step.requests:
                     self._give_up(req)  # nothing holds L1 and it still does not fit: it never will
@@ -199,6 +198,11 @@ class Scheduler:
             step.requests.append(req)
             step.num_new.append(n)
             budget -= n
+
+    def _plan(self, req: Request, budget: int):
+        return self.cache.plan(req.all_ids, req.salt, budget=budget, prefix_caching=self.prefix_caching,
+                               recompute_seconds_per_token=self.recompute_seconds_per_token,
+                               deadline_s=self.prefetch_deadline_s)
 
     # ------------------------------------------------------------------ after the step
 
