@@ -3,15 +3,19 @@
 decode:  paged_decode vs SDPA on the same K/V made contiguous, Llama-3.1-8B layer shape; GB/s of KV
          read, ratio to SDPA and to the d2d copy bandwidth measured in this run.
 prefill: paged_prefill vs SDPA causal on contiguous K/V, TFLOP/s and ratio.
+extend:  paged_prefill of a few new tokens over a long cached prefix (a prefix-cache hit) vs SDPA
+         with a bottom-right causal mask on contiguous K/V, vs the one-split 128-row launch it
+         replaces, and vs the HBM floor (the KV bytes at the d2d copy bandwidth of this run).
 blocks:  16-token block moves L1<->L2 (Triton gather/scatter, staged or zero-copy) vs one contiguous
          pinned copy of the same bytes, and vs one cudaMemcpyAsync per contiguous run.
 Writes benchmarks/results/bench_kernels-<machine>.json (or --out DIR) and a PNG. Prints a table.
-Usage: python benchmarks/bench_kernels.py [--out DIR] [--quick] [--sweep]
+Usage: python benchmarks/bench_kernels.py [--out DIR] [--quick] [--sweep decode,prefill,extend] [--only ...]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -23,6 +27,7 @@ import torch
 import torch.nn.functional as F
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 from triton.testing import do_bench
 
 from tierkv.kernels import block_copy, decode, prefill, reference
@@ -30,6 +35,8 @@ from tierkv.kernels import block_copy, decode, prefill, reference
 HQ, HKV, D, PAGE, DT = 32, 8, 128, 16, torch.bfloat16   # Llama-3.1-8B layer, bf16, 16-token blocks
 DECODE_SHAPES = [(1, 131072), (8, 32768), (32, 8192), (128, 2048)]
 PREFILL_LENS = [4096, 8192, 16384, 32768]
+# (sequences, new tokens each, cached tokens each): prefix-cache hits of one request, and a batch
+EXTEND_SHAPES = [(1, n, ctx) for ctx in (12288, 102400) for n in (1, 3, 16, 128)] + [(8, 16, 8192)]
 GB = 1e9
 
 
@@ -177,6 +184,75 @@ def bench_prefill(sweep: bool) -> list[dict]:
     return rows
 
 
+def bench_extend(copy_gbps: float, sweep: bool) -> list[dict]:
+    rows = []
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    scale = D**-0.5
+    for batch, new, ctx in EXTEND_SHAPES:
+        length = ctx + new
+        kv, tables, lens, k, v = paged_pool(batch, length, gen)
+        q = torch.randn(batch * new, HQ, D, device="cuda", dtype=DT, generator=gen)
+        cu = torch.arange(0, batch + 1, device="cuda", dtype=torch.int32) * new
+        kv_bytes = 2 * batch * length * HKV * D * kv.element_size()
+        ours = lambda: prefill.paged_prefill(q, kv, tables, cu, lens, scale)  # noqa: E731
+        # the launch this replaces: 128-row tiles, one head a program, no split
+        before = lambda: prefill._paged_prefill(q, kv, tables, cu, lens, scale, block_m=128, block_n=64,  # noqa: E731
+                                                num_splits=1, pack=False)
+        # peer: SDPA over [B, H, L, D] with new token i seeing keys <= ctx + i (bottom-right causal)
+        qs = q.view(batch, new, HQ, D).transpose(1, 2)                      # [B, Hq, new, D]
+        mask = causal_lower_right(new, length)
+        ke, ve = k.repeat_interleave(HQ // HKV, 1), v.repeat_interleave(HQ // HKV, 1)   # [B, Hq, L, D]
+        sdpa_exp = lambda: sdpa(qs, ke, ve, attn_mask=mask, scale=scale)  # noqa: E731
+        sdpa_gqa = lambda: sdpa(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=True)  # noqa: E731
+        want = sdpa_exp().transpose(1, 2).reshape(batch * new, HQ, D).float()
+        err = (ours().float() - want).abs().max().item()
+        err_before = (before().float() - want).abs().max().item()
+        t_ours, t_before, t_exp = ms(ours), ms(before), ms(sdpa_exp)
+        try:
+            t_gqa = ms(sdpa_gqa)
+        except RuntimeError:  # no fused backend takes enable_gqa with this mask here
+            t_gqa = float("inf")
+        t_sdpa = min(t_exp, t_gqa)
+        t_floor = kv_bytes / (copy_gbps * GB) * 1e3
+        launch = prefill.choose_launch(batch * new, batch, HQ, HKV, tables.shape[1] * PAGE, D, q.device)
+        row = dict(batch=batch, new_tokens=new, context=ctx, kv_bytes=kv_bytes, launch=dataclasses.asdict(launch),
+                   tierkv_ms=t_ours, one_split_128_rows_ms=t_before, sdpa_ms=t_sdpa, sdpa_expanded_ms=t_exp,
+                   sdpa_gqa_ms=t_gqa, hbm_floor_ms=t_floor, max_abs_diff_vs_sdpa=err,
+                   one_split_max_abs_diff_vs_sdpa=err_before,
+                   ratio_vs_sdpa=t_sdpa / t_ours, speedup_vs_one_split=t_before / t_ours,
+                   ratio_vs_floor=t_floor / t_ours, tierkv_gbps=kv_bytes / (t_ours * 1e-3) / GB)
+        if sweep:
+            row["sweep"] = sweep_extend(q, kv, tables, cu, lens, scale, launch)
+        rows.append(row)
+        print(f"extend B={batch} new={new:4d} ctx={ctx:6d}: tierkv {1e3 * t_ours:7.1f} us  one-split "
+              f"{1e3 * t_before:7.1f} us  sdpa {1e3 * t_sdpa:7.1f} us  floor {1e3 * t_floor:6.1f} us  "
+              f"x{row['ratio_vs_sdpa']:.2f} sdpa  {100 * row['ratio_vs_floor']:.0f}% floor  "
+              f"splits {launch.num_splits} tile {launch.block_m}x{launch.block_n} pack {launch.pack}"
+              f"  (max|diff| {err:.1e})", flush=True)
+        del kv, tables, k, v, ke, ve
+        torch.cuda.empty_cache()
+    return rows
+
+
+def sweep_extend(q, kv, tables, cu, lens, scale, launch) -> list[dict]:
+    out = []
+    for bm, bn, pack in ((16, 64, True), (16, 128, True), (32, 64, True), (64, 64, True), (16, 64, False)):
+        for warps in (2, 4):
+            for mult in (0.5, 1, 2):
+                splits = max(1, int(launch.num_splits * mult))
+                cfg = dict(block_m=bm, block_n=bn, pack=pack, warps=warps, splits=splits)
+                try:
+                    t = ms(lambda: prefill._paged_prefill(q, kv, tables, cu, lens, scale, block_m=bm, block_n=bn,
+                                                          pack=pack, num_warps=warps, num_splits=splits), 20)
+                except Exception as e:  # a config that does not compile (or fit) is recorded, not fatal
+                    out.append(dict(cfg, error=str(e)[:200]))
+                    continue
+                out.append(dict(cfg, us=1e3 * t))
+    best = min((r for r in out if "us" in r), key=lambda r: r["us"])
+    print(f"   sweep best: {best}", flush=True)
+    return out
+
+
 def bench_blocks(quick: bool) -> dict:
     """Llama-3.1-8B blocks (32 layers x 64 KiB per layer-block = 2 MiB per block)."""
     layers, slots, n = 32, 4096, 256 if quick else 1024
@@ -257,8 +333,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--quick", action="store_true", help="fewer blocks in the block-copy test")
-    ap.add_argument("--sweep", default="", help="comma list of decode,prefill: also sweep launch configs")
-    ap.add_argument("--only", default="decode,prefill,blocks")
+    ap.add_argument("--sweep", default="", help="comma list of decode,prefill,extend: also sweep launch configs")
+    ap.add_argument("--only", default="decode,prefill,extend,blocks")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_kernels needs a CUDA GPU")
@@ -278,7 +354,9 @@ def main() -> None:
     parts = args.only.split(",")
     sweeps = args.sweep.split(",")
     sections = dict(decode=lambda: bench_decode(result["d2d_copy_gbps"], "decode" in sweeps),
-                    prefill=lambda: bench_prefill("prefill" in sweeps), blocks=lambda: bench_blocks(args.quick))
+                    prefill=lambda: bench_prefill("prefill" in sweeps),
+                    extend=lambda: bench_extend(result["d2d_copy_gbps"], "extend" in sweeps),
+                    blocks=lambda: bench_blocks(args.quick))
     for name, run in sections.items():
         if name not in parts:
             continue

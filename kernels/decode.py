@@ -16,6 +16,7 @@ import triton.language as tl
 
 from . import _checks
 from ._launch import check_triton_device, dot_precision, pow2, sm_count
+from .merge import merge_splits_kernel
 
 _LOG2E = 1.4426950408889634
 
@@ -98,37 +99,6 @@ def _decode_split_kernel(
         tl.store(Lse + b.to(tl.int64) * stride_lb + heads * stride_lh + split, lse, mask=g_mask)
 
 
-# integers that change from step to step are not specialised on (1, multiples of 16):
-# each new combination would compile another copy of the kernel in the middle of serving
-@triton.jit(do_not_specialize=["num_splits"])
-def _decode_merge_kernel(
-    Part, Lse, Out,
-    stride_pb, stride_ph, stride_ps,
-    stride_lb, stride_lh,
-    stride_ob, stride_oh, stride_od,
-    num_splits,
-    HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-):
-    b = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < num_splits
-    lse = tl.load(Lse + b * stride_lb + h * stride_lh + offs_s, mask=s_mask, other=float("-inf"))  # [BLOCK_S]
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)           # every split empty: weights 0, output 0
-    w = tl.exp2(lse - m)                               # [BLOCK_S]
-    total = tl.sum(w, 0)
-    w = w / tl.where(total > 0, total, 1.0)
-    part = tl.load(
-        Part + b * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :],
-        mask=s_mask[:, None] & (offs_d[None, :] < HEAD_D), other=0.0,
-    )                                                  # [BLOCK_S, BLOCK_D]
-    out = tl.sum(part * w[:, None], 0)                 # [BLOCK_D]
-    tl.store(Out + b * stride_ob + h * stride_oh + offs_d * stride_od, out.to(Out.dtype.element_ty),
-             mask=offs_d < HEAD_D)
-
-
 def choose_launch(batch: int, kv_heads: int, max_tokens: int, head_dim: int, device: torch.device) -> tuple[int, int]:
     """(splits per sequence, tokens per tile) for a decode batch, from shapes only (no host sync).
 
@@ -186,7 +156,7 @@ def _paged_decode(q, kv, block_tables, seq_lens, scale, sliding_window=None, *,
         num_warps=num_warps or 4, num_stages=num_stages or 3,
     )
     if not direct:
-        _decode_merge_kernel[(batch, hq)](
+        merge_splits_kernel[(batch, hq)](
             part, lse, out, *part.stride()[:3], *lse.stride()[:2], *out.stride(), splits,
             HEAD_D=d, BLOCK_D=block_d, BLOCK_S=pow2(splits), num_warps=4,
         )

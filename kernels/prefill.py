@@ -2,11 +2,18 @@
 
 New tokens attend causally to themselves and fully to their sequence's cached prefix, all read
 from the paged pool through the block table: plain prefill, chunked prefill and prefix-cache hits
-are one kernel. Each program owns (query tile of one sequence, query head). This file must never
-read a block-table entry past a sequence's length, and never syncs the host.
+are one kernel. Each program owns (query tile of one sequence, query heads, split). A short extend
+over a long prefix (a cache hit) would give too few programs to fill the GPU, so its tiles pack the
+query heads of one kv head into rows (each K/V tile is loaded once for the group), and each
+sequence's fully visible keys are divided among splits (flash-decoding); the last split also takes
+the causal part, and a second small kernel merges the splits by log-sum-exp. Splits and tiles are
+chosen from shapes only. This file must never read a block-table entry past a sequence's length,
+and never syncs the host.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -14,6 +21,7 @@ import triton.language as tl
 
 from . import _checks
 from ._launch import INTERPRETING, check_triton_device, dot_precision, pow2, sm_count
+from .merge import merge_splits_kernel
 
 _LOG2E = 1.4426950408889634
 
@@ -30,23 +38,39 @@ def _tile(KV, bt_row, stride_btn, offs_n, n_mask, head_off, offs_d, d_mask,
     return row[:, None] + offs_d[None, :] * stride_kvd
 
 
+@triton.jit
+def _split_range(lo, mid, split, num_splits, BLOCK_N: tl.constexpr):
+    """This split's share [start, end) of the fully visible keys [lo, mid), in whole tiles.
+
+    Each sequence divides its own range, so a short one in a wide block table still spreads over
+    all the splits; a split past the end gets an empty range (start >= end).
+    """
+    per_split = tl.cdiv(tl.cdiv(mid - lo, num_splits), BLOCK_N) * BLOCK_N
+    start = lo + split * per_split
+    return start, tl.minimum(mid, start + per_split)
+
+
 # integers that change from step to step are not specialised on (1, multiples of 16):
 # each new combination would compile another copy of the kernel in the middle of serving
-@triton.jit(do_not_specialize=["stride_btb", "window", "num_seqs"])
+@triton.jit(do_not_specialize=["stride_btb", "window", "num_seqs", "num_splits"])
 def _prefill_kernel(
-    Q, KV, BT, CU, SL, TileSeq, TileIdx, Out,
+    Q, KV, BT, CU, SL, TileSeq, TileIdx, Out, Part, Lse,
     stride_qt, stride_qh, stride_qd,
     stride_kvb, stride_kvs, stride_kvt, stride_kvh, stride_kvd,
     stride_btb, stride_btn,
     stride_ot, stride_oh, stride_od,
-    qk_scale, window, num_seqs,
-    GROUP: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
+    stride_pt, stride_ph, stride_ps,
+    stride_lt, stride_lh,
+    qk_scale, window, num_seqs, num_splits,
+    GROUP: tl.constexpr, PACK: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    DIRECT: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    # query head varies fastest: the GROUP heads sharing a kv head run side by side and read the
-    # same K/V tiles (hits in L2), rather than each streaming them at different times
-    h = tl.program_id(0)
+    # heads vary fastest: the programs sharing a kv head (one, when packed) run side by side and
+    # read the same K/V tiles (hits in L2), rather than each streaming them at different times
+    heads_at = tl.program_id(0) * PACK                      # first query head of this program
     tile = tl.program_id(1)
+    split = tl.program_id(2)
     b = tl.load(TileSeq + tile)
     if b >= num_seqs:
         return  # the grid is an upper bound on tiles; spare programs leave at once
@@ -56,32 +80,43 @@ def _prefill_kernel(
     seq_len = tl.load(SL + b)
     ctx = seq_len - q_len                                   # position of the first new token
 
-    offs_m = t * BLOCK_M + tl.arange(0, BLOCK_M)            # [BLOCK_M] row within the sequence
+    # row r of the tile is (new token r // PACK, query head heads_at + r % PACK); PACK is 1 (one
+    # head, a token a row) or the GQA group (short extends: the group shares every K/V tile)
+    TOKENS: tl.constexpr = BLOCK_M // PACK                  # new tokens per tile
+    offs_r = tl.arange(0, BLOCK_M)
+    offs_m = t * TOKENS + offs_r // PACK                    # [BLOCK_M] token within the sequence
+    heads = heads_at + offs_r % PACK                        # [BLOCK_M] query head
     offs_d = tl.arange(0, BLOCK_D)
-    m_mask = offs_m < q_len
+    m_mask = (offs_r < TOKENS * PACK) & (offs_m < q_len)
     d_mask = offs_d < HEAD_D
     pos = ctx + offs_m                                      # [BLOCK_M] token positions
     q_rows = (q_start + offs_m).to(tl.int64)
-    q = tl.load(Q + q_rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :] * stride_qd,
+    q = tl.load(Q + q_rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
                 mask=m_mask[:, None] & d_mask[None, :], other=0.0)           # [BLOCK_M, BLOCK_D]
 
-    first_pos = ctx + t * BLOCK_M                           # smallest position in this tile
-    last_pos = ctx + tl.minimum((t + 1) * BLOCK_M, q_len) - 1
+    first_pos = ctx + t * TOKENS                            # smallest position in this tile
+    last_pos = ctx + tl.minimum((t + 1) * TOKENS, q_len) - 1
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(0, first_pos - window + 1)
     # keys in [lo, mid) are visible to every row (causally); [mid, last_pos] need the causal mask
     mid = lo + tl.maximum(0, first_pos - lo) // BLOCK_N * BLOCK_N
     hi = last_pos + 1
+    if DIRECT:
+        visible_lo, visible_hi, causal_lo = lo, mid, mid
+    else:
+        visible_lo, visible_hi = _split_range(lo, mid, split, num_splits, BLOCK_N)
+        # the causal part goes to the last split (it holds the shortest share of [lo, mid))
+        causal_lo = tl.where(split == num_splits - 1, mid, hi)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     bt_row = BT + b.to(tl.int64) * stride_btb
-    head_off = (h // GROUP).to(tl.int64) * stride_kvh
+    head_off = (heads_at // GROUP).to(tl.int64) * stride_kvh
     for phase in tl.static_range(2):
-        start_at = lo if phase == 0 else mid
-        end_at = mid if phase == 0 else hi
+        start_at = visible_lo if phase == 0 else causal_lo
+        end_at = visible_hi if phase == 0 else hi
         for start in range(start_at, end_at, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             n_mask = offs_n < end_at
@@ -112,7 +147,8 @@ def _prefill_kernel(
             m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)                   # log2 units
             if HAS_WINDOW:
                 # a row may see nothing in a tile yet (m = -inf): subtract 0 so exp2 gives 0, not NaN;
-                # without a window every row's first tile holds at least one visible key
+                # without a window every row's first tile holds at least one visible key (phase 0
+                # tiles are unmasked, and phase 1 starts at mid <= first_pos)
                 m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             else:
                 m_new_safe = m_new
@@ -123,21 +159,32 @@ def _prefill_kernel(
             m_i = m_new
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
-    o_ptr = Out + q_rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :] * stride_od
-    tl.store(o_ptr, (acc / l_safe[:, None]).to(Out.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+    out_mask = m_mask[:, None] & d_mask[None, :]
+    if DIRECT:
+        o_ptr = Out + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :] * stride_od
+        tl.store(o_ptr, (acc / l_safe[:, None]).to(Out.dtype.element_ty), mask=out_mask)
+    else:
+        # this split's normalised output and its log2-sum-exp; a split that saw no key has
+        # lse = -inf (weight 0 in the merge) and a zero partial
+        p_row = q_rows * stride_pt + heads * stride_ph + split * stride_ps         # [BLOCK_M]
+        tl.store(Part + p_row[:, None] + offs_d[None, :], acc / l_safe[:, None], mask=out_mask)
+        lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(Lse + q_rows * stride_lt + heads * stride_lh + split, lse, mask=m_mask)
 
 
-def _tile_map(cu_seqlens_q: torch.Tensor, num_tokens: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+def _tile_map(cu_seqlens_q: torch.Tensor, num_tokens: int,
+              tokens_per_tile: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(sequence, tile within it) of every program, built on the device without a host sync.
 
-    Sequence b needs ceil(q_len_b / block_m) tiles; their sum is at most ceil(T / block_m) + B,
-    which sizes the grid. Programs past the real count get sequence index B and return. The map
-    is reversed so that late (causally heaviest) tiles start first and light ones fill the tail.
+    Sequence b needs ceil(q_len_b / tokens_per_tile) tiles; their sum is at most
+    ceil(T / tokens_per_tile) + B, which sizes the grid. Programs past the real count get sequence
+    index B and return. The map is reversed so that late (causally heaviest) tiles start first and
+    light ones fill the tail.
     """
     num_seqs = cu_seqlens_q.shape[0] - 1
-    grid = triton.cdiv(num_tokens, block_m) + num_seqs
+    grid = triton.cdiv(num_tokens, tokens_per_tile) + num_seqs
     q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).to(torch.int64)          # [B]
-    ends = torch.cumsum((q_lens + block_m - 1) // block_m, 0)                # [B] tiles up to b
+    ends = torch.cumsum((q_lens + tokens_per_tile - 1) // tokens_per_tile, 0)  # [B] tiles up to b
     ids = torch.arange(grid, device=cu_seqlens_q.device)
     seq = torch.searchsorted(ends, ids, right=True)                          # [grid] in [0, B]
     starts = torch.cat([ends.new_zeros(1), ends])                            # [B+1]
@@ -145,47 +192,127 @@ def _tile_map(cu_seqlens_q: torch.Tensor, num_tokens: int, block_m: int) -> tupl
     return seq.flip(0).to(torch.int32), idx.flip(0).to(torch.int32), grid
 
 
-def _choose_tiles(num_tokens: int, num_seqs: int, num_heads: int, head_dim: int,
-                  device: torch.device) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps) from shapes only (no host sync).
+@dataclass(slots=True)
+class Launch:
+    """How one paged_prefill call runs; every field comes from shapes, never from device data."""
+    block_m: int      # rows of a query tile
+    block_n: int      # keys of a K/V tile
+    num_warps: int
+    pack: int         # query heads per program, sharing a kv head: 1, or the GQA group
+    num_splits: int   # parts of each sequence's fully visible keys, merged afterwards
+
+    @property
+    def tokens_per_tile(self) -> int:
+        return self.block_m // self.pack
+
+
+def _choose_tiles(num_tokens: int, num_seqs: int, num_heads: int, group: int, head_dim: int,
+                  device: torch.device) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, pack) from shapes only (no host sync).
 
     Measured on the H200 (bench_kernels --sweep, one 16K sequence, d=128): 256x64 tiles on 8 warps
     ran at 439-445 TFLOP/s, 128x64 on 4 warps at 406-410, 128x64 on 8 warps at 318, 128x128 on
     4 warps at ~200. But at 4K tokens the 256-row tiles gave only 512 programs and 232 TFLOP/s
     where 128-row tiles gave 324. So 256-row tiles need long sequences (>= 1024 new tokens each on
     average) and enough of them to give every SM about 4 programs.
+    Short extends (a prefix-cache hit: a few new tokens per sequence) get tiles sized to their
+    rows instead of 128 mostly masked ones, with the GQA group packed into the rows when they fit
+    in 128, so each K/V tile is loaded once per kv head (as decode does). Keys stay 64 a tile:
+    compiled for sm_90, 16x64 tiles spill ~70 bytes a thread where 16x128 spill 1-10 KB. These
+    short-extend choices are not yet timed on a GPU (bench_kernels --sweep extend does).
     """
+    per_seq = triton.cdiv(num_tokens, num_seqs)             # average new tokens of a sequence
+    if per_seq * group <= 128 or per_seq <= 64:
+        pack = group if per_seq * group <= 128 else 1
+        block_m = pow2(per_seq * pack, 16)                  # tl.dot needs at least 16 rows
+        return block_m, 32 if head_dim > 128 else 64, 4, pack
     if head_dim > 128:
-        return 64, 32, 4
+        return 64, 32, 4, 1
     big_programs = triton.cdiv(num_tokens, 256) * num_heads   # about; spare programs exit at once
     if num_tokens >= 1024 * num_seqs and big_programs >= 4 * sm_count(device):
-        return 256, 64, 8
-    return 128, 64, 4
+        return 256, 64, 8, 1
+    return 128, 64, 4, 1
+
+
+def _choose_splits(programs: int, max_context: int, block_n: int, device: torch.device) -> int:
+    """Splits per sequence: about 2 programs per SM in all, and at least 4 K/V tiles per split.
+
+    programs is the unsplit grid; max_context bounds the fully visible keys of a sequence. A grid
+    that already fills the GPU (any long prefill) is never split, so it pays no merge.
+    """
+    slots = 2 * sm_count(device)
+    most = max_context // (4 * block_n)
+    return max(1, min(slots // max(programs, 1), most, 256))
+
+
+def choose_launch(num_tokens: int, num_seqs: int, num_heads: int, kv_heads: int, max_tokens: int,
+                  head_dim: int, device: torch.device, *, block_m: int | None = None,
+                  block_n: int | None = None, pack: bool | None = None, num_splits: int | None = None,
+                  num_warps: int | None = None) -> Launch:
+    """The launch for T new tokens of B sequences, from shapes only; keywords override a choice.
+
+    max_tokens is the block table's width in tokens, an upper bound of every sequence's length.
+    """
+    group = num_heads // kv_heads
+    auto_m, auto_n, auto_warps, auto_pack = _choose_tiles(num_tokens, num_seqs, num_heads, group,
+                                                          head_dim, device)
+    bm, bn = block_m or auto_m, block_n or auto_n
+    if pack is None:
+        heads = auto_pack if auto_pack <= bm else 1         # a forced small tile may not hold the group
+    elif pack and group > bm:
+        raise ValueError(f"packing a group of {group} query heads needs block_m >= {group}, got {bm}")
+    else:
+        heads = group if pack else 1
+    warps = num_warps or (auto_warps if bm == auto_m else 4)
+    # query tiles, about: as if every sequence had new tokens, none of them a partial tile
+    tiles = max(num_seqs, triton.cdiv(num_tokens, bm // heads))
+    # keys fully visible to an average sequence's new tokens, at most
+    max_context = max_tokens - triton.cdiv(num_tokens, num_seqs)
+    splits = num_splits or _choose_splits(num_heads // heads * tiles, max_context, bn, device)
+    # no more splits than whole tiles of the longest possible sequence (each split gets at least one)
+    splits = max(1, min(splits, triton.cdiv(max(max_tokens, 1), bn)))
+    return Launch(bm, bn, warps, heads, splits)
 
 
 def _paged_prefill(q, kv, block_tables, cu_seqlens_q, seq_lens, scale, sliding_window=None, *,
-                   block_m=None, block_n=None, num_warps=None, num_stages=None):
+                   block_m=None, block_n=None, num_warps=None, num_stages=None, num_splits=None,
+                   pack=None):
     """paged_prefill with its launch choices exposed (tests and benchmarks sweep them)."""
     hq, hkv, d = _checks.check_prefill(q, kv, block_tables, cu_seqlens_q, seq_lens, sliding_window)
     check_triton_device(q, kv, block_tables, cu_seqlens_q, seq_lens)
     out = torch.empty_like(q)
-    num_seqs = seq_lens.shape[0]
-    if q.shape[0] == 0 or num_seqs == 0:
+    num_tokens, num_seqs, page = q.shape[0], seq_lens.shape[0], kv.shape[2]
+    if num_tokens == 0 or num_seqs == 0:
         return out
     if INTERPRETING:
         block_m, block_n = block_m or 16, block_n or 16
-    auto_m, auto_n, auto_warps = _choose_tiles(q.shape[0], num_seqs, hq, d, q.device)
-    block_m, block_n = block_m or auto_m, block_n or auto_n
-    num_warps = num_warps or (auto_warps if block_m == auto_m else 4)
-    seq_of_tile, tile_in_seq, grid = _tile_map(cu_seqlens_q, q.shape[0], block_m)
-    _prefill_kernel[(hq, grid)](
-        q, kv, block_tables, cu_seqlens_q, seq_lens, seq_of_tile, tile_in_seq, out,
-        *q.stride(), *kv.stride(), *block_tables.stride(), *out.stride(),
-        scale * _LOG2E, sliding_window or 0, num_seqs,
-        GROUP=hq // hkv, HEAD_D=d, BLOCK_D=pow2(d, 16), PAGE=kv.shape[2], BLOCK_M=block_m,
-        BLOCK_N=block_n, HAS_WINDOW=sliding_window is not None, DOT_PREC=dot_precision(q.dtype),
-        num_warps=num_warps, num_stages=num_stages or 3,
+    launch = choose_launch(num_tokens, num_seqs, hq, hkv, block_tables.shape[1] * page, d, q.device,
+                           block_m=block_m, block_n=block_n, pack=pack, num_splits=num_splits,
+                           num_warps=num_warps)
+    direct = launch.num_splits == 1
+    if direct:
+        part, lse = out, out  # unused placeholders
+        part_strides, lse_strides = (0, 0, 0), (0, 0)
+    else:
+        part = torch.empty(num_tokens, hq, launch.num_splits, d, dtype=torch.float32, device=q.device)
+        lse = torch.empty(num_tokens, hq, launch.num_splits, dtype=torch.float32, device=q.device)
+        part_strides, lse_strides = part.stride()[:3], lse.stride()[:2]
+    seq_of_tile, tile_in_seq, grid = _tile_map(cu_seqlens_q, num_tokens, launch.tokens_per_tile)
+    block_d = pow2(d, 16)
+    _prefill_kernel[(hq // launch.pack, grid, launch.num_splits)](
+        q, kv, block_tables, cu_seqlens_q, seq_lens, seq_of_tile, tile_in_seq, out, part, lse,
+        *q.stride(), *kv.stride(), *block_tables.stride(), *out.stride(), *part_strides, *lse_strides,
+        scale * _LOG2E, sliding_window or 0, num_seqs, launch.num_splits,
+        GROUP=hq // hkv, PACK=launch.pack, HEAD_D=d, BLOCK_D=block_d, PAGE=page, BLOCK_M=launch.block_m,
+        BLOCK_N=launch.block_n, HAS_WINDOW=sliding_window is not None, DIRECT=direct,
+        DOT_PREC=dot_precision(q.dtype), num_warps=launch.num_warps, num_stages=num_stages or 3,
     )
+    if not direct:
+        # one row per new token: [T, Hq, S, D] partials
+        merge_splits_kernel[(num_tokens, hq)](
+            part, lse, out, *part_strides, *lse_strides, *out.stride(), launch.num_splits,
+            HEAD_D=d, BLOCK_D=block_d, BLOCK_S=pow2(launch.num_splits), num_warps=4,
+        )
     return out
 
 

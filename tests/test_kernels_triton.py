@@ -116,6 +116,65 @@ def test_prefill_head_dims(tk, d):
     _prefill_case(tk, [40], [24], 1, 2, d, 16, torch.float16)
 
 
+# a mixed batch: 1 new token over a long, page-misaligned context; 17 new over 23 cached; a cold
+# sequence; one whose 4 cached tokens are shorter than any split's share (only the last split
+# sees a key, the others have empty ranges). With 16-key tiles and 7 splits the first sequence's
+# 64 fully visible keys give 4 splits work and leave 3 empty.
+MIXED_LENS, MIXED_Q_LENS = [70, 40, 20, 9], [1, 17, 20, 5]
+
+
+# every split count, each state of the window, and 7 splits (an empty one) both ways
+@pytest.mark.parametrize("splits,window", [(1, None), (2, 37), (3, None), (7, None), (7, 37)])
+def test_prefill_splits_match_reference(tk, splits, window):
+    _prefill_case(tk, MIXED_LENS, MIXED_Q_LENS, 1, 4, 64, 16, torch.float32, window,
+                  num_splits=splits, block_m=16, block_n=16)
+
+
+# a group of 3 packs 5 tokens into a 16-row tile and leaves its last row to no token
+@pytest.mark.parametrize("group,pack,d", [(1, None, 128), (4, False, 64), (4, True, 128), (3, True, 64)])
+def test_prefill_splits_gqa_packing_and_head_dims(tk, group, pack, d):
+    _prefill_case(tk, MIXED_LENS, MIXED_Q_LENS, 1, group, d, 16, torch.float16, None,
+                  num_splits=3, pack=pack, block_m=16, block_n=16)
+
+
+@pytest.mark.parametrize("bs,bm,bn,window", [(16, 32, 32, None), (32, 16, 16, 20), (16, 64, 16, None)])
+def test_prefill_splits_across_pages_and_tiles(tk, bs, bm, bn, window):
+    # packed rows with 32- and 64-row tiles: 8 and 16 new tokens a tile, the last tile part empty
+    _prefill_case(tk, MIXED_LENS, MIXED_Q_LENS, 1, 4, 32, bs, torch.float16, window,
+                  num_splits=2, pack=True, block_m=bm, block_n=bn)
+
+
+def test_prefill_automatic_launch_splits_only_short_extends(tk, monkeypatch):
+    monkeypatch.setattr(tk.prefill, "sm_count", lambda device: 132)     # an H200
+    cpu = torch.device("cpu")
+    choose = tk.prefill.choose_launch
+    # Llama-3.1-8B: 32 q heads on 8 kv heads, d=128; a 3-token hit on 12K cached tokens
+    hit = choose(3, 1, 32, 8, 12288, 128, cpu)
+    assert (hit.block_m, hit.pack) == (16, 4) and hit.num_splits > 1
+    assert 8 * hit.num_splits <= 2 * 132                       # about 2 programs per SM, no more
+    assert hit.num_splits * 4 * hit.block_n <= 12288           # at least 4 tiles of work a split
+    batch = choose(8 * 16, 8, 32, 8, 8192 + 16, 128, cpu)
+    assert batch.pack == 4 and batch.num_splits > 1
+    for n, tiles in ((4096, (128, 64, 4)), (16384, (256, 64, 8)), (32768, (256, 64, 8))):
+        cold = choose(n, 1, 32, 8, n, 128, cpu)                # cold prefills keep their launch
+        assert (cold.block_m, cold.block_n, cold.num_warps, cold.pack, cold.num_splits) == (*tiles, 1, 1)
+    # a short cold prefill has nothing fully visible to split, however few its programs
+    assert choose(300, 1, 32, 8, 304, 128, cpu).num_splits == 1
+
+
+def test_prefill_automatic_splits_match_reference(tk, monkeypatch):
+    monkeypatch.setattr(tk.prefill, "sm_count", lambda device: 64)
+    choose, used = tk.prefill.choose_launch, []
+
+    def recorded(*args, **kwargs):  # the launch the kernel really ran with
+        used.append(choose(*args, **kwargs))
+        return used[-1]
+
+    monkeypatch.setattr(tk.prefill, "choose_launch", recorded)
+    _prefill_case(tk, [300], [3], 2, 4, 64, 16, torch.float16)
+    assert used[0].num_splits > 1 and used[0].pack == 4
+
+
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     lens=st.lists(st.integers(1, 90), min_size=1, max_size=3),

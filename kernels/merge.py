@@ -1,0 +1,43 @@
+"""The log-sum-exp merge of split-KV attention: rows whose keys were divided among splits.
+
+Decode (one query per sequence) and prefill (short extends over long prefixes) both split a row's
+keys among programs; each split writes its normalised partial output [rows, Hq, S, D] and its
+log2-sum-exp [rows, Hq, S]. One program per (row, head) weighs the splits and writes the result.
+A split that saw no key has lse = -inf and weight 0. Never launched on its own by users.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+# integers that change from step to step are not specialised on (1, multiples of 16):
+# each new combination would compile another copy of the kernel in the middle of serving
+@triton.jit(do_not_specialize=["num_splits"])
+def merge_splits_kernel(
+    Part, Lse, Out,
+    stride_pb, stride_ph, stride_ps,
+    stride_lb, stride_lh,
+    stride_ob, stride_oh, stride_od,
+    num_splits,
+    HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < num_splits
+    lse = tl.load(Lse + b * stride_lb + h * stride_lh + offs_s, mask=s_mask, other=float("-inf"))  # [BLOCK_S]
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)           # every split empty: weights 0, output 0
+    w = tl.exp2(lse - m)                               # [BLOCK_S]
+    total = tl.sum(w, 0)
+    w = w / tl.where(total > 0, total, 1.0)
+    part = tl.load(
+        Part + b * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :],
+        mask=s_mask[:, None] & (offs_d[None, :] < HEAD_D), other=0.0,
+    )                                                  # [BLOCK_S, BLOCK_D]
+    out = tl.sum(part * w[:, None], 0)                 # [BLOCK_D]
+    tl.store(Out + b * stride_ob + h * stride_oh + offs_d * stride_od, out.to(Out.dtype.element_ty),
+             mask=offs_d < HEAD_D)
