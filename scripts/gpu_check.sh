@@ -41,7 +41,7 @@ part() {  # part NAME SECONDS COMMAND...
       throughput) part throughput 300 python3 benchmarks/bench_throughput.py --out "$OUT" ${THROUGHPUT_ARGS:-} ;;
       latency) part latency 240 python3 benchmarks/bench_latency.py --out "$OUT" ${LATENCY_ARGS:-} ;;
       long_context) part long_context 420 python3 benchmarks/bench_long_context.py --out "$OUT" ${LONG_ARGS:-} ;;
-      serving) part serving 300 python3 benchmarks/bench_serving.py --out "$OUT" ${SERVING_ARGS:-} ;;
+      serving) part serving 540 python3 benchmarks/bench_serving.py --out "$OUT" ${SERVING_ARGS:-} ;;
       *) echo "unknown part $p" ;;
     esac
   done

@@ -296,19 +296,56 @@ def test_schemathesis_finds_no_server_errors(server):
     still_answers(server)
 
 
-def test_bench_serving_runs_against_the_server(server, tmp_path):
+def _bench_serving():
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import bench_serving
 
-    bench_serving.main(["--url", server.url, "--api-key", KEY, "--model", MODEL, "--conversations", "2",
-                        "--turns", "2", "--system-words", "40", "--user-words", "4", "--max-tokens", "2",
-                        "--rate", "20", "--think-time", "0.05", "--out", str(tmp_path)])
-    r = json.loads(next(tmp_path.glob("bench_serving-*.json")).read_text())["configs"]["external"]
-    assert r["requests"] == 4 and r["errors"] == 0
-    assert r["ttft_ms"]["p50"] > 0 and r["throughput"]["output_tokens_per_s"] > 0
-    assert r["prefix_hit_rate"]["all"] > 0  # second turns re-send the first turn's prompt
+    return bench_serving
+
+
+def test_bench_serving_runs_against_the_server(server, tmp_path):
+    """--url: one external server (the bundled model, which has a tokenizer: answers come back as
+    text, so multi-round histories use the seeded stand-in answers)."""
+    path = _bench_serving().main(["--url", server.url, "--api-key", KEY, "--smoke", "--workload", "multi_round",
+                                  "--no-plot", "--out", str(tmp_path)])
+    out = json.loads(path.read_text())
+    r = out["configs"]["external"]["workloads"]["multi_round"]
+    assert r["requests"] == r["planned"] == 12 and r["errors"] == 0, r["error_examples"]
+    assert r["ttft_ms"]["p50"] > 0 and r["itl_ms"]["p50"] > 0 and r["throughput"]["output_tokens_per_s"] > 0
+    assert r["cached_tokens"] > 0 and r["hit_tokens"]["l1"] > 0  # second rounds re-send the first round
+    assert r["answers"] == {"returned": 0, "stand_in": 12}
+    assert out["configs"]["external"]["probes"]["192"]["l1_hit"]["cached_tokens"] == 176
+
+
+def test_bench_serving_configs_side_by_side(tmp_path):
+    """A tiny random Llama, every workload on caching off and on L1+L2 (two servers, ~40 s): the
+    same trace runs everywhere without errors, off never hits, and with L1 a quarter of the KV
+    multi-round histories come back from L2."""
+    path = _bench_serving().main(["--smoke", "--make-model", "tiny", "--configs", "off,l1+l2", "--no-plot",
+                                  "--out", str(tmp_path)])
+    out = json.loads(path.read_text())
+    assert not out["failed_configs"]
+    assert 3 <= out["sizes"]["kv_over_l1"]["multi_round"] <= 5
+    expected = {"off": {"multi_round", "long_doc", "shared_prefix", "unique"},
+                "l1+l2": {"multi_round", "long_doc", "shared_prefix"}}  # unique runs with caching off and l1
+    for config, workloads in expected.items():
+        got = out["configs"][config]["workloads"]
+        assert set(got) == workloads
+        for name, r in got.items():
+            assert r["requests"] == r["planned"] == out["workloads"][name]["planned"], (config, name)
+            assert r["errors"] == 0, (config, name, r["error_examples"])
+            assert len(r["ttft_samples_ms"]) == r["requests"]
+    off, on = out["configs"]["off"], out["configs"]["l1+l2"]
+    assert all(r["cached_tokens"] == 0 and not any(r["hit_tokens"].values()) for r in off["workloads"].values())
+    mr = on["workloads"]["multi_round"]
+    assert mr["hit_tokens"]["l2"] > 0 and mr["cached_tokens"] > 0
+    assert mr["answers"]["returned"] == mr["requests"]  # no tokenizer: answers come back as ids
+    probe = on["probes"]["192"]
+    assert probe["l2_hit"]["hit_tokens"]["l2"] > 0 and probe["l2_hit"]["ttft_over_floor"] > 0
+    assert out["ratios"]["all_pairs"]["multi_round"]["l1+l2_vs_off"]["throughput"] > 0
+    assert out["limits"]["cold_prefill_s_per_token"] > 0 and mr["floor"]["hit_requests"] > 0
 
 
 def test_no_secret_in_the_log(server):
@@ -385,6 +422,8 @@ def test_config_file_and_flags(tmp_path):
     assert opts["port"] == 9001 and opts["l3"] == ["file:///tmp/x"] and opts["write_policy"] == "write_back"
     assert opts["l1"] == "1GiB" and opts["host"] == "127.0.0.1"
     assert opts["enforce_eager"] is False and load_options(["--enforce-eager"])["enforce_eager"] is True
+    assert opts["enable_prefix_caching"] is True
+    assert load_options(["--no-enable-prefix-caching"])["enable_prefix_caching"] is False
     cfg.write_text("prot: 1\n")
     with pytest.raises(SystemExit):
         load_options(["--config", str(cfg)])

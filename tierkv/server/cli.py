@@ -31,6 +31,7 @@ SHUTDOWN_SLACK_S = 5.0
 OPTIONS = {
     "model": None, "served_model_name": None, "host": DEFAULT_HOST, "port": DEFAULT_PORT, "api_key": None,
     "l1": None, "l2": None, "l3": [], "eviction": "lru", "write_policy": "write_through", "block_size": 16,
+    "enable_prefix_caching": True,
     "max_model_len": None, "max_num_batched_tokens": None, "max_num_seqs": 256, "max_waiting": 256,
     "device": None, "dtype": None, "enforce_eager": False, "grace_period": 30.0, "flush_timeout": 60.0,
     "log_level": "info",
@@ -63,6 +64,9 @@ def parser() -> argparse.ArgumentParser:
     a("--write-policy", help="when blocks are copied down a tier: write_through, write_back, selective "
       "(default write_through; write_back blocks are flushed to L3 on shutdown)")
     a("--block-size", type=int, help="tokens per KV block (default 16)")
+    a("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+      help="reuse cached KV across requests (default on); --no-enable-prefix-caching makes every lookup a miss "
+      "(vLLM's name; a baseline for benchmarks)")
     a("--max-model-len", type=int, help="context length in tokens (default: the model's)")
     a("--max-num-batched-tokens", type=int, help="token budget of one step (default 8192 on GPU, 1024 on CPU)")
     a("--max-num-seqs", type=int, help="requests running at once (default 256)")
@@ -161,8 +165,9 @@ def tier_summary(engine, l3: list[str], opts: dict) -> str:
           f"{'pinned' if c.l2.pinned else 'pageable'} host)"
           if c.l2 is not None else "L2 off")
     l3s = "L3 " + (", ".join(redact_url(u) for u in l3) if l3 else "off")
+    caching = "" if opts["enable_prefix_caching"] else ", prefix caching off"
     return (f"tiers: {l1} | {l2} | {l3s} | {opts['eviction']}, {opts['write_policy']}, "
-            f"block {layout.block_size} tokens, context {engine.max_model_len}")
+            f"block {layout.block_size} tokens, context {engine.max_model_len}{caching}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -185,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         engine = Engine(opts["model"], l1=opts["l1"], l2=opts["l2"], l3=list(opts["l3"]), eviction=opts["eviction"],
                         write_policy=opts["write_policy"], block_size=opts["block_size"],
+                        enable_prefix_caching=bool(opts["enable_prefix_caching"]),
                         max_model_len=opts["max_model_len"], max_num_batched_tokens=opts["max_num_batched_tokens"],
                         max_num_seqs=opts["max_num_seqs"], device=opts["device"], dtype=opts["dtype"],
                         enforce_eager=bool(opts["enforce_eager"]))
