@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import platform
 import socket
 import subprocess
@@ -34,6 +35,11 @@ def environment() -> dict:
         info["triton"] = triton.__version__
     except ImportError:
         info["triton"] = None
+    # the device machine runs a copy of the working tree whose .git may lag behind it: the
+    # caller names the commit it sent (TIERKV_COMMIT) where it can
+    if os.environ.get("TIERKV_COMMIT"):
+        info["git_commit"] = os.environ["TIERKV_COMMIT"]
+        return info
     try:
         info["git_commit"] = subprocess.run(
             ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=RESULTS.parent, check=True
