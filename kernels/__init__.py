@@ -24,6 +24,7 @@ __all__ = [
     "gather_blocks",
     "scatter_blocks",
     "copy_blocks",
+    "compile_variants",
 ]
 
 # public name -> module of this package that holds its Triton version; a name missing here
@@ -81,3 +82,11 @@ def scatter_blocks(src: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor) -
 def copy_blocks(src: torch.Tensor, src_slots: torch.Tensor, dst: torch.Tensor, dst_slots: torch.Tensor) -> torch.Tensor:
     """dst[dst_slots[i]] = src[src_slots[i]] along dim 0; src may be pinned host (see reference.copy_blocks)."""
     return _impl("copy_blocks", dst)(src, src_slots, dst, dst_slots)
+
+
+def compile_variants(kv: torch.Tensor, num_heads: int, scale: float, windows=(None,)) -> int:
+    """Compile every attention kernel variant a run may choose on this layer pool `kv`, now rather
+    than at the first request that needs it (Triton only; a no-op returning 0 for the reference)."""
+    if backend_for(kv) == "reference":
+        return 0
+    return importlib.import_module(".prefill", __name__).compile_variants(kv, num_heads, scale, windows)

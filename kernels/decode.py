@@ -21,9 +21,11 @@ from .merge import merge_splits_kernel
 _LOG2E = 1.4426950408889634
 
 
-# integers that change from step to step are not specialised on (1, multiples of 16):
-# each new combination would compile another copy of the kernel in the middle of serving
-@triton.jit(do_not_specialize=["stride_btb", "window", "num_splits"])
+# integers that change from step to step are not specialised on (1, multiples of 16): each new
+# combination would compile another copy of the kernel in the middle of serving (the partials'
+# strides follow the split count)
+@triton.jit(do_not_specialize=["stride_btb", "window", "num_splits", "stride_pb", "stride_ph",
+                               "stride_lb", "stride_lh"])
 def _decode_split_kernel(
     Q, KV, BT, SL, Out, Part, Lse,
     stride_qb, stride_qh, stride_qd,

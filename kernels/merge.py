@@ -14,7 +14,7 @@ import triton.language as tl
 
 # integers that change from step to step are not specialised on (1, multiples of 16):
 # each new combination would compile another copy of the kernel in the middle of serving
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit(do_not_specialize=["num_splits", "stride_pb", "stride_ph", "stride_lb", "stride_lh"])
 def merge_splits_kernel(
     Part, Lse, Out,
     stride_pb, stride_ph, stride_ps,

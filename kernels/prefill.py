@@ -13,6 +13,7 @@ and never syncs the host.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -52,7 +53,8 @@ def _split_range(lo, mid, split, num_splits, BLOCK_N: tl.constexpr):
 
 # integers that change from step to step are not specialised on (1, multiples of 16):
 # each new combination would compile another copy of the kernel in the middle of serving
-@triton.jit(do_not_specialize=["stride_btb", "window", "num_seqs", "num_splits"])
+@triton.jit(do_not_specialize=["stride_btb", "window", "num_seqs", "num_splits", "stride_pt", "stride_ph",
+                             "stride_lt", "stride_lh"])
 def _prefill_kernel(
     Q, KV, BT, CU, SL, TileSeq, TileIdx, Out, Part, Lse,
     stride_qt, stride_qh, stride_qd,
@@ -331,3 +333,40 @@ def paged_prefill(
     sequence's new-token count; neither is checked here, as checking would sync the host.
     """
     return _paged_prefill(q, kv, block_tables, cu_seqlens_q, seq_lens, scale, sliding_window)
+
+
+def launch_variants(num_heads: int, kv_heads: int, head_dim: int, device: torch.device) -> list[Launch]:
+    """Every launch `choose_launch` can pick for these heads, whatever the batch: one per distinct
+    compiled kernel (tile rows, keys, warps, packing, split or not; the split count itself is not
+    compiled in)."""
+    seen: dict[tuple, Launch] = {}
+    for per_seq in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 1024, 4096, 16384):
+        for num_seqs in (1, 8, 64):
+            for context in (0, 1 << 17):  # a cold prompt, and one over a long cached prefix
+                launch = choose_launch(per_seq * num_seqs, num_seqs, num_heads, kv_heads, per_seq + context,
+                                       head_dim, device)
+                for splits in (1, 2):
+                    key = (launch.block_m, launch.block_n, launch.num_warps, launch.pack, splits == 1)
+                    seen.setdefault(key, dataclasses.replace(launch, num_splits=splits))
+    return list(seen.values())
+
+
+def compile_variants(kv: torch.Tensor, num_heads: int, scale: float, windows=(None,)) -> int:
+    """Compile now every kernel variant paged_prefill may choose on this pool, for each sliding
+    window in `windows`, so a server never stalls mid-run (~1 s a variant, once per machine:
+    Triton keeps them on disk). kv: one layer's pool [blocks, 2, page, Hkv, D]; only read.
+    Returns the number of variants."""
+    _, _, page, hkv, d = kv.shape
+    variants = launch_variants(num_heads, hkv, d, kv.device)
+    width = max(triton.cdiv(2 * 128, page), 2)              # room for two key tiles of any size
+    tables = torch.zeros(1, width, dtype=torch.int32, device=kv.device)  # every entry block 0: read only
+    lens = torch.tensor([width * page], dtype=torch.int32, device=kv.device)
+    for launch in variants:
+        rows = max(1, launch.tokens_per_tile)
+        q = torch.zeros(rows, num_heads, d, dtype=kv.dtype, device=kv.device)
+        cu = torch.tensor([0, rows], dtype=torch.int32, device=kv.device)
+        for window in windows:
+            _paged_prefill(q, kv, tables, cu, lens, scale, window, block_m=launch.block_m,
+                           block_n=launch.block_n, num_warps=launch.num_warps, pack=launch.pack > 1,
+                           num_splits=launch.num_splits)
+    return len(variants)

@@ -163,3 +163,31 @@ def test_prefill_long_chunk_tile_shapes(d, new_tokens):
     got = prefill.paged_prefill(q, pb.kv, pb.block_tables, cu, pb.seq_lens, d**-0.5)
     want = ref.paged_prefill(q.float(), pb.kv.float(), pb.block_tables, cu, pb.seq_lens, d**-0.5)
     _close(got, want, torch.bfloat16)
+
+
+def test_compile_variants_leaves_nothing_to_compile_mid_run():
+    # after the engine's start-up compile, batches of every shape run on kernels already built
+    import random
+
+    from tierkv import kernels
+
+    _, prefill, _, _ = _kernels()
+    hkv, group, d, bs = 8, 4, 128, 16
+    pool = torch.zeros(64, 2, bs, hkv, d, dtype=torch.bfloat16, device="cuda")
+    assert kernels.compile_variants(pool, hkv * group, d**-0.5, {None, 4096}) > 4
+
+    def compiled() -> int:
+        return sum(len(c[0]) for c in prefill._prefill_kernel.device_caches.values())
+
+    before = compiled()
+    rng = random.Random(0)
+    for _ in range(40):
+        num_seqs = rng.choice([1, 3, 16])
+        q_lens = [rng.choice([1, 2, 7, 30, 65, 300]) for _ in range(num_seqs)]
+        lens = [q + rng.choice([0, 40, 700]) for q in q_lens]
+        pb = make_paged(lens, hkv, d, bs, dtype=torch.bfloat16, device="cuda")
+        q = torch.randn(sum(q_lens), hkv * group, d, device="cuda", dtype=torch.bfloat16)
+        prefill.paged_prefill(q, pb.kv, pb.block_tables, cu_seqlens(q_lens, "cuda"), pb.seq_lens, d**-0.5,
+                              rng.choice([None, 4096]))
+    torch.cuda.synchronize()
+    assert compiled() == before

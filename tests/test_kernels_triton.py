@@ -275,3 +275,24 @@ if not INTERPRETED:
     # the parent run only launches the child; the cases above run there, under the interpreter
     for _name in [n for n in list(globals()) if n.startswith("test_") and n != "test_triton_kernels_under_interpreter"]:
         del globals()[_name]
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(32, 8, 128), (14, 2, 64), (16, 16, 128), (8, 1, 256)])
+def test_compiled_variants_cover_every_launch_serving_can_pick(heads, kv_heads, head_dim):
+    # compile_variants compiles launch_variants(); any launch choose_launch picks for a real batch
+    # must be one of them, or a server would stall mid-run compiling it
+    import random
+
+    from tierkv.kernels import prefill
+
+    dev = torch.device("cpu")
+    compiled = {(v.block_m, v.block_n, v.num_warps, v.pack, v.num_splits == 1)
+                for v in prefill.launch_variants(heads, kv_heads, head_dim, dev)}
+    rng = random.Random(0)
+    for _ in range(2000):
+        num_seqs = rng.choice([1, 2, 3, 7, 16, 64, 200])
+        tokens = num_seqs * rng.choice([1, 2, 3, 5, 16, 31, 40, 70, 100, 200, 900, 3000]) + rng.randrange(num_seqs)
+        context = rng.choice([0, 100, 5000, 120_000])
+        launch = prefill.choose_launch(tokens, num_seqs, heads, kv_heads, tokens // num_seqs + context, head_dim, dev)
+        key = (launch.block_m, launch.block_n, launch.num_warps, launch.pack, launch.num_splits == 1)
+        assert key in compiled, (tokens, num_seqs, context, launch)

@@ -13,6 +13,8 @@ import itertools
 
 import torch
 
+from tierkv import kernels
+
 from ..cache import TieredKVCache
 from .attention import AttentionMetadata, StreamedAttention
 from .graphs import DecodeGraphs
@@ -31,6 +33,11 @@ class ModelRunner:
         self.device = lm.device
         self.vocab_size = lm.config.vocab_size
         self.sampler = Sampler()
+        # Every attention kernel variant a step may pick is compiled now: a variant first met
+        # mid-run would stall that step (and every request in it) for about a second.
+        cfg = lm.model.config
+        windows = set(cfg.layer_windows or [None])
+        kernels.compile_variants(cache.l1.kv[0], cfg.num_heads, cfg.head_dim**-0.5, windows)
         # Decode steps replay CUDA graphs (never on CPU or with enforce_eager); captured now,
         # before any request runs, so no step pays for it.
         self.graphs = DecodeGraphs(
