@@ -155,6 +155,9 @@ class AsyncEngine:
             for out in outputs:
                 if out.logprobs:
                     self._name_tokens(out.logprobs)
+                    # a snapshot: the event loop reads it while the next step appends (unnamed)
+                    # entries to the request's own list
+                    out.logprobs = out.logprobs[:]
                 self._deliver(out.request_id, out, finished=out.finished)
             self._count()
             self._refresh_stats()
