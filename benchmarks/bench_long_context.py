@@ -250,8 +250,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-long-") as tmp:
         model_dir, disk = Path(tmp) / "model", a.disk or Path(tmp) / "disk"
         disk.mkdir(parents=True, exist_ok=True)
-        disk_bps = disk_read_bandwidth(disk, 2**31 if device.type == "cuda" else 2**26)
-        figures["disk_raw_read_gbps"] = disk_bps / 1e9
+        disk_bps, how = disk_read_bandwidth(disk, 2**31 if device.type == "cuda" else 2**26)
+        figures["disk_raw_read_gbps"], figures["disk_raw_read_kind"] = disk_bps / 1e9, how
         t = time.perf_counter()
         model, sizes = save_random_model(config, model_dir, device, dtype)
         figures["model_sizes"], figures["build_and_save_s"] = sizes, time.perf_counter() - t

@@ -1,0 +1,101 @@
+"""The benchmark's HTTP client: one streamed /v1/completions request timed token by token (TTFT,
+inter-token gaps, usage.cached_tokens) and the /v1/cache/stats hit counters. It only speaks the
+public HTTP API and never decides what to send or when.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+
+@dataclass(slots=True)
+class Result:
+    prompt_tokens: int
+    max_tokens: int
+    ttft: float | None = None
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    output_ids: list[int] | None = None
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class Http:
+    client: httpx.AsyncClient
+    url: str
+    headers: dict
+    model: str
+    vocab: int
+
+
+def tokens_in(choice: dict) -> list[str]:
+    """The tokens one streamed choice carries: its logprobs' token strings (ids as decimal strings
+    on a server without a tokenizer), or its text as one piece from a server that sends no logprobs."""
+    named = (choice.get("logprobs") or {}).get("tokens")
+    return named or ([choice["text"]] if choice.get("text") else [])
+
+
+async def send(h: Http, prompt: list[int], max_tokens: int) -> Result:
+    """One streamed completion. logprobs=0 puts each sampled token in its own event, as its id
+    when the server has no tokenizer (then the answer can join a multi-round history exactly)."""
+    body = {"model": h.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "logprobs": 0, "stream": True, "stream_options": {"include_usage": True}}
+    res, pieces, start, last, usage = Result(len(prompt), max_tokens), [], time.perf_counter(), None, False
+    try:
+        async with h.client.stream("POST", h.url + "/v1/completions", json=body, headers=h.headers) as r:
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                now, ev = time.perf_counter(), json.loads(line[6:])
+                if "error" in ev:
+                    res.error = str(ev["error"].get("message", ev["error"]))[:200]
+                if ev.get("usage"):
+                    usage = True
+                    res.completion_tokens = ev["usage"]["completion_tokens"]
+                    res.cached_tokens = (ev["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+                for choice in ev.get("choices") or ():
+                    tokens = tokens_in(choice)
+                    if not tokens:
+                        continue
+                    if last is None:
+                        res.ttft = now - start
+                    else:
+                        res.itl.append(now - last)
+                    last = now
+                    pieces += tokens
+    except httpx.HTTPError as err:
+        res.error = f"{type(err).__name__}: {err}"[:200]
+    res.e2e = time.perf_counter() - start
+    if not usage:  # a server that ignores include_usage: count what arrived
+        res.completion_tokens = len(pieces)
+    if all(p.isdigit() and int(p) < h.vocab for p in pieces) and pieces:
+        res.output_ids = [int(p) for p in pieces]
+    if res.error is None and (res.ttft is None or res.completion_tokens != max_tokens):
+        res.error = f"{res.completion_tokens} of {max_tokens} tokens"
+    return res
+
+
+async def cache_stats(h: Http) -> dict | None:
+    """The server's /v1/cache/stats (None where the server has no such route)."""
+    try:
+        r = await h.client.get(h.url + "/v1/cache/stats", headers=h.headers)
+    except httpx.HTTPError:
+        return None
+    return r.json() if r.status_code == 200 else None
+
+
+def hits_between(before: dict | None, after: dict | None) -> dict | None:
+    """Hit tokens per tier between two stats snapshots. The cache counts every lookup, and a request
+    waiting for room is looked up again each step, so these are good as fractions, not per request."""
+    if before is None or after is None:
+        return None
+    return {t: after["tiers"][t]["hit_tokens"] - before["tiers"][t]["hit_tokens"] for t in ("l1", "l2", "l3")}

@@ -1,0 +1,87 @@
+"""The servers bench_serving starts: one tierkv-serve process per configuration (off | l1 | l1+l2 |
+l1+l2+disk), its tier sizes and flags, stopped by its own pid whatever happens; for --url, the
+external server's tier sizes as it reports them. It never changes how a trace is replayed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import shutil
+import statistics
+import time
+from pathlib import Path
+
+import httpx
+from server_helpers import ServerProcess
+
+from tierkv.config import parse_size
+
+from .model import ModelInfo
+from .replay import run_one
+from .workloads import Workload
+
+CONFIGS = ("off", "l1", "l1+l2", "l1+l2+disk")
+SERVED_NAME = "bench"
+
+
+def tier_sizes(a, workloads: list[Workload], kvb: int) -> dict:
+    """L1 = the median KV of the workloads that can hit / --kv-over-l1, but never below 1.25x the
+    largest request (which must fit L1 to run unstreamed); L2 = --l2-over-l1 x L1; the disk holds
+    twice the largest workload. --l1, --l2, --l3-size override."""
+    block = 16 * kvb
+    reusable = [w.kv_tokens for w in workloads if w.name != "unique"] or [w.kv_tokens for w in workloads]
+    wanted = statistics.median(reusable) * kvb / a.kv_over_l1
+    least = 1.25 * max(w.largest_request for w in workloads) * kvb
+    l1 = parse_size(a.l1) if a.l1 else math.ceil(max(wanted, least) / block) * block
+    l2 = parse_size(a.l2) if a.l2 else math.ceil(a.l2_over_l1 * l1 / block) * block
+    l3 = parse_size(a.l3_size) if a.l3_size else int(2 * max(w.kv_tokens for w in workloads) * kvb)
+    return dict(l1_bytes=l1, l2_bytes=l2, l3_bytes=l3, l1_raised_for_largest_request=least > wanted and not a.l1,
+                kv_over_l1_target=a.kv_over_l1, kv_over_l1={w.name: w.kv_tokens * kvb / l1 for w in workloads})
+
+
+def external_sizes(a, workloads: list[Workload], kvb: int) -> dict:
+    """An external server's tiers are what they are: read them, to report the KV / L1 ratios."""
+    headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}
+    r = httpx.get(a.url + "/v1/cache/stats", headers=headers, timeout=60)
+    tiers = r.json()["tiers"] if r.status_code == 200 else {}
+    l1, l2 = (tiers.get(t, {}).get("capacity_bytes", 0) for t in ("l1", "l2"))
+    return dict(l1_bytes=l1, l2_bytes=l2, l3_bytes=None, l1_raised_for_largest_request=False,
+                kv_over_l1_target=None, kv_over_l1={w.name: w.kv_tokens * kvb / l1 if l1 else None for w in workloads})
+
+
+def server_args(a, config: str, model: ModelInfo, sizes: dict, max_len: int, l3_dir: Path) -> list[str]:
+    args = ["--served-model-name", SERVED_NAME, "--l1", str(sizes["l1_bytes"]), "--max-model-len", str(max_len),
+            "--max-num-seqs", str(a.max_num_seqs), "--max-waiting", "100000", "--log-level", "warning",
+            # stop fast: nothing in flight is worth waiting for, nor queued disk writes worth keeping
+            "--grace-period", "5", "--flush-timeout", "1"]
+    if model.path is not None:
+        args += ["--model", str(model.path)]
+    if config == "off":
+        args.append("--no-enable-prefix-caching")
+    if "l2" in config:
+        args += ["--l2", str(sizes["l2_bytes"])]
+    if "disk" in config:
+        args += ["--l3", f"file://{l3_dir}?size={sizes['l3_bytes']}&direct=1"]
+    if a.enforce_eager:
+        args.append("--enforce-eager")
+    return args + a.server_args.split()
+
+
+def run_server_config(a, config: str, model: ModelInfo, sizes: dict, max_len: int, workloads, tmp: Path):
+    l3_dir = tmp / f"l3-{config.replace('+', '_')}"
+    srv = ServerProcess(server_args(a, config, model, sizes, max_len, l3_dir), tmp / f"server-{config}.log")
+    try:
+        t = time.perf_counter()
+        srv.wait_ready(a.timeout)
+        start_s = time.perf_counter() - t
+        print(f"{config}: server up in {start_s:.1f} s", flush=True)
+        figures, raw = asyncio.run(run_one(a, config, srv.url, workloads, model.kv_bytes_per_token, max_len,
+                                           model.vocab_size))
+        figures["server"] = dict(start_s=start_s, args=srv.proc.args[3:])
+        return figures, raw
+    finally:
+        code = srv.stop()
+        if code != 0:
+            print(f"{config}: server exited with {code}; log tail:\n{srv.log_path.read_text()[-1500:]}", flush=True)
+        shutil.rmtree(l3_dir, ignore_errors=True)
