@@ -360,10 +360,12 @@ class TieredKVCache:
         if num_tokens == 0:
             raise ValueError("allocate() needs at least one token")
         # The match's blocks, as far as the match chose to take them (load-or-recompute may stop
-        # short of what the index holds); walked again only if an entry left the index since.
+        # short of what the index holds), including its L3 part where a prefetch has brought it
+        # into L2 since; walked again only then, or if an entry left the index since the match.
         blocks = m.blocks
-        if m.removals != self.index.removals:
-            blocks = self.index.walk(m.hashes[: len(m.blocks)], m.ns, m.token_bytes, self.block_size)
+        taken = len(m.blocks) + m.by_tier["l3"] // self.block_size
+        if taken > len(m.blocks) or m.removals != self.index.removals:
+            blocks = self.index.walk(m.hashes[:taken], m.ns, m.token_bytes, self.block_size)
         k = self._streamable(blocks) if stream else 0
         offloaded, cached = blocks[:k], blocks[k:]
         reserved = self._reserve(num_tokens, reserve, len(blocks))

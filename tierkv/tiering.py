@@ -203,12 +203,15 @@ class Tiering:
 
     def l3_present(self, hashes: list[int]) -> int:
         """How many leading `hashes` some L3 store holds. Probes in growing chunks (16, 64, 256, ...)
-        so a cold prompt costs one small round trip and a long hit a handful."""
+        so a cold prompt costs one small round trip and a long hit a handful. A block L1 or L2
+        holds counts too (one that L2 had no room to copy down, after a parent that went on to
+        L3): fetching the L3 ones makes the whole run reachable, so the run goes on past it."""
         if self.l3 is None:
             return 0
         found, chunk = 0, 16
         while found < len(hashes):
-            present = self.l3.contains(hashes[found : found + chunk])
+            part = hashes[found : found + chunk]
+            present = [p or h in self.index.entries for p, h in zip(self.l3.contains(part), part)]
             run = next((i for i, p in enumerate(present) if not p), len(present))
             found += run
             if run < len(present):
