@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -26,32 +25,16 @@ from .errors import CacheFullError, ShapeError
 from .hashing import hash_blocks, namespace, token_bytes
 from .index import BlockEntry
 from .layout import KVLayout
-from .plan import AdmissionPlan, tail_to_read, worth_loading
+from .plan import AdmissionPlan, Match, tail_to_read, worth_loading
 from .tiering import Prefetch, Tiering
 from .sequence import SequenceBlocks
 from .streaming import LayerStream, LayerStreamer, StreamPlan
 from .tiers.codec import BlockId
-from .transfer import DONE, Transfer
+from .transfer import DONE
 
 log = logging.getLogger(__name__)
 
 DEFAULT_L3_DEADLINE_S = 5.0  # how long retrieve() waits for L3 reads before recomputing instead
-
-
-@dataclass(slots=True)
-class Match:
-    """The longest cached prefix of a prompt. `tokens` is a multiple of the block size."""
-
-    tokens: int
-    by_tier: dict[str, int]  # tokens served by each tier: {"l1": .., "l2": .., "l3": ..}
-    ns: bytes = field(repr=False)
-    token_bytes: bytes = field(repr=False)
-    hashes: list[int] = field(repr=False)  # chained hashes of every full block of the prompt
-    blocks: list[BlockEntry] = field(repr=False)  # the matched blocks, in order
-    removals: int = field(default=0, repr=False)  # the index's removal count when they were found
-    # Blocks [j, m) of the prompt that L3 holds but that are cheaper to load in the background
-    # while blocks up to j are recomputed than to load first or to recompute (see `match`).
-    tail: tuple[int, int] | None = None
 
 
 def _put_blocks(out: torch.Tensor, positions: list[int], blocks: torch.Tensor) -> None:

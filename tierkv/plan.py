@@ -1,27 +1,41 @@
-"""How one prompt enters the cache: the admission plan, and the load-or-recompute arithmetic behind it.
+"""How one prompt enters the cache: what a lookup found, the admission plan, and the
+load-or-recompute arithmetic behind it.
 
-`AdmissionPlan` is everything a scheduler needs to admit a request, decided in one place
-(`TieredKVCache.plan`): the match (what each tier serves, cut where recomputing beats loading),
-whether the sequence streams, how much L1 it reserves now, which L3 blocks to fetch first or to
-read in the background, their deadlines, and whether L1 can take it now. The functions below are
+`Match` is the longest cached prefix a lookup found (TieredKVCache.match). `AdmissionPlan` is
+everything a scheduler needs to admit a request, decided in one place (TieredKVCache.plan): the
+match (what each tier serves, cut where recomputing beats loading), whether the sequence streams,
+how much L1 it reserves now, which L3 blocks to fetch first or to read in the background, their
+deadlines, and whether L1 can take it now. The functions below are
 arithmetic over the tiers' load-time estimates (Tiering.load_seconds) and the engine's cost of
 recomputing a block. Nothing here moves a byte or changes the index.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
 from .index import BlockEntry
 from .tiering import Tiering
 
-if TYPE_CHECKING:
-    from .cache import Match
-
 # L3 blocks loaded anyway while L3's read speed is unmeasured and recomputing looks cheaper: a
 # cheap probe, so that load-or-recompute learns the real speed instead of never reading.
 L3_PROBE_BLOCKS = 16
+
+
+@dataclass(slots=True)
+class Match:
+    """The longest cached prefix of a prompt. `tokens` is a multiple of the block size."""
+
+    tokens: int
+    by_tier: dict[str, int]  # tokens served by each tier: {"l1": .., "l2": .., "l3": ..}
+    ns: bytes = field(repr=False)
+    token_bytes: bytes = field(repr=False)
+    hashes: list[int] = field(repr=False)  # chained hashes of every full block of the prompt
+    blocks: list[BlockEntry] = field(repr=False)  # the matched blocks, in order
+    removals: int = field(default=0, repr=False)  # the index's removal count when they were found
+    # Blocks [j, m) of the prompt that L3 holds but that are cheaper to load in the background
+    # while blocks up to j are recomputed than to load first or to recompute (see `match`).
+    tail: tuple[int, int] | None = None
 
 
 @dataclass(slots=True)
