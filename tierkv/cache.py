@@ -132,10 +132,11 @@ class TieredKVCache:
         sequence takes with `adopt` once it has computed the blocks before them.
         """
         deadline = None if deadline_s is None else time.monotonic() + deadline_s
-        if blocks is None:
-            first = len(match.blocks)
-            blocks = (first, first + match.by_tier["l3"] // self.block_size)
-        return self.tiers.prefetch(self._l3_ids(match, *blocks), deadline, priority)
+        return self.tiers.prefetch(self._l3_ids(match, *(blocks or self._l3_part(match))), deadline, priority)
+
+    def _l3_part(self, match: Match) -> tuple[int, int]:
+        """Blocks [first, end) of the match's prompt that it found in L3 (after its L1/L2 blocks)."""
+        return len(match.blocks), match.tokens // self.block_size
 
     def _l3_ids(self, match: Match, first: int, end: int) -> list[BlockId]:
         """BlockIds of blocks first..end-1 of the match's prompt, in chain order."""
@@ -211,8 +212,7 @@ class TieredKVCache:
             self.prefetch(m, DEFAULT_L3_DEADLINE_S).wait()
             m = self.match(tokens, salt, limit=limit)
             if m.by_tier["l3"]:
-                first = len(m.blocks)
-                ids = self._l3_ids(m, first, first + m.by_tier["l3"] // self.block_size)
+                ids = self._l3_ids(m, *self._l3_part(m))
                 direct = self.tiers.read_l3(ids, time.monotonic() + DEFAULT_L3_DEADLINE_S)
         L, _, bs, H, D = self.layout.block_shape
         n = len(m.blocks)
@@ -281,8 +281,7 @@ class TieredKVCache:
         m = self.match(tokens, salt, limit=None if prefix_caching else 0,
                        recompute_seconds_per_token=recompute_seconds_per_token)
         stream = self.must_stream(num_tokens)
-        first_l3 = len(m.blocks)
-        fetch = (first_l3, first_l3 + m.by_tier["l3"] // bs) if m.by_tier["l3"] else None
+        fetch = self._l3_part(m) if m.by_tier["l3"] else None
         tail, tail_deadline_s = None, 0.0
         if fetch is None and m.tail is not None and not stream:
             # the start of the L3 part is recomputed while its end is read: allow the read twice
@@ -346,7 +345,7 @@ class TieredKVCache:
         # short of what the index holds), including its L3 part where a prefetch has brought it
         # into L2 since; walked again only then, or if an entry left the index since the match.
         blocks = m.blocks
-        taken = len(m.blocks) + m.by_tier["l3"] // self.block_size
+        taken = self._l3_part(m)[1]
         if taken > len(m.blocks) or m.removals != self.index.removals:
             blocks = self.index.walk(m.hashes[:taken], m.ns, m.token_bytes, self.block_size)
         k = self._streamable(blocks) if stream else 0

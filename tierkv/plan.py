@@ -5,9 +5,9 @@ load-or-recompute arithmetic behind it.
 everything a scheduler needs to admit a request, decided in one place (TieredKVCache.plan): the
 match (what each tier serves, cut where recomputing beats loading), whether the sequence streams,
 how much L1 it reserves now, which L3 blocks to fetch first or to read in the background, their
-deadlines, and whether L1 can take it now. The functions below are
-arithmetic over the tiers' load-time estimates (Tiering.load_seconds) and the engine's cost of
-recomputing a block. Nothing here moves a byte or changes the index.
+deadlines, and whether L1 can take it now. The functions below are arithmetic over the tiers'
+load-time estimates (Tiering.load_seconds) and the engine's cost of recomputing a block. Nothing
+here moves a byte or changes the index.
 """
 
 from __future__ import annotations
