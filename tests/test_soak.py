@@ -1,30 +1,21 @@
-"""Soak and faults under load: a real tierkv-serve process, a real redis-server as L3, httpx clients.
+"""Soak under load: a real tierkv-serve process, a real redis-server as L3, httpx clients.
 
-test_soak_*: closed-loop clients send a steady mix (shared prefixes that hit L1/L2/L3, unique
-prompts that miss, streaming and not) for a warm-up and four measured quarters; every answer
-must be complete, the server's RSS and open files must not grow, no KV block may stay held once
-idle, and the median latency of the last quarter may be at most 10% above the first quarter's
+Closed-loop clients send a steady mix (shared prefixes that hit L1/L2/L3, unique prompts that
+miss, streaming and not) for a warm-up and four measured quarters; every answer must be
+complete, the server's RSS and open files must not grow, no KV block may stay held once idle,
+and the median latency of the last quarter may be at most 10% above the first quarter's
 (checked when the machine itself held steady between the two: see OTHER_LOAD_LIMIT).
-test_redis_killed_*: one fixed workload against two servers, one whose Redis is SIGKILLed
-mid-run and restarted; every answer must come, with the fault-free run's tokens.
-
-The model is a random-weight tiny Llama (tests/models.py) with a word-level tokenizer whose
-token i is the word "w{i}": prompts go as token ids, and every answer's text (streamed delta by
-delta or whole) names its token ids exactly, so answers compare id by id. Tiny, so that a CPU
-step costs milliseconds and the load is the server's own work, not the model's.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import random
 import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -32,156 +23,14 @@ import pytest
 
 pytest.importorskip("fastapi")
 pytest.importorskip("redis")
-from models import save_tiny_checkpoint
-from server_helpers import ServerProcess, metric
-from services import RedisServer, unavailable
+from load_helpers import (  # noqa: E402
+    BLOCK_BYTES, PREFIX_TOKENS, PROMPT_TOKENS, VOCAB, Answer, assert_clean_exit, cap_redis, complete,
+    redis_stats, start_server, tiny_model, wait_idle_and_nothing_held,
+)
+from services import RedisServer, unavailable  # noqa: E402
 
-pytestmark = pytest.mark.slow  # ~95 s for the soak, ~30-45 s for the fault runs (2-core CPU)
-
-MODEL = "tiny"
-VOCAB = 512  # tests/models.py TINY
-BLOCK = 16
-PREFIX_TOKENS = 4 * BLOCK  # a shared prefix: 4 full blocks
-PROMPT_TOKENS = PREFIX_TOKENS + 8
-MAX_TOKENS = 16  # with ignore_eos: every request prefills 72 tokens and decodes 16
-# One block of the tiny model: 2 layers x (K, V) x 16 tokens x 2 KV heads x 16 dims x 4 bytes.
-BLOCK_BYTES = 2 * 2 * BLOCK * 2 * 16 * 4
-# torch's OpenMP workers spin-wait; on a 2-core box shared with the clients and Redis that turns
-# a 35 ms request into 0.3-3 s at random (measured). One thread makes each step cost the same
-# whatever else runs, which is what a latency comparison between quarters needs.
-SERVER_ENV = {"OMP_NUM_THREADS": "1"}
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    """A random-weight tiny Llama with a word-level tokenizer: token i <-> the word "w{i}"."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    path = save_tiny_checkpoint("llama", tmp_path_factory.mktemp("tiny-soak"), seed=1)
-    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(path)
-    return path
-
-
-def start_server(model: Path, log: Path, l1: int, l2: int, l3: str) -> ServerProcess:
-    srv = ServerProcess(["--model", str(model), "--served-model-name", MODEL, "--l1", str(l1), "--l2", str(l2),
-                         "--l3", l3, "--max-model-len", "512", "--log-level", "warning"], log, env=SERVER_ENV)
-    try:
-        srv.wait_ready()
-    except BaseException:
-        srv.stop()
-        raise
-    return srv
-
-
-def cap_redis(redis_server, size: int) -> None:
-    """Bound the store (write-through puts every block there): an LRU Redis, as one would deploy."""
-    r = redis_server.client()
-    r.config_set("maxmemory", str(size))
-    r.config_set("maxmemory-policy", "allkeys-lru")
-
-
-def ids_of(text: str) -> list[int]:
-    words = text.split()
-    assert all(w[0] == "w" for w in words), text
-    return [int(w[1:]) for w in words]
-
-
-# ---------------------------------------------------------------------------- one request
-
-
-@dataclass(slots=True)
-class Answer:
-    key: int  # which request: the plan's key (fault test), the client's count (soak)
-    stream: bool
-    start: float
-    end: float
-    error: str | None  # what was wrong with the answer, None when it is complete
-    ids: list[int]
-
-    @property
-    def latency(self) -> float:
-        return self.end - self.start
-
-
-async def complete(c: httpx.AsyncClient, url: str, key: int, prompt: list[int], stream: bool) -> Answer:
-    """One /v1/completions request, checked: status 200, MAX_TOKENS ids, finish_reason length, usage
-    and (streaming) an event per token and [DONE] last. Never raises: a failure is the Answer's error."""
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
-    start = time.monotonic()
-    ids: list[int] = []
-    try:
-        if stream:
-            body.update(stream=True, stream_options={"include_usage": True})
-            async with c.stream("POST", url + "/v1/completions", json=body) as r:
-                if r.status_code != 200:
-                    await r.aread()
-                    raise AssertionError(f"status {r.status_code}: {r.text[:300]}")
-                events = [line[6:] async for line in r.aiter_lines() if line.startswith("data: ")]
-            assert events and events[-1] == "[DONE]", events[-3:]
-            chunks = [json.loads(e) for e in events[:-1]]
-            usage = chunks[-1]["usage"]
-            deltas = [ch["choices"][0] for ch in chunks[:-1]]
-            text = "".join(d["text"] for d in deltas)
-            reason = deltas[-1]["finish_reason"]
-            assert sum(1 for d in deltas if d["text"]) == MAX_TOKENS, deltas  # one word a token
-        else:
-            r = await c.post(url + "/v1/completions", json=body)
-            assert r.status_code == 200, f"status {r.status_code}: {r.text[:300]}"
-            out = r.json()
-            text, reason, usage = out["choices"][0]["text"], out["choices"][0]["finish_reason"], out["usage"]
-        ids = ids_of(text)
-        assert len(ids) == MAX_TOKENS and reason == "length", (len(ids), reason)
-        assert usage["completion_tokens"] == MAX_TOKENS and usage["prompt_tokens"] == len(prompt), usage
-        error = None
-    except Exception as err:  # noqa: BLE001 (reported with the others at the end)
-        error = f"{type(err).__name__}: {err}"
-    return Answer(key, stream, start, time.monotonic(), error, ids)
-
-
-def stats(srv: ServerProcess) -> dict:
-    return httpx.get(srv.url + "/v1/cache/stats", timeout=30).json()
-
-
-def redis_stats(s: dict) -> dict:
-    (store,) = s["l3_stores"]
-    assert store["name"] == "redis"
-    return store
-
-
-def wait_idle_and_nothing_held(srv: ServerProcess, timeout: float = 30.0) -> dict:
-    """Once no request runs, every L1 block is evictable or free (no pin left behind), and so is
-    every L2 block once the background L3 writes are done (no hold left behind). `used` is
-    `capacity - len(free list)`, so used == evictable also says that no slot left both the free
-    list and the index (a leaked slot)."""
-    end = time.monotonic() + timeout
-    while True:
-        m = httpx.get(srv.url + "/metrics", timeout=30).text
-        s = stats(srv)
-        l1, l2 = s["tiers"]["l1"], s["tiers"]["l2"]
-        idle = metric(m, "tierkv_requests_running") == 0 and metric(m, "tierkv_requests_waiting") == 0
-        if idle and l1["used_blocks"] == l1["evictable_blocks"] and l2["used_blocks"] == l2["evictable_blocks"]:
-            break
-        if time.monotonic() > end:
-            raise AssertionError(f"blocks still held {timeout} s after the last answer: l1 {l1}, l2 {l2}, "
-                                 f"running {metric(m, 'tierkv_requests_running')}")
-        time.sleep(0.2)
-    for tier in ("l1", "l2"):
-        t = s["tiers"][tier]
-        assert 0 <= t["used_blocks"] <= t["capacity_blocks"], t
-    # each index entry sits in L1 or L2 (or both): as many entries as the slots they use, at most
-    assert max(l1["used_blocks"], l2["used_blocks"]) <= s["blocks"] <= l1["used_blocks"] + l2["used_blocks"], s
-    return s
-
-
-def assert_clean_exit(srv: ServerProcess, code: int) -> None:
-    """The server drained and exited 0 on SIGTERM, and logged no stack trace all along."""
-    log = srv.log_path.read_text()
-    assert code == 0, log[-3000:]
-    assert "Traceback" not in log, log[-3000:]
-
+pytestmark = pytest.mark.slow  # ~95 s (2-core CPU)
+_ = tiny_model  # a fixture: imported so that pytest finds it here
 
 # ---------------------------------------------------------------------------- soak
 
@@ -383,152 +232,3 @@ def test_soak_median_latency_holds_from_first_to_last_quarter(soak):
     # a slowdown is what a soak looks for; a last quarter faster than the first (seen: -12% while
     # the probe said the host sped up) is the machine, not the server wearing out
     assert p50[3] <= (1 + P50_BOUND) * p50[0], report
-
-
-# ---------------------------------------------------------------------------- L3 killed mid-run
-
-FAULT_CLIENTS = 3
-FAULT_SESSIONS = 8  # per client: 288 requests in all
-# Each session: a fresh prefix used by 3 requests, 3 unique prompts after each use, so that between
-# two uses of a prefix ~10 requests (~50 blocks) pass through L1 + L2 (40 blocks): reuses load from L3.
-FAULT_USES, FAULT_GAP = 3, 3
-FAULT_L1, FAULT_L2 = 24 * BLOCK_BYTES, 16 * BLOCK_BYTES  # 3 clients need 18 L1 blocks at most
-KILL_AT = 0.25  # share of the requests started when Redis is killed
-RESTART_AT = 0.5  # share started before it is back: the rest wait for the restart
-OUTAGE_MIN_S = 2.0  # Redis stays down at least this long
-
-
-def fault_plan() -> list[list[tuple[int, list[int], bool]]]:
-    """Per client, its requests in order: (key, prompt ids, stream). Every prompt is distinct."""
-    rng = random.Random(7)
-    plan, key = [], 0
-    for _ in range(FAULT_CLIENTS):
-        mine = []
-        for _ in range(FAULT_SESSIONS):
-            prefix = [rng.randrange(VOCAB) for _ in range(PREFIX_TOKENS)]
-            for _ in range(FAULT_USES):
-                prompts = [prefix + [rng.randrange(VOCAB) for _ in range(PROMPT_TOKENS - PREFIX_TOKENS)]]
-                prompts += [[rng.randrange(VOCAB) for _ in range(PROMPT_TOKENS)] for _ in range(FAULT_GAP)]
-                for p in prompts:
-                    mine.append((key, p, key % 2 == 1))
-                    key += 1
-        plan.append(mine)
-    return plan
-
-
-def run_plan(srv: ServerProcess, plan, gate=None):
-    """(answers, started, run): `await run(tasks)` has every client run its list in order, alongside
-    `tasks`, appending to `answers`; `started[0]` counts the requests begun; `gate(n)` is awaited
-    before the n-th request begins."""
-    answers: list[Answer] = []
-    started = [0]
-
-    async def client(c: httpx.AsyncClient, mine) -> None:
-        for key, prompt, stream in mine:
-            n = started[0]
-            started[0] += 1
-            if gate is not None:
-                await gate(n)
-            answers.append(await complete(c, srv.url, key, prompt, stream))
-
-    async def run(extra):
-        async with httpx.AsyncClient(timeout=60) as c:
-            await asyncio.gather(*extra, *(client(c, mine) for mine in plan))
-
-    return answers, started, run
-
-
-def assert_all_answered(answers: list, total: int) -> None:
-    bad = [a for a in answers if a.error]
-    assert not bad and len(answers) == total, [a.error for a in bad[:5]]
-
-
-def l3_errors(store: dict) -> int:
-    return sum(store["errors"].values())
-
-
-def test_redis_killed_mid_run_every_answer_comes_with_the_same_tokens(tiny_model, redis_server, tmp_path):
-    plan = fault_plan()
-    total = sum(len(mine) for mine in plan)
-
-    # -- the fault-free run
-    srv = start_server(tiny_model, tmp_path / "clean.log", FAULT_L1, FAULT_L2, redis_server.url)
-    try:
-        answers, _, run = run_plan(srv, plan)
-        t0 = time.monotonic()
-        asyncio.run(run([]))
-        clean_s = time.monotonic() - t0
-        s = wait_idle_and_nothing_held(srv)
-    finally:
-        code = srv.stop()
-    assert_clean_exit(srv, code)
-    assert_all_answered(answers, total)
-    clean = redis_stats(s)
-    assert clean["hits"] > 0 and l3_errors(clean) == 0, clean
-    expected = {a.key: a.ids for a in answers}
-
-    # -- the same workload, Redis SIGKILLed once a quarter of it has started, back a few seconds later
-    redis_server.client().flushall()
-    srv = start_server(tiny_model, tmp_path / "faulty.log", FAULT_L1, FAULT_L2, redis_server.url)
-    try:
-        marks: dict[str, dict] = {}
-        health: list[int] = []
-        killed, restarted = asyncio.Event(), asyncio.Event()
-
-        async def gate(n: int) -> None:
-            if n >= RESTART_AT * total:
-                await restarted.wait()
-
-        answers, started, run = run_plan(srv, plan, gate)
-
-        async def fault(c: httpx.AsyncClient) -> None:
-            while started[0] < KILL_AT * total:
-                await asyncio.sleep(0.01)
-            marks["kill"] = (await c.get(srv.url + "/v1/cache/stats")).json()
-            marks["kill"].update(answers=len(answers), in_flight=started[0] - len(answers))
-            redis_server.kill()
-            killed.set()
-            t_kill = time.monotonic()
-            while time.monotonic() < t_kill + OUTAGE_MIN_S or started[0] < RESTART_AT * total:
-                await asyncio.sleep(0.05)
-            marks["restart"] = (await c.get(srv.url + "/v1/cache/stats")).json()
-            marks["restart"].update(answers=len(answers), outage_s=time.monotonic() - t_kill)
-            assert await asyncio.to_thread(redis_server.start), "redis-server did not restart"
-            restarted.set()
-
-        async def poll_health(c: httpx.AsyncClient) -> None:
-            await killed.wait()
-            while not restarted.is_set():
-                health.append((await c.get(srv.url + "/health")).status_code)
-                await asyncio.sleep(0.1)
-
-        async def with_fault():
-            async with httpx.AsyncClient(timeout=30) as c:
-                await run([fault(c), poll_health(c)])
-
-        t0 = time.monotonic()
-        asyncio.run(with_fault())
-        faulty_s = time.monotonic() - t0
-        s = wait_idle_and_nothing_held(srv)
-    finally:
-        code = srv.stop()
-    assert_clean_exit(srv, code)
-
-    assert_all_answered(answers, total)
-    wrong = [a.key for a in answers if a.ids != expected[a.key]]
-    assert not wrong, f"{len(wrong)} answers differ from the fault-free run's, e.g. key {wrong[0]}"
-
-    at_kill, at_restart, end = (redis_stats(x) for x in (marks["kill"], marks["restart"], s))
-    print(f"fault: {total} requests, fault-free run {clean_s:.1f} s ({clean['hits']} L3 hits); faulty run "
-          f"{faulty_s:.1f} s: killed with {marks['kill']['answers']} answered and {marks['kill']['in_flight']} in "
-          f"flight, {at_kill['hits']} L3 hits; down {marks['restart']['outage_s']:.1f} s, "
-          f"{marks['restart']['answers'] - marks['kill']['answers']} answered meanwhile, L3 errors "
-          f"{ {k: v for k, v in at_restart['errors'].items() if v} }, {len(health)} health polls; after the "
-          f"restart {end['hits'] - at_restart['hits']} L3 hits, {end['puts'] - at_restart['puts']} puts")
-    # before the fault the workload read from Redis; during the outage it kept asking (lookups
-    # that failed, counted as errors) and kept being answered; after the restart it read again
-    assert at_kill["hits"] > 0 and l3_errors(at_kill) == 0 and marks["kill"]["in_flight"] > 0, marks["kill"]
-    assert at_restart["lookups"] > at_kill["lookups"] and l3_errors(at_restart) > 0, at_restart
-    assert marks["restart"]["answers"] > marks["kill"]["answers"], marks  # answers came during the outage
-    assert end["hits"] > at_restart["hits"] and end["puts"] > at_restart["puts"], (at_restart, end)
-    assert health and all(code == 200 for code in health), health
