@@ -41,7 +41,8 @@ from bench_throughput import (
     release_memory,
     save_random_model,
 )
-from common import write_results
+from common import RESULTS, machine_tag, write_results
+from profiling import print_profile, profile_run
 
 import tierkv
 
@@ -118,6 +119,7 @@ def main() -> None:
     p.add_argument("--no-peer", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--smoke", action="store_true", help="tiny Llama-3.1-shaped model on CPU: checks the script")
+    p.add_argument("--profile", action="store_true", help="also trace 64 decode tokens with torch.profiler")
     p.add_argument("--out", type=Path, default=None, help="results directory (benchmarks/results)")
     a = p.parse_args()
     if a.smoke:
@@ -150,6 +152,11 @@ def main() -> None:
         # can change as the context grows
         tierkv_decode(llm, prompts[0], n)
         runs = [tierkv_decode(llm, prompt, n) for prompt in prompts[1:]]
+        if a.profile and device.type == "cuda":  # one request's 64 tokens under the profiler
+            trace = Path(a.out or RESULTS) / f"latency_trace-{machine_tag()}.json.gz"
+            figures["profile"] = profile_run(lambda: tierkv_decode(llm, prompts[1][::-1], 64), trace)
+            figures["profile"]["kernels_per_token"] = figures["profile"]["kernel_launches"] / 64
+            print_profile(figures["profile"], "64 tokens at batch 1")
         llm.close()
 
     # each decode step reads the weights and the KV of the context; average over the decode

@@ -43,7 +43,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_results
+from common import RESULTS, machine_tag, write_results
+from profiling import print_profile, profile_run
 
 import tierkv
 
@@ -167,10 +168,21 @@ def run_tierkv(model_dir: Path, device, dtype, prompts, out_lens, warm, a, sizes
         decode_seconds=decode_wall, decode_roofline_seconds=sum(roof_s[i] for i in decode),
         decode_roofline_fraction=sum(roof_s[i] for i in decode) / decode_wall if decode_wall else None,
     )
+    if a.profile and device.type == "cuda":
+        # 64 prompts decoding together, under the profiler: the step's host and GPU timeline
+        short = [tierkv.SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)] * 64
+        trace = Path(a.out or RESULTS) / f"throughput_trace-{machine_tag()}.json.gz"
+        result["profile"] = profile_run(lambda: llm.generate(warm_like(prompts[:64]), short, use_tqdm=False), trace)
+        print_profile(result["profile"], "64 prompts x 32 tokens")
     llm.close()
     del llm, outs
     release_memory()
     return result
+
+
+def warm_like(prompts: list[list[int]]) -> list[list[int]]:
+    """The prompts with their first token changed, so that the cache holds none of them."""
+    return [[(p[0] + 1) % 1000] + p[1:] for p in prompts]
 
 
 # ---------------------------------------------------------------------------- the peer
@@ -247,6 +259,7 @@ def main() -> None:
     p.add_argument("--warmup-prompts", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--smoke", action="store_true", help="tiny model on CPU, 8 short prompts: checks the script")
+    p.add_argument("--profile", action="store_true", help="also trace 64 prompts x 32 tokens with torch.profiler")
     p.add_argument("--out", type=Path, default=None, help="results directory (benchmarks/results)")
     a = p.parse_args()
     if a.smoke:

@@ -25,6 +25,10 @@ __all__ = [
     "scatter_blocks",
     "copy_blocks",
     "compile_variants",
+    "rms_norm",
+    "rope_kv_write",
+    "silu_mul",
+    "top_k_top_p_filter",
 ]
 
 # public name -> module of this package that holds its Triton version; a name missing here
@@ -36,6 +40,10 @@ _TRITON_HOME: dict[str, str] = {
     "gather_blocks": "block_copy",
     "scatter_blocks": "block_copy",
     "copy_blocks": "block_copy",
+    "rms_norm": "norm",
+    "rope_kv_write": "rope",
+    "silu_mul": "activation",
+    "top_k_top_p_filter": "sampling",
 }
 
 
@@ -90,3 +98,29 @@ def compile_variants(kv: torch.Tensor, num_heads: int, scale: float, windows=(No
     if backend_for(kv) == "reference":
         return 0
     return importlib.import_module(".prefill", __name__).compile_variants(kv, num_heads, scale, windows)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """RMSNorm of x [..., H] (rows may be strided) by weight [H], in HF's rounding order.
+
+    Returns out [..., H]; with residual [..., H] returns (rms_norm(x + residual), x + residual),
+    the sum rounded to x's dtype: the "add residual, then norm" of a decoder layer.
+    """
+    return _impl("rms_norm", x)(x, weight, eps, residual)
+
+
+def rope_kv_write(q, k, v, cos, sin, kv: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """RoPE on q [T, Hq, D] and k [T, Hkv, D] with cos, sin [T, D]; rotated k and v [T, Hkv, D] go
+    into kv [num_blocks, 2, bs, Hkv, D] at slot_mapping [T] (-1 = skip). Returns rotated q [T, Hq, D]."""
+    return _impl("rope_kv_write", kv)(q, k, v, cos, sin, kv, slot_mapping)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU: gate_up [T, 2 * I] (gate, then up) -> F.silu(gate) * up [T, I]."""
+    return _impl("silu_mul", gate_up)(gate_up)
+
+
+def top_k_top_p_filter(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """logits [B, V] -> a copy with each row's tokens outside its top_k [B] / top_p [B] set to -inf
+    (either may be None); ties at the boundary are all kept. See reference.top_k_top_p_filter."""
+    return _impl("top_k_top_p_filter", logits)(logits, top_k, top_p)

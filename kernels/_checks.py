@@ -134,3 +134,56 @@ def check_copy_blocks(src, src_slots, dst, dst_slots) -> None:
         _fail(f"src_slots lists {src_slots.shape[0]} blocks but dst_slots {dst_slots.shape[0]}")
     if dst_slots.device != dst.device:
         _fail(f"dst_slots must be on dst's device {dst.device}, got {dst_slots.device}")
+
+
+def check_rms_norm(x, weight, eps, residual) -> None:
+    """x [..., H] (any strides), weight [H] and an optional residual of x's shape, one dtype."""
+    if not isinstance(x, torch.Tensor) or x.dim() < 1:
+        _fail(f"x must be a tensor [..., H], got {getattr(x, 'shape', type(x).__name__)}")
+    check_tensor("x", x, x.dim(), ATTN_DTYPES)
+    check_tensor("weight", weight, 1, ATTN_DTYPES)
+    if weight.shape[0] != x.shape[-1]:
+        _fail(f"weight has {weight.shape[0]} features but x is [..., {x.shape[-1]}] (shape {tuple(x.shape)})")
+    if weight.dtype != x.dtype:
+        _fail(f"weight dtype {weight.dtype} must equal x dtype {x.dtype} (the model's dtype)")
+    # a Python number: a tensor eps would have to be read on the host
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
+        _fail(f"eps must be a non-negative Python float, got {eps!r}")
+    if residual is not None:
+        check_tensor("residual", residual, x.dim(), (x.dtype,))
+        if residual.shape != x.shape:
+            _fail(f"residual shape {tuple(residual.shape)} must equal x shape {tuple(x.shape)}")
+        check_same_device(x=x, weight=weight, residual=residual)
+    else:
+        check_same_device(x=x, weight=weight)
+
+
+def check_rope_kv_write(q, k, v, cos, sin, kv, slot_mapping) -> tuple[int, int, int, int]:
+    """q [T, Hq, D], k/v [T, Hkv, D] (into kv as kv_write), cos/sin [T, D]; returns (T, Hq, Hkv, D)."""
+    check_kv_write(k, v, kv, slot_mapping)
+    check_tensor("q", q, 3, ATTN_DTYPES)
+    tokens, hkv, d = k.shape
+    if q.shape[0] != tokens:
+        _fail(f"q has {q.shape[0]} tokens but k/v have {tokens}")
+    if q.shape[2] != d:
+        _fail(f"q head_dim {q.shape[2]} != k/v head_dim {d}")
+    if q.dtype != kv.dtype:
+        _fail(f"q dtype {q.dtype} must equal the pool dtype {kv.dtype}")
+    if d % 2 != 0:
+        _fail(f"head_dim must be even for rotate-half RoPE, got {d}")
+    for name, table in (("cos", cos), ("sin", sin)):
+        check_tensor(name, table, 2, ATTN_DTYPES)
+        if tuple(table.shape) != (tokens, d):
+            _fail(f"{name} must be [T, D] = [{tokens}, {d}] (one row per token), got {tuple(table.shape)}")
+        if table.dtype != q.dtype:
+            _fail(f"{name} dtype {table.dtype} must equal q dtype {q.dtype} (cast once per forward, like transformers)")
+    check_same_device(q=q, k=k, cos=cos, sin=sin, kv=kv)
+    return tokens, q.shape[1], hkv, d
+
+
+def check_silu_mul(gate_up) -> tuple[int, int]:
+    """gate_up [T, 2 * I] (gate then up, any row stride); returns (T, I)."""
+    check_tensor("gate_up", gate_up, 2, ATTN_DTYPES)
+    if gate_up.shape[1] % 2 != 0:
+        _fail(f"gate_up must be [T, 2 * I] (gate then up), got an odd width {gate_up.shape[1]}")
+    return gate_up.shape[0], gate_up.shape[1] // 2

@@ -163,3 +163,111 @@ def copy_blocks(src: torch.Tensor, src_slots: torch.Tensor, dst: torch.Tensor, d
     rows = src.index_select(0, src_slots.to(src.device).long())
     dst.index_copy_(0, dst_slots.to(dst.device).long(), rows.to(dst.device, non_blocking=True))
     return dst
+
+
+# Fused decoder ops. These must round exactly as transformers does (each torch op in the model's
+# dtype, in HF's order), since the CPU engine is held token-for-token equal to transformers.
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of the last dim, optionally after adding a residual.
+
+    x:        [..., H] (any strides); weight: [H], x's dtype
+    residual: None, or [..., H] like x: then s = x + residual (in x's dtype, the decoder's
+              `x = x + attn(...)`) is normalised and (out, s) returned
+    returns   out [..., H] = weight * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(x.dtype)
+    """
+    _checks.check_rms_norm(x, weight, eps, residual)
+    if residual is not None:
+        x = x + residual
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)   # HF: normalise in fp32,
+    out = weight * x32.to(x.dtype)                                     # cast, then the weight
+    return out if residual is None else (out, x)
+
+
+def rope_kv_write(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """RoPE ("rotate half", HF layout) on q and k, then kv_write of rotated k and v.
+
+    q:            [T, Hq, D]; k, v: [T, Hkv, D] (any strides)
+    cos, sin:     [T, D] in q's dtype
+    kv:           [num_blocks, 2, block_size, Hkv, D], written in place at slot_mapping [T] (-1 skips)
+    returns       rotated q [T, Hq, D]
+    """
+    _checks.check_rope_kv_write(q, k, v, cos, sin, kv, slot_mapping)
+    cos, sin = cos[:, None, :], sin[:, None, :]                        # [T, 1, D]
+    kv_write(_rotate_half(k, cos, sin), v, kv, slot_mapping)
+    return _rotate_half(q, cos, sin)
+
+
+def _rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] * cos + cat(-x[D/2:], x[:D/2]) * sin, cos/sin [T, 1, D]; each op in x's dtype."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [T, 2 * I] (gate, then up) -> F.silu(gate) * up [T, I], in gate_up's dtype."""
+    _, inter = _checks.check_silu_mul(gate_up)
+    gate, up = gate_up.split([inter, inter], dim=-1)                  # [T, I] each
+    return torch.nn.functional.silu(gate) * up
+
+
+# Sampling filters. The Triton version (sampling.py) finds the same kept set without sorting.
+
+
+def check_top_k_top_p(logits, top_k, top_p) -> None:
+    """logits [B, V] float; top_k None or [B] int; top_p None or [B] fp32; one device."""
+    _checks.check_tensor("logits", logits, 2, _checks.ATTN_DTYPES)
+    tensors = {"logits": logits}
+    for name, t, dtypes in (("top_k", top_k, _checks.INDEX_DTYPES), ("top_p", top_p, (torch.float32,))):
+        if t is None:
+            continue
+        _checks.check_tensor(name, t, 1, dtypes)
+        if t.shape[0] != logits.shape[0]:
+            raise _checks.ShapeError(f"{name} has {t.shape[0]} entries for {logits.shape[0]} rows of logits")
+        tensors[name] = t
+    _checks.check_same_device(**tensors)
+
+
+def top_k_top_p_filter(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """A new [B, V] copy of logits [B, V] with the tokens outside each row's filters set to -inf.
+
+    top_k: None or [B] int; a row's k < 1 or k >= V keeps all.
+    top_p: None or [B] fp32 in (0, 1]; p >= 1 keeps all.
+    A token x is kept iff  count(logits > x) < k  and  mass(logits > x) < p,  where mass is the
+    softmax (fp32) of the whole row: top-p is not renormalised over the top-k survivors. Sorted,
+    that is "rank r stays while r < k and the mass strictly before it is < p", so the top token
+    always stays. Ties: tokens of equal logit share one fate, decided at the first rank of their
+    run, so a tie across the boundary keeps every tied token (-0.0 and +0.0 are equal).
+    """
+    check_top_k_top_p(logits, top_k, top_p)
+    sorted_logits, order = logits.sort(dim=-1, descending=True)              # [B, V]
+    vocab = logits.shape[-1]
+    ranks = torch.arange(vocab, device=logits.device).expand_as(sorted_logits)
+    # the first rank of each run of equal values: count(logits > x) for every member of the run
+    new_run = torch.ones_like(sorted_logits, dtype=torch.bool)
+    new_run[:, 1:] = sorted_logits[:, 1:] != sorted_logits[:, :-1]
+    first = torch.where(new_run, ranks, 0).cummax(dim=-1).values            # [B, V]
+    keep = torch.ones_like(sorted_logits, dtype=torch.bool)
+    if top_k is not None:
+        k = top_k.long()[:, None]                                            # [B, 1]
+        keep &= (first < k) | (k < 1) | (k >= vocab)
+    if top_p is not None:
+        p = top_p[:, None]                                                   # [B, 1]
+        probs = sorted_logits.float().softmax(dim=-1)                        # [B, V]
+        before = probs.cumsum(dim=-1) - probs           # mass strictly before each rank
+        keep &= (before.gather(1, first) < p) | (first == 0) | (p >= 1)
+    filtered = sorted_logits.masked_fill(~keep, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, filtered)

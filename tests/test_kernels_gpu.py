@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from sampling_cases import safe_top_p
 
 from tierkv.kernels import reference as ref
 from tierkv.kernels.testing import cu_seqlens, make_paged
@@ -191,3 +192,275 @@ def test_compile_variants_leaves_nothing_to_compile_mid_run():
                               rng.choice([None, 4096]))
     torch.cuda.synchronize()
     assert compiled() == before
+
+
+# ---- fused decoder kernels: rms_norm, rope_kv_write, silu_mul against the reference run by torch
+# on the same GPU (HF's rounding order), at Llama-3.1-8B sizes: hidden 4096, 32 q / 8 kv heads of
+# 128, intermediate 14336, up to 8192 tokens a step.
+
+
+def _fused():
+    from tierkv.kernels import activation, norm, rope
+
+    return norm, rope, activation
+
+
+def _rounds_like_reference(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    """Within the dtype's tolerance of the reference and bitwise equal to it almost everywhere:
+    rounding once at the end instead of in HF's order changes about a quarter of the elements,
+    a kernel's own fp32 sum, rsqrt or exp a few per ten thousand."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
+    differ = (got != want).float().mean().item()
+    assert differ <= 0.01, f"{differ:.2%} of the elements differ from the reference's rounding"
+
+
+def _randn(*shape, dtype, seed, scale=1.0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return (scale * torch.randn(*shape, device="cuda", generator=g)).to(dtype)
+
+
+def _cos_sin(tokens: int, d: int, dtype: torch.dtype, seed: int):
+    """cos, sin [T, D] as CausalLM.rope makes them: fp32 angles of positions up to 128K, then cast."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    positions = torch.randint(0, 131072, (tokens,), device="cuda", generator=g)
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, d, 2, device="cuda").float() / d))
+    freqs = positions[:, None].float() * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _qkv(tokens: int, hq: int, hkv: int, d: int, dtype: torch.dtype, seed: int):
+    """q [T, Hq, D], k, v [T, Hkv, D]: strided views of one qkv GEMM output, as model.Attention has."""
+    qkv = _randn(tokens, (hq + 2 * hkv) * d, dtype=dtype, seed=seed)
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    return qkv, q.view(tokens, hq, d), k.view(tokens, hkv, d), v.view(tokens, hkv, d)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens,hidden", [(1, 4096), (37, 4096), (8192, 4096), (300, 5120)])
+def test_rms_norm_hidden_states(dtype, tokens, hidden):
+    norm = _fused()[0]
+    stream = _randn(tokens, hidden, dtype=dtype, seed=1, scale=4.0)
+    attn_out = _randn(tokens, hidden, dtype=dtype, seed=2)
+    w = (1 + 0.2 * _randn(hidden, dtype=torch.float32, seed=3)).to(dtype)
+    _rounds_like_reference(norm.rms_norm(stream, w, 1e-5), ref.rms_norm(stream, w, 1e-5), dtype)
+    got, got_sum = norm.rms_norm(attn_out, w, 1e-5, residual=stream)
+    want, want_sum = ref.rms_norm(attn_out, w, 1e-5, residual=stream)
+    assert torch.equal(got_sum, want_sum)  # one fp32 add rounded to the dtype, as torch's
+    _rounds_like_reference(got, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rms_norm_of_strided_qk_heads(dtype):
+    # Qwen3's q_norm/k_norm over each head of the qkv GEMM output, without a copy
+    norm = _fused()[0]
+    _, q, k, _ = _qkv(8192, 32, 8, 128, dtype, seed=4)
+    w = (1 + 0.2 * _randn(128, dtype=torch.float32, seed=5)).to(dtype)
+    for x in (q, k):
+        assert not x.is_contiguous()
+        _rounds_like_reference(norm.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("tokens", [1, 256, 8192])
+@pytest.mark.parametrize("hq,hkv,d", [(32, 8, 128), (28, 4, 128), (9, 3, 64)])
+def test_rope_kv_write_bitwise_reference(dtype, tokens, hq, hkv, d):
+    # the kernel rounds each product and sum to the dtype as torch does: equal bit for bit
+    rope = _fused()[1]
+    _, q, k, v = _qkv(tokens, hq, hkv, d, dtype, seed=tokens + hq)
+    cos, sin = _cos_sin(tokens, d, dtype, seed=6)
+    bs = 16
+    num_blocks = tokens // bs + 9
+    pool = _randn(2, num_blocks, 2, bs, hkv, d, dtype=dtype, seed=7)  # [layers, nb, 2, bs, Hkv, D]
+    g = torch.Generator(device="cuda").manual_seed(8)
+    slots = torch.randperm(num_blocks * bs - 1, device="cuda", generator=g)[:tokens]  # never the last slot
+    slots[1::7] = -1                                                   # padding rows (one token: none)
+    want_pool = pool.clone()
+    want_q = ref.rope_kv_write(q, k, v, cos, sin, want_pool[1], slots)
+    got_q = rope.rope_kv_write(q, k, v, cos, sin, pool[1], slots)
+    torch.cuda.synchronize()
+    assert got_q.is_contiguous() and torch.equal(got_q, want_q)
+    assert torch.equal(pool, want_pool)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens,inter", [(1, 14336), (256, 14336), (8192, 14336), (100, 18944)])
+def test_silu_mul_intermediate(dtype, tokens, inter):
+    activation = _fused()[2]
+    gate_up = _randn(tokens, 2 * inter, dtype=dtype, seed=tokens, scale=3.0)
+    _rounds_like_reference(activation.silu_mul(gate_up), ref.silu_mul(gate_up), dtype)
+
+
+def test_silu_mul_strided_rows():
+    activation = _fused()[2]
+    wide = _randn(513, 2 * 4096 + 64, dtype=torch.bfloat16, seed=9, scale=3.0)
+    gate_up = wide[:, 32 : 32 + 2 * 4096]
+    _rounds_like_reference(activation.silu_mul(gate_up), ref.silu_mul(gate_up), torch.bfloat16)
+
+
+def test_package_dispatches_fused_kernels_to_triton():
+    import tierkv.kernels as K
+
+    norm, rope, activation = _fused()
+    x = torch.empty(2, 8, device="cuda", dtype=torch.bfloat16)
+    assert K._impl("rms_norm", x) is norm.rms_norm
+    assert K._impl("rope_kv_write", x) is rope.rope_kv_write
+    assert K._impl("silu_mul", x) is activation.silu_mul
+
+
+def _capture(fn):
+    """fn() captured in a CUDA graph after a warm-up run on a side stream (which compiles the
+    kernel); returns (graph, what the captured call returned: its static outputs). A host sync
+    (reading a tensor) inside fn makes the capture itself fail."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_rms_norm_cuda_graph_replay(residual):
+    norm = _fused()[0]
+    dtype = torch.bfloat16
+    x = _randn(256, 4096, dtype=dtype, seed=10)          # static inputs of the graph
+    r = _randn(256, 4096, dtype=dtype, seed=11)
+    w = (1 + 0.2 * _randn(4096, dtype=torch.float32, seed=12)).to(dtype)
+    graph, out = _capture(lambda: norm.rms_norm(x, w, 1e-5, r if residual else None))
+    for seed in (13, 14):
+        new_x = _randn(256, 4096, dtype=dtype, seed=seed, scale=3.0)
+        new_r = _randn(256, 4096, dtype=dtype, seed=seed + 100)
+        x.copy_(new_x)
+        r.copy_(new_r)
+        graph.replay()
+        torch.cuda.synchronize()
+        if residual:
+            want, want_sum = ref.rms_norm(new_x, w, 1e-5, new_r)
+            assert torch.equal(out[1], want_sum)
+            _rounds_like_reference(out[0], want, dtype)
+        else:
+            _rounds_like_reference(out, ref.rms_norm(new_x, w, 1e-5), dtype)
+
+
+def test_rope_kv_write_cuda_graph_replay():
+    rope = _fused()[1]
+    dtype, tokens, hq, hkv, d, bs = torch.bfloat16, 256, 32, 8, 128, 16
+    qkv, q, k, v = _qkv(tokens, hq, hkv, d, dtype, seed=15)   # static inputs: views of one buffer
+    cos, sin = _cos_sin(tokens, d, dtype, seed=16)
+    slots = torch.arange(tokens, device="cuda")
+    pool = torch.zeros(2, 64, 2, bs, hkv, d, dtype=dtype, device="cuda")
+    graph, q_out = _capture(lambda: rope.rope_kv_write(q, k, v, cos, sin, pool[1], slots))
+    for seed in (17, 18):
+        new_qkv, new_q, new_k, new_v = _qkv(tokens, hq, hkv, d, dtype, seed=seed)
+        new_cos, new_sin = _cos_sin(tokens, d, dtype, seed=seed)
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        new_slots = torch.randperm(64 * bs - 1, device="cuda", generator=g)[:tokens]
+        new_slots[::5] = -1
+        start = _randn(*pool.shape, dtype=dtype, seed=seed + 1)
+        qkv.copy_(new_qkv)
+        cos.copy_(new_cos)
+        sin.copy_(new_sin)
+        slots.copy_(new_slots)
+        pool.copy_(start)
+        graph.replay()
+        want_pool = start.clone()
+        want_q = ref.rope_kv_write(new_q, new_k, new_v, new_cos, new_sin, want_pool[1], new_slots)
+        torch.cuda.synchronize()
+        assert torch.equal(q_out, want_q)
+        assert torch.equal(pool, want_pool)
+
+
+def test_silu_mul_cuda_graph_replay():
+    activation = _fused()[2]
+    dtype = torch.bfloat16
+    gate_up = _randn(256, 2 * 14336, dtype=dtype, seed=19)
+    graph, out = _capture(lambda: activation.silu_mul(gate_up))
+    for seed in (20, 21):
+        new = _randn(256, 2 * 14336, dtype=dtype, seed=seed, scale=3.0)
+        gate_up.copy_(new)
+        graph.replay()
+        torch.cuda.synchronize()
+        _rounds_like_reference(out, ref.silu_mul(new), dtype)
+
+
+# ---- sampling: top_k_top_p_filter at Qwen2's vocabulary (151936) and batch 256, against the
+# sort-based reference on the same GPU
+
+
+def _sampling_rows(batch: int, vocab: int, dtype: torch.dtype, seed: int):
+    """CUDA logits [batch, vocab] with per-row top_k / top_p: scales 0.5 to 4 (flat to peaked);
+    every 8th row rounded to quarters (each value tied thousands of times, so boundaries fall in
+    ties); -inf padding columns in others; k from 1 to past V and off (0); p tiny, 1, or halfway
+    between two cumulative masses, so the kernel's chunked fp32 sums and the reference's cumsum
+    cannot disagree about a token (sampling_cases.safe_top_p)."""
+    g = torch.Generator().manual_seed(seed)
+    scales = torch.tensor([0.5, 1.0, 2.0, 4.0]).repeat(batch // 4)
+    logits = torch.randn(batch, vocab, generator=g) * scales[:, None]
+    logits[1::8] = (logits[1::8] * 4).round() / 4
+    logits[2::8, vocab - 1000:] = float("-inf")        # a vocabulary padded past the tokenizer's
+    logits = logits.to(dtype).cuda()
+    choices = torch.tensor([1, 2, 20, 50, 1000, 32768, vocab - 1, vocab, vocab + 5, 0])
+    top_k = choices[torch.randint(len(choices), (batch,), generator=g)]
+    top_p = safe_top_p(logits, g)
+    top_p[::16], top_p[5::16] = 1e-7, 1.0             # the top run alone; off
+    return logits, top_k.cuda(), top_p.cuda()
+
+
+def _same_filter(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    kept = want != float("-inf")
+    assert got.dtype == want.dtype
+    assert torch.equal(got != float("-inf"), kept), f"rows differ: {(got != want).any(-1).nonzero()[:, 0].tolist()}"
+    assert torch.equal(got[kept], want[kept])
+    return kept
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_top_k_top_p_filter_vocab_152k_batch_256(dtype):
+    from tierkv.kernels import sampling
+
+    vocab = 151936
+    logits, top_k, top_p = _sampling_rows(256, vocab, dtype, seed=1)
+    for k, p in ((top_k, None), (None, top_p), (top_k, top_p)):
+        kept = _same_filter(sampling.top_k_top_p_filter(logits, k, p), ref.top_k_top_p_filter(logits, k, p))
+    # the batch spans every regime: a lone token, a few, thousands, the whole vocabulary
+    counts = kept.sum(-1)
+    assert (counts == 1).any() and (counts == vocab).any() and ((counts > 1000) & (counts < vocab - 1000)).any()
+
+
+def test_top_k_top_p_filter_replays_in_a_cuda_graph():
+    from tierkv.kernels import sampling
+
+    logits, top_k, top_p = _sampling_rows(256, 151936, torch.float32, seed=2)
+    sampling.top_k_top_p_filter(logits, top_k, top_p)  # compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = sampling.top_k_top_p_filter(logits, top_k, top_p)
+    for seed in (3, 4):
+        for static, fresh in zip((logits, top_k, top_p), _sampling_rows(256, 151936, torch.float32, seed)):
+            static.copy_(fresh)
+        graph.replay()
+        torch.cuda.synchronize()
+        _same_filter(out, ref.top_k_top_p_filter(logits, top_k, top_p))
+
+
+def test_sampler_on_cuda_draws_inside_the_filtered_set():
+    import tierkv.kernels as K
+    from tierkv.engine.sampler import Sampler, SamplingBatch, SamplingParams
+
+    assert K.backend_for(torch.empty(1, device="cuda")) == "triton"
+    vocab = 151936
+    logits, top_k, top_p = _sampling_rows(64, vocab, torch.float32, seed=5)
+    params = [SamplingParams(top_k=int(k) if 0 < k < vocab else 0, top_p=float(p))
+              for k, p in zip(top_k.tolist(), top_p.tolist())]
+    batch = SamplingBatch.build(params, vocab, "cuda")
+    kept = ref.top_k_top_p_filter(logits, batch.top_k, batch.top_p) != float("-inf")
+    for _ in range(20):
+        tokens = Sampler()(logits, batch).token_ids
+        assert kept.gather(1, tokens[:, None]).all()

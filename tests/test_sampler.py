@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from sampling_cases import oracle_keep, safe_top_p
 
 from tierkv.engine.sampler import (
     Sampler,
@@ -15,7 +16,8 @@ from tierkv.engine.sampler import (
     make_generator,
     stop_reason,
 )
-from tierkv.errors import ConfigError
+from tierkv.errors import ConfigError, ShapeError
+from tierkv.kernels import reference as ref
 
 sample = Sampler()
 
@@ -203,3 +205,111 @@ def test_earliest_stop_string_wins_and_old_text_is_not_rescanned():
     # the text before the new characters was checked on earlier steps
     assert find_stop_string("ab" + "zz", 2, p) is None
     assert find_stop_string("abc", 1, SamplingParams(stop=["x"])) is None
+
+
+# --- the top-k / top-p filter (the reference, which serves CPU) ---------------------------------
+
+def filter_before_ties(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """The sampler's filter as it was before tierkv.kernels.top_k_top_p_filter (ties ranked by the sort)."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if top_k is not None:
+        drop |= torch.arange(logits.shape[-1])[None, :] >= top_k[:, None]
+    if top_p is not None:
+        probs = sorted_logits.softmax(dim=-1)
+        drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+
+
+def filter_cases(vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows of every kind at once: k of 1, 2, mid, V-1, V, > V and off (0, -1); p tiny, 1 and safe
+    midpoints; logit scales 0.3..4; a row with ties everywhere, one with -inf entries and one of
+    +0.0 / -0.0 tied at the top."""
+    g = torch.Generator().manual_seed(seed)
+    scales = torch.tensor([0.3, 1.0, 2.0, 4.0, 1.0, 1.0, 0.5, 3.0, 1.0, 2.0, 1.0, 1.0])
+    logits = torch.randn(len(scales), vocab, generator=g) * scales[:, None]
+    logits[4] = (logits[4] * 3).round() / 3                   # ~20 values, each tied many times
+    logits[5, torch.randperm(vocab, generator=g)[: vocab // 3]] = float("-inf")
+    logits[6, :7] = torch.tensor([0.0, -0.0, 0.0, -0.0, -0.0, 0.0, 0.0])
+    logits[6, 7:] = -logits[6, 7:].abs() - 0.1                 # the seven zeros are the top run
+    top_k = torch.tensor([1, 2, vocab // 7, vocab - 1, 3, 5, 2, vocab, vocab + 9, 0, -1,
+                          int(torch.randint(1, vocab, (1,), generator=g))])
+    top_p = safe_top_p(logits, g)
+    top_p[0], top_p[1] = 1e-9, 1.0                            # the top run alone; off
+    return logits, top_k, top_p
+
+
+@pytest.mark.parametrize("vocab", [8, 17, 300, 1000])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_filter_matches_the_definition(vocab, seed):
+    logits, top_k, top_p = filter_cases(vocab, seed)
+    for k, p in ((top_k, None), (None, top_p), (top_k, top_p)):
+        want = logits.masked_fill(~oracle_keep(logits, k, p), float("-inf"))
+        assert torch.equal(ref.top_k_top_p_filter(logits, k, p), want), (k, p)
+    # k = 2 on the row led by seven zeros of either sign keeps all seven, signs as they were
+    zeros = ref.top_k_top_p_filter(logits, top_k, None)[6, :7]
+    assert int(top_k[6]) == 2 and torch.equal(zeros.signbit(), logits[6, :7].signbit())
+    assert int((ref.top_k_top_p_filter(logits, top_k, None)[6] != float("-inf")).sum()) == 7
+
+
+def test_filter_keeps_every_token_tied_at_the_boundary():
+    torch.manual_seed(5)
+    row = torch.randint(0, 6, (40,)).float()        # 6 values, each several times
+    ordered = row.sort(descending=True).values
+    for k in range(1, 41):
+        kept = ref.top_k_top_p_filter(row[None], torch.tensor([k]), None)[0] != float("-inf")
+        # every token as large as the k-th largest, however many that is
+        assert torch.equal(kept, row >= ordered[k - 1]), k
+    # p below the top value's own mass: the whole top run stays, nothing else
+    kept = ref.top_k_top_p_filter(row[None], None, torch.tensor([1e-6]))[0] != float("-inf")
+    assert torch.equal(kept, row == row.max()) and int(kept.sum()) > 1
+
+
+def test_filter_is_the_old_sort_on_rows_without_ties():
+    # CPU outcomes are unchanged: without ties, bit for bit the old code, also when p equals a
+    # cumulative mass exactly (the old "mass before >= p drops" decides the same way)
+    g = torch.Generator().manual_seed(9)
+    logits = torch.randn(48, 500, generator=g) * torch.linspace(0.2, 5, 48)[:, None]
+    assert all(len(row.unique()) == 500 for row in logits)
+    probs = logits.sort(dim=-1, descending=True).values.softmax(dim=-1)
+    before = probs.cumsum(dim=-1) - probs                      # the old code's mass before each rank
+    ranks = torch.randint(1, 500, (48,), generator=g)
+    top_p = torch.rand(48, generator=g)
+    top_p[::2] = before[torch.arange(0, 48, 2), ranks[::2]]    # exactly on a boundary
+    top_p[1::6] = 1.0
+    top_k = torch.randint(1, 520, (48,), generator=g)
+    on = top_p < 1
+    for k, p in ((top_k, None), (None, top_p), (top_k, top_p)):
+        assert torch.equal(ref.top_k_top_p_filter(logits, k, p)[on], filter_before_ties(logits, k, p)[on])
+    # the exact-boundary rows kept exactly the ranks before it
+    kept = (ref.top_k_top_p_filter(logits, None, top_p) != float("-inf")).sum(dim=-1)
+    assert torch.equal(kept[::2], ranks[::2])
+    # p = 1 is off, as SamplingParams documents. The old code dropped the tail of such a row
+    # wherever the fp32 cumsum had rounded up to 1 (tokens of mass < 1e-7, but only when another
+    # row of the batch used top_p): a row's outcome no longer depends on its batch mates.
+    assert (ref.top_k_top_p_filter(logits, None, top_p)[~on] != float("-inf")).all()
+
+
+def test_filter_rejects_bad_arguments():
+    logits = torch.randn(3, 10)
+    with pytest.raises(ShapeError, match="top_k"):
+        ref.top_k_top_p_filter(logits, torch.tensor([1, 2]), None)
+    with pytest.raises(ShapeError, match="top_p"):
+        ref.top_k_top_p_filter(logits, None, torch.ones(3, dtype=torch.float64))
+    with pytest.raises(ShapeError, match="logits"):
+        ref.top_k_top_p_filter(logits[0], None, None)
+
+
+def test_top_k_tie_at_the_boundary_samples_every_tied_token():
+    # before, the sort kept exactly two of the three tied tokens (which two was up to the sort)
+    freq = frequencies([0.1, 0.3, 0.3, 0.3], SamplingParams(top_k=2))
+    assert freq[0] == 0
+    torch.testing.assert_close(freq[1:], torch.full((3,), 1 / 3), atol=0.015, rtol=0)
+
+
+def test_top_p_mass_is_of_the_whole_row_not_of_the_top_k_survivors():
+    # the mass before token 1 is 0.4 of the row (< 0.5, kept); over the top-2 survivors it would
+    # be 0.4 / 0.7 (>= 0.5, dropped)
+    freq = frequencies([0.4, 0.3, 0.2, 0.1], SamplingParams(top_k=2, top_p=0.5))
+    assert freq[2] == 0 and freq[3] == 0
+    assert math.isclose(float(freq[1]), 0.3 / 0.7, abs_tol=0.015)

@@ -96,8 +96,9 @@ def validate_l3_url(url: str, field_name: str = "l3") -> str:
 class CacheConfig:
     """Sizes and policies of the three tiers.
 
-    l1: bytes of the GPU (or CPU, for tests) paged pool; None picks 1 GiB on CPU and 50% of
-        the free memory on a GPU.
+    l1: bytes of the GPU (or CPU, for tests) paged pool; None picks 1 GiB on CPU and, on a
+        GPU, 80% of the memory free when the cache is made less 4 GiB for activations (so make
+        the cache after loading the model's weights).
     l2: bytes of the pinned host pool; 0 disables L2.
     l3: URLs of the shared tiers, searched in order.
     eviction: one of EVICTION_POLICIES, used by every tier.

@@ -30,7 +30,10 @@ from .transfer import DONE, BlockMover, L3Job, L3Mover, Transfer
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CPU_L1 = 2**30
+# L1 when CacheConfig.l1 is None (the one place this default lives; the engine relies on it):
+DEFAULT_CPU_L1 = 2**30  # on CPU: 1 GiB
+GPU_L1_FRACTION = 0.8  # on a GPU: this share of the memory free when the cache is made, after
+ACTIVATION_RESERVE = 4 * 2**30  # leaving this much for activations and the allocator
 
 
 def block_id(e: BlockEntry) -> BlockId:
@@ -81,8 +84,9 @@ class Tiering:
 
     def _default_l1(self) -> int:
         if self.device.type == "cuda":
+            # made after the weights are loaded, the cache takes most of what they left
             free, _ = torch.cuda.mem_get_info(self.device)
-            return free // 2
+            return max(int((free - ACTIVATION_RESERVE) * GPU_L1_FRACTION), 0)
         return DEFAULT_CPU_L1
 
     # ------------------------------------------------------------------ L1

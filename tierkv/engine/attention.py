@@ -2,7 +2,7 @@
 
 The runner builds one `AttentionMetadata` per step and hands it to the model explicitly; this
 file never keeps state between calls (no module globals) and never allocates or frees blocks:
-it writes this step's K/V into slots the scheduler already owns, then attends through them.
+the model writes this step's K/V into slots the scheduler already owns, then attends through them.
 Sequences larger than L1 ("streamed") attend over a staging buffer that `LayerStream` fills
 with the layer's KV from L2 and L1; they come last in the batch.
 """
@@ -78,22 +78,19 @@ def _attend(q: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata, scale: f
 
 def paged_attention(
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
     kv: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
     layer: int = 0,
 ) -> torch.Tensor:
-    """Store this step's K/V in the pool, then attend each new query over its whole sequence.
+    """Attend each new query over its whole sequence, whose K/V (this step's included) the
+    caller has already written into the pool (`kernels.rope_kv_write`): the kernels read every
+    key through the pool, so the new tokens see themselves (causal includes the diagonal).
 
-    q: [T, Hq, D]; k, v: [T, Hkv, D] (already rotated); kv: layer `layer`'s pool
-    [num_blocks, 2, block_size, Hkv, D]. Returns [T, Hq, D] in q's dtype.
+    q: [T, Hq, D] (rotated); kv: layer `layer`'s pool [num_blocks, 2, block_size, Hkv, D].
+    Returns [T, Hq, D] in q's dtype.
     """
-    # The write comes first: the kernels read a sequence's keys only through the pool, so the
-    # new tokens must already be there to see themselves (causal includes the diagonal).
-    kernels.kv_write(k, v, kv, meta.slot_mapping)
     s = meta.streamed
     if s is None:
         return _attend(q, kv, meta, scale, sliding_window)

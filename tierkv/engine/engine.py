@@ -1,9 +1,12 @@
 """Engine: the step loop that ties the cache, scheduler, runner and sampler together.
 
-`add_request` validates and queues; `step` schedules, runs one forward pass, applies the
-sampled tokens (detokenizing, checking stops) and reports what changed. Used by `LLM` (which
-loops until done) and by the server (which steps on a background thread). Synchronous and
-single-threaded; nothing here knows about HTTP.
+`add_request` validates and queues; `step` reads schedule -> run -> postprocess. Schedule picks
+the work, run launches it on the device, postprocess takes sampled tokens back (detokenizing,
+logprobs, stop checks). With async scheduling (the default) postprocess handles the previous
+step, after this one is launched: the host schedules and prepares step N+1 while the GPU runs
+step N, and tokens return without a sync on the hot path. Used by `LLM` (which loops until
+done) and by the server (which steps on a background thread). Single-threaded; nothing here
+knows about HTTP.
 """
 
 from __future__ import annotations
@@ -13,23 +16,20 @@ import logging
 import time
 
 import numpy as np
-import torch
 
 from ..cache import TieredKVCache
-from ..config import CacheConfig, redact_url
+from ..config import redact_url
 from ..errors import ConfigError
+from .config import EngineConfig
 from .loader import LoadedModel, load_model
 from .request import Request, RequestOutput
-from .runner import ModelRunner
+from .runner import LaunchedStep, ModelRunner
 from .sampler import MAX_LOGPROBS, SamplingParams, find_stop_string, make_generator, stop_reason
 from .scheduler import Scheduler
 from .tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger(__name__)
 
-CPU_L1_BYTES = 2**30  # default L1 on CPU
-GPU_L1_FRACTION = 0.8  # of the GPU memory free after loading the weights
-ACTIVATION_RESERVE = 4 * 2**30  # left free on a GPU for activations and the allocator
 # Load-or-recompute needs the cost of recomputing a token before the first prefill measures it:
 # on a GPU, 2 FLOPs per weight at a dense bf16 rate a real prefill reaches (H100/H200 class).
 GPU_PREFILL_FLOPS = 4e14
@@ -38,52 +38,37 @@ PREFILL_SAMPLE_TOKENS = 256  # prompts computing at least this many tokens measu
 
 class Engine:
     def __init__(
-        self,
-        model: str | None = None,
-        *,
-        l1: int | str | None = None,
-        l2: int | str | None = None,
-        l3: list[str] | tuple[str, ...] = (),
-        eviction: str = "lru",
-        write_policy: str = "write_through",
-        block_size: int = 16,
-        enable_prefix_caching: bool = True,
-        max_model_len: int | None = None,
-        max_num_batched_tokens: int | None = None,
-        max_num_seqs: int = 256,
-        device: str | None = None,
-        dtype: str | torch.dtype | None = None,
-        cache_dir: str | None = None,
-        loaded: LoadedModel | None = None,
-        enforce_eager: bool = False,
+        self, model: str | None = None, *, config: EngineConfig | None = None, loaded: LoadedModel | None = None,
+        **options,
     ) -> None:
-        self.lm = loaded if loaded is not None else load_model(model, device=device, dtype=dtype, cache_dir=cache_dir)
+        """`Engine(model, **options)` or `Engine(config=EngineConfig(...))`; the options are
+        EngineConfig's. `loaded`: a model already loaded (tests), used instead of `model`."""
+        if config is None:
+            config = EngineConfig.from_options(model, **options)
+        elif model is not None or options:
+            raise ConfigError("give either config= or a model and options, not both")
+        self.lm = loaded if loaded is not None else load_model(config.model, device=config.device, dtype=config.dtype,
+                                                               cache_dir=config.cache_dir)
         self.tokenizer = self.lm.tokenizer
         dev = self.lm.device
-        if l1 is None:
-            l1 = CPU_L1_BYTES
-            if dev.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(dev)
-                l1 = max(int((free - ACTIVATION_RESERVE) * GPU_L1_FRACTION), 0)
-        config = CacheConfig(l1=l1, l2=l2 or 0, l3=list(l3), eviction=eviction, write_policy=write_policy)
-        layout = self.lm.kv_layout(block_size)
-        self.cache = TieredKVCache(layout, config, device=dev, model=self.lm.fingerprint)
-        self.max_model_len = max_model_len or self.lm.config.max_position_embeddings
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = 8192 if dev.type == "cuda" else 1024
+        self.config = config = config.for_device(dev, self.lm.config.max_position_embeddings)
+        # made after the weights: with l1 None the cache sizes L1 from the memory they left
+        layout = self.lm.kv_layout(config.block_size)
+        self.cache = TieredKVCache(layout, config.cache_config(), device=dev, model=self.lm.fingerprint)
+        self.max_model_len = config.max_model_len
         self.scheduler = Scheduler(
-            self.cache, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            enable_prefix_caching=enable_prefix_caching,
+            self.cache, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            enable_prefix_caching=config.enable_prefix_caching,
         )
         if dev.type == "cuda":
             params = sum(p.numel() for p in self.lm.model.parameters())
             self.scheduler.recompute_seconds_per_token = 2 * params / GPU_PREFILL_FLOPS
-        # enforce_eager: no CUDA graphs for decode steps (debugging, or to save their capture time)
-        self.runner = ModelRunner(self.lm, self.cache, max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
-                                  enforce_eager=enforce_eager)
+        self.runner = ModelRunner(self.lm, self.cache, config)
         self.requests: dict[str, Request] = {}
+        self.in_flight: LaunchedStep | None = None  # launched, its tokens not yet taken back
         log.info("engine: %s; L1 %d blocks, L2 %d blocks, L3 %s", self.lm.model_dir.name, self.cache.l1.num_blocks,
-                 self.cache.l2.num_blocks if self.cache.l2 else 0, [redact_url(u) for u in l3] or "none")
+                 self.cache.l2.num_blocks if self.cache.l2 else 0,
+                 [redact_url(u) for u in config.l3] or "none")
 
     # ------------------------------------------------------------------ requests
 
@@ -143,27 +128,68 @@ class Engine:
             self.scheduler.finish(req, "abort")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        """Whether a request still waits, runs or has a token on its way back."""
+        if self.scheduler.has_work():
+            return True
+        return self.in_flight is not None and not all(r.finished for r in self.in_flight.requests)
 
     # ------------------------------------------------------------------ the loop
 
     def step(self) -> list[RequestOutput]:
-        """Run one step; return an output for every request that got a token or finished."""
+        """Schedule -> run -> postprocess; returns an output for every request that got a token or
+        finished. With async scheduling, the tokens returned are those of the previous step."""
+        outputs: list[RequestOutput] = []
+        if self.in_flight is not None and not self._may_overlap():
+            outputs += self._postprocess(self._take_in_flight())
         step = self.scheduler.schedule()
-        outputs = [self._ended(req) for req in self.scheduler.given_up]
+        outputs += [self._ended(req) for req in self.scheduler.given_up]
         self.scheduler.given_up.clear()
-        if not len(step):
-            if self.scheduler.waiting and not self.scheduler.running:
-                time.sleep(0.001)  # waiting only for L3 prefetches to land
-            return outputs
-        sampled, out = self.runner.run(step)
-        for req, n in zip(step.requests, step.num_new):
-            self.scheduler.computed(req, n)
+        launched = None
+        if len(step):
+            launched = self.runner.run(step, self.in_flight)
+            for req, n in zip(step.requests, step.num_new):
+                self.scheduler.computed(req, n)
+            for req in launched.requests:
+                req.pending += 1
+        if self.in_flight is not None:
+            outputs += self._postprocess(self._take_in_flight())  # the GPU runs `launched` meanwhile
+        self.in_flight = launched
+        if launched is not None and not self.config.async_scheduling:
+            outputs += self._postprocess(self._take_in_flight())
+        if launched is None and self.scheduler.waiting and not self.scheduler.running:
+            time.sleep(0.001)  # waiting only for L3 prefetches to land
+        return outputs
+
+    def _take_in_flight(self) -> LaunchedStep:
+        launched, self.in_flight = self.in_flight, None
+        return launched
+
+    def _may_overlap(self) -> bool:
+        """Whether the next step may be launched before the in-flight one's tokens are back.
+
+        Not when a running request's sampling reads its own output (penalties: the pending token
+        must be counted), nor while any request streams from L2 (its offloads and per-layer
+        stream then see only finished steps).
+        """
+        if not self.config.async_scheduling:
+            return False
+        for req in self.scheduler.running:
+            if req.params.penalizes_output or (req.seq is not None and req.seq.offloaded):
+                return False
+        return not any(self.cache.must_stream(req.num_tokens) for req in self.scheduler.waiting)
+
+    def _postprocess(self, launched: LaunchedStep) -> list[RequestOutput]:
+        """Apply a launched step's sampled tokens: logprobs, detokenizing, stop checks, finishing."""
+        out = launched.result()  # waits for that step only; the one launched after it keeps running
         if out is None:
-            return outputs
-        token_ids = out.token_ids.tolist()  # the one host sync of the step
+            return []
+        token_ids = out.token_ids.tolist()
         now = time.monotonic()
-        for i, (req, tok) in enumerate(zip(sampled, token_ids)):
+        outputs = []
+        for i, (req, tok) in enumerate(zip(launched.requests, token_ids)):
+            req.pending -= 1
+            if req.finished:
+                continue  # aborted, or stopped by its previous token, while this one was computed
             if req.first_token_time is None:
                 req.first_token_time = now
                 self._measure_prefill(req)
@@ -185,6 +211,8 @@ class Engine:
             if reason is not None:
                 self.scheduler.finish(req, reason)
                 self.requests.pop(req.request_id, None)
+            else:
+                self.scheduler.commit(req)  # a block its token completed can be shared now
             outputs.append(self.output(req, [tok], new_text))
         return outputs
 
@@ -216,6 +244,8 @@ class Engine:
         )
 
     def close(self) -> None:
+        if self.in_flight is not None:
+            self._postprocess(self._take_in_flight())
         self.cache.close()
 
 

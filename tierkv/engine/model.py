@@ -13,9 +13,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from tierkv import kernels
 from tierkv.errors import ConfigError
 
 from .attention import AttentionMetadata, paged_attention
@@ -146,20 +146,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 and cast back before the weight, in the same order as transformers,
-        # so bf16 results round the same way.
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x); with `residual`, (norm(x + residual), x + residual) in one kernel.
 
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE in the "rotate half" layout of HF checkpoints. x: [T, H, D]; cos, sin: [T, 1, D]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+        Normalised in fp32 and cast back before the weight, in the same order as transformers,
+        so bf16 results round the same way (on CPU exactly; the GPU kernel sums in another order).
+        """
+        return kernels.rms_norm(x, self.weight, self.eps, residual)
 
 
 class Attention(nn.Module):
@@ -182,14 +175,16 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)     # [T, Hq, D]
+        q = q.view(t, self.num_heads, self.head_dim)     # [T, Hq, D] (strided views of one GEMM output)
         k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         if self.q_norm is not None:
             # Qwen3: RMSNorm over each head's D features, before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        out = paged_attention(q, k, v.contiguous(), kv, meta, self.scale, self.sliding_window, self.layer)  # [T, Hq, D]
+        # one kernel rotates q and k and writes k and v into the pool; attention then reads
+        # every key through the pool, the new ones included
+        q = kernels.rope_kv_write(q, k, v, cos, sin, kv, meta.slot_mapping)  # [T, Hq, D]
+        out = paged_attention(q, kv, meta, self.scale, self.sliding_window, self.layer)  # [T, Hq, D]
         return self.o_proj(out.reshape(t, self.q_size))  # [T, hidden]
 
 
@@ -202,8 +197,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)  # [T, I] each
-        return self.down_proj(F.silu(gate) * up)  # SwiGLU -> [T, hidden]
+        return self.down_proj(kernels.silu_mul(self.gate_up_proj(x)))  # [T, 2I] -> SwiGLU [T, I] -> [T, hidden]
 
 
 class DecoderLayer(nn.Module):
@@ -215,10 +209,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it adds in): the residual add is
+        folded into the next norm, so the stream after layer l is h_l + residual_l."""
+        if residual is None:  # the first layer: the stream is the embedding itself
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, cos, sin, kv, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class Decoder(nn.Module):
@@ -256,9 +258,9 @@ class CausalLM(nn.Module):
         self.inv_freq = rope_inv_freq(self.config, self.model.embed_tokens.weight.device)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, 1, D] for positions [T]; angles in fp32, then cast like transformers."""
+        """cos, sin [T, D] for positions [T]; angles in fp32, then cast like transformers."""
         freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def hidden_states(
@@ -276,10 +278,11 @@ class CausalLM(nn.Module):
         [num_blocks, 2, block_size, Hkv, D] (one [layers, ...] tensor or a list of them).
         """
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
-        cos, sin = self.rope(positions, x.dtype)  # [T, 1, D] each
+        cos, sin = self.rope(positions, x.dtype)  # [T, D] each
+        residual = None
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, kv_pool[i], meta)
-        return x
+            x, residual = layer(x, residual, cos, sin, kv_pool[i], meta)
+        return x + residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: [n, hidden] -> fp32 logits [n, vocab]."""

@@ -36,6 +36,9 @@ class Request:
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     arrival: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
+    # Sampled tokens still on their way from the GPU (0 or 1): with overlap the next step is
+    # scheduled before this one's token reaches the host, and reads it from the GPU directly.
+    pending: int = 0
     status: Status = Status.WAITING
     seq: SequenceBlocks | None = None  # its L1 blocks while running
     num_computed: int = 0  # leading tokens whose KV is in its L1 blocks
@@ -55,10 +58,11 @@ class Request:
 
     @property
     def all_ids(self) -> list[int]:
+        """Prompt and output ids the host knows (a pending token is not among them)."""
         return self.prompt_ids + self.output_ids
 
     def tokens(self, start: int, end: int) -> list[int]:
-        """Token ids [start, end) of prompt + output, without building the whole list."""
+        """Known token ids [start, end) of prompt + output, without building the whole list."""
         p = len(self.prompt_ids)
         if end <= p:
             return self.prompt_ids[start:end]
@@ -67,8 +71,14 @@ class Request:
         return self.prompt_ids[start:] + self.output_ids[: end - p]
 
     @property
-    def num_tokens(self) -> int:
+    def num_known(self) -> int:
+        """Tokens whose ids the host holds: the prompt and the output that came back."""
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens of the sequence, counting a sampled token still on its way."""
+        return len(self.prompt_ids) + len(self.output_ids) + self.pending
 
     @property
     def finished(self) -> bool:

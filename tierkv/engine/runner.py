@@ -1,34 +1,66 @@
-"""ModelRunner: turns a scheduled step into one forward pass and the next token of each request.
+"""ModelRunner: launches a scheduled step as one forward pass and the sampling of its next tokens.
 
-Builds the flat batch (token ids, positions, slot mapping, block tables, sequence lengths) with
-tensor ops rather than per-token Python loops, runs the model on the L1 pool (decode steps as
-CUDA graph replays), and samples only the rows that finished their prompt or decode. Sequences
-larger than L1 go last in the batch and read their KV through the cache's per-layer stream.
-Knows nothing of queues, scheduling or HTTP.
+Inputs come from `StepInputs` (pinned buffers, numpy, no per-token Python), the model runs on
+the L1 pool (decode steps as CUDA graph replays), and only the rows that finish their prompt or
+decode sample. `run` returns a `LaunchedStep` at once: the tokens come back to the host when
+the engine asks for them, so the host can prepare the next step while the GPU computes this one.
+Sequences larger than L1 go last in the batch and read their KV through the cache's per-layer
+stream. Knows nothing of queues, scheduling or HTTP.
 """
 
 from __future__ import annotations
-
-import itertools
 
 import torch
 
 from tierkv import kernels
 
 from ..cache import TieredKVCache
+from .config import EngineConfig
 from .attention import AttentionMetadata, StreamedAttention
 from .graphs import DecodeGraphs
+from .inputs import BuiltStep, StepInputs
 from .loader import LoadedModel
 from .request import Request
 from .sampler import Sampler, SamplerOutput, SamplingBatch
 from .scheduler import ScheduledStep
 
 
+class LaunchedStep:
+    """A step whose forward pass and sampling are queued on the GPU.
+
+    `token_ids` [n] stays on the device (the next step reads its pending tokens there); `result`
+    waits for the step and returns the sampler's output on the host.
+    """
+
+    def __init__(self, requests: list[Request], out: SamplerOutput | None, device: torch.device) -> None:
+        self.requests = requests  # the rows that sampled, in order
+        self.token_ids = out.token_ids if out is not None else None  # [n] int64, on the device
+        self._host = None if out is None else SamplerOutput(*(_to_host(t) for t in (
+            out.token_ids, out.logprobs, out.top_ids, out.top_logprobs)))
+        # Fires when everything queued so far ran: the step, its copies to the host, and the copies
+        # of its inputs (whose pinned buffers are refilled two steps later).
+        self._done = None
+        if device.type == "cuda":
+            self._done = torch.cuda.Event()
+            self._done.record(torch.cuda.current_stream(device))
+
+    def result(self) -> SamplerOutput | None:
+        """The sampled tokens (and log-probabilities) on the host; blocks until the step is done."""
+        if self._done is not None:
+            self._done.synchronize()
+        return self._host
+
+
+def _to_host(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A copy of device tensor `t` into pinned host memory, queued on the stream (no wait)."""
+    if t is None or not t.is_cuda:
+        return t
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+
+
 class ModelRunner:
-    def __init__(
-        self, lm: LoadedModel, cache: TieredKVCache, *,
-        max_num_seqs: int = 256, max_model_len: int | None = None, enforce_eager: bool = False,
-    ) -> None:
+    def __init__(self, lm: LoadedModel, cache: TieredKVCache, config: EngineConfig) -> None:
+        """`config` with its device defaults resolved (`EngineConfig.for_device`)."""
         self.lm, self.cache = lm, cache
         self.device = lm.device
         self.vocab_size = lm.config.vocab_size
@@ -41,46 +73,29 @@ class ModelRunner:
         # Decode steps replay CUDA graphs (never on CPU or with enforce_eager); captured now,
         # before any request runs, so no step pays for it.
         self.graphs = DecodeGraphs(
-            lm.model, cache.l1.kv, block_size=cache.block_size, enabled=not enforce_eager,
-            max_model_len=max_model_len or lm.config.max_position_embeddings, max_batch_size=max_num_seqs,
+            lm.model, cache.l1.kv, block_size=cache.block_size, enabled=not config.enforce_eager,
+            max_model_len=config.max_model_len, max_batch_size=config.max_num_seqs,
         )
         self.graphs.capture()
+        # a sequence's table holds one more block than max_model_len needs (its next token's)
+        self.inputs = StepInputs(block_size=cache.block_size, max_tokens=config.max_num_batched_tokens,
+                                 max_seqs=config.max_num_seqs, max_blocks=cache.blocks_needed(config.max_model_len + 1),
+                                 device=self.device)
 
-    def prepare(self, step: ScheduledStep) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[Request]]:
-        """input_ids [T], positions [T], the step's AttentionMetadata, and the requests that sample."""
-        bs = self.cache.block_size
+    def prepare(self, step: ScheduledStep, previous: LaunchedStep | None = None) -> BuiltStep:
+        """The step's device inputs; pending tokens are read from `previous`'s sampled tokens."""
         # Streamed sequences (larger than L1) go last: attention takes the batch's head from the
         # L1 pool and its tail from the staging buffer their layers stream into.
-        order = sorted(range(len(step)), key=lambda i: step.requests[i].seq.offloaded > 0)
-        step = ScheduledStep([step.requests[i] for i in order], [step.num_new[i] for i in order])
-        starts = [r.num_computed for r in step.requests]
-        ends = [start + n for start, n in zip(starts, step.num_new)]
-        cu = list(itertools.accumulate(step.num_new, initial=0))  # [B + 1]
-        ids: list[int] = []
-        for r, start, end in zip(step.requests, starts, ends):
-            ids += r.tokens(start, end)
-        # the rows that finish their prompt or decode sample a token, from their last new token
-        sample_rows = [b for b, (r, end) in enumerate(zip(step.requests, ends)) if end == r.num_tokens]
-        sampling = [step.requests[b] for b in sample_rows]
-        last = [cu[b + 1] - 1 for b in sample_rows]
-        lens = torch.tensor(step.num_new)  # [B]
-        row = torch.repeat_interleave(torch.arange(len(step)), lens)  # [T]: which sequence
-        positions = torch.arange(len(ids)) + torch.tensor([s - c for s, c in zip(starts, cu)])[row]  # [T]
-        table = self.cache.block_table([r.seq for r in step.requests], device="cpu")  # [B, max_blocks]
-        slots = table[row, positions // bs].long() * bs + positions % bs  # [T]
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=slots.to(dev, non_blocking=True),
-            block_tables=table.to(dev, non_blocking=True),
-            seq_lens=torch.tensor(ends, dtype=torch.int32).to(dev, non_blocking=True),
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32).to(dev, non_blocking=True),
-            logits_indices=torch.tensor(last, dtype=torch.int64).to(dev, non_blocking=True),
-            is_decode=step.is_decode,
-        )
+        if any(r.seq.offloaded for r in step.requests):
+            order = sorted(range(len(step)), key=lambda i: step.requests[i].seq.offloaded > 0)
+            step = ScheduledStep([step.requests[i] for i in order], [step.num_new[i] for i in order])
+        built = self.inputs.build(step.requests, step.num_new, [r.seq.slots for r in step.requests],
+                                  None if previous is None or previous.token_ids is None
+                                  else (previous.requests, previous.token_ids))
         first = next((b for b, r in enumerate(step.requests) if r.seq.offloaded), None)
         if first is not None:
-            meta.streamed = self._streamed(meta, step, first, cu)
-        return torch.tensor(ids).to(dev, non_blocking=True), positions.to(dev, non_blocking=True), meta, sampling
+            built.meta.streamed = self._streamed(built.meta, step, first, built.cu)
+        return built
 
     def _streamed(self, meta: AttentionMetadata, step: ScheduledStep, first: int, cu: list[int]) -> StreamedAttention:
         """Split `meta` at sequence `first`, where the streamed sequences begin, and start their stream."""
@@ -101,19 +116,25 @@ class ModelRunner:
         return StreamedAttention(cu[first], part(0, first) if first else None, tail, stream)
 
     @torch.inference_mode()
-    def run(self, step: ScheduledStep) -> tuple[list[Request], SamplerOutput | None]:
-        """One forward pass; returns the requests that got a next token and the sampler's output."""
-        input_ids, positions, meta, sampling = self.prepare(step)
+    def run(self, step: ScheduledStep, previous: LaunchedStep | None = None) -> LaunchedStep:
+        """Launch one forward pass and the sampling of its next tokens, without waiting for them.
+
+        `previous`: the step launched before this one, whose sampled tokens may not have reached
+        the host yet (this step's pending tokens are read from them on the device).
+        """
+        built = self.prepare(step, previous)
         for r in step.requests:
             r.seq.wait()  # L2 -> L1 loads into its blocks, ordered before the attention reads
-        logits = self.graphs.run(input_ids, positions, self.cache.l1.kv, meta)  # None: not a graph step
+        meta, sampling = built.meta, built.sampling
+        logits = self.graphs.run(built.input_ids, built.positions, self.cache.l1.kv, meta)  # None: not a graph step
         if logits is None:
-            logits = self.lm.model(input_ids, positions, self.cache.l1.kv, meta)  # [len(sampling), vocab]
-        if not sampling:
-            return [], None
-        batch = SamplingBatch.build(
-            [r.params for r in sampling], self.vocab_size, self.device,
-            generators=[r.generator for r in sampling],
-            prompt_ids=[r.prompt_ids for r in sampling], output_ids=[r.output_ids for r in sampling],
-        )
-        return sampling, self.sampler(logits, batch)
+            logits = self.lm.model(built.input_ids, built.positions, self.cache.l1.kv, meta)  # [len(sampling), vocab]
+        out = None
+        if sampling:
+            batch = SamplingBatch.build(
+                [r.params for r in sampling], self.vocab_size, self.device,
+                generators=[r.generator for r in sampling],
+                prompt_ids=[r.prompt_ids for r in sampling], output_ids=[r.output_ids for r in sampling],
+            )
+            out = self.sampler(logits, batch)
+        return LaunchedStep(sampling, out, self.device)

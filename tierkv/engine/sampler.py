@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from tierkv import kernels
 from tierkv.errors import ConfigError
 
 # temperatures below this are greedy: dividing logits by ~0 overflows to inf
@@ -101,6 +102,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS or self.top_k == 1
+
+    @property
+    def penalizes_output(self) -> bool:
+        """Whether sampling reads the request's own output (a repetition, presence or frequency penalty)."""
+        return self.repetition_penalty != 1.0 or bool(self.presence_penalty) or bool(self.frequency_penalty)
 
     def _validate(self) -> None:
         def fail(field: str, rule: str) -> None:
@@ -266,18 +272,11 @@ class Sampler:
     def _sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         logits = logits / batch.temperature[:, None]  # [B, V]
         if batch.top_k is not None or batch.top_p is not None:
-            # one descending sort serves both filters; rank r is kept while r < k and the
-            # probability mass strictly before it is < p (so the top token always stays)
-            sorted_logits, order = logits.sort(dim=-1, descending=True)  # [B, V]
-            drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
-            if batch.top_k is not None:
-                ranks = torch.arange(logits.shape[-1], device=logits.device)[None, :]
-                drop |= ranks >= batch.top_k[:, None]
-            if batch.top_p is not None:
-                probs = sorted_logits.softmax(dim=-1)
-                drop |= (probs.cumsum(dim=-1) - probs) >= batch.top_p[:, None]
-            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-            logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+            # Sorted, rank r is kept while r < k and the probability mass strictly before it is
+            # < p (so the top token always stays); p's mass is over the whole row, not only the
+            # top-k survivors, and tokens tied in logit share one fate (a tie at the boundary
+            # keeps them all). On CUDA a bisection kernel finds the same set without a sort.
+            logits = kernels.top_k_top_p_filter(logits, batch.top_k, batch.top_p)  # [B, V]
         probs = logits.softmax(dim=-1)  # [B, V]
         if batch.min_p is not None:
             # keep tokens at least min_p times as likely as the most likely one

@@ -84,6 +84,8 @@ class Scheduler:
                 continue
             if req.adopt_at is not None and req.num_computed >= req.adopt_at:
                 self._adopt(req)
+            if self._ends_by_length(req):
+                continue  # its token on the way is its last: computing one more would be waste
             n = min(req.num_tokens - req.num_computed, budget, self._chunk_cap(req), self._until_adopt(req))
             if n <= 0:
                 continue
@@ -94,6 +96,12 @@ class Scheduler:
             budget -= n
         self._admit(step, budget)
         return step
+
+    @staticmethod
+    def _ends_by_length(req: Request) -> bool:
+        """Whether the token `req` has on its way reaches max_tokens, ending it."""
+        limit = req.params.max_tokens
+        return req.pending > 0 and limit is not None and len(req.output_ids) + req.pending >= limit
 
     def _make_room(self, req: Request, n: int, step: ScheduledStep) -> bool:
         """Reserve slots for `n` more tokens of `req`, preempting others if L1 is short."""
@@ -159,6 +167,8 @@ class Scheduler:
         for req in sorted(self.waiting, key=lambda r: (-r.priority, r.arrival)):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
+            if req.pending:
+                continue  # preempted with a token on its way: admitted once that token is known
             if req.prefetch is not None and not req.prefetch.done() and now < req.prefetch_until:
                 continue  # its L3 blocks are still on their way: no need to look it up again yet
             plan = self._plan(req, budget)
@@ -207,10 +217,18 @@ class Scheduler:
     # ------------------------------------------------------------------ after the step
 
     def computed(self, req: Request, n: int) -> None:
-        """`n` more tokens of `req` have their KV in its blocks: share the newly full blocks."""
+        """`n` more tokens of `req` have their KV written (or being written, in order, on the GPU)."""
         req.num_computed += n
-        if self.prefix_caching and req.num_computed // self.cache.block_size > req.seq.committed:
-            self.cache.commit(req.seq, req.tokens(0, req.num_computed))
+        self.commit(req)
+
+    def commit(self, req: Request) -> None:
+        """Share `req`'s newly full blocks. A block is hashed by its token ids, so one holding a
+        token still on its way is committed once that token is known (the engine calls again)."""
+        if not self.prefix_caching or req.seq is None:
+            return
+        ready = min(req.num_computed, req.num_known)
+        if ready // self.cache.block_size > req.seq.committed:
+            self.cache.commit(req.seq, req.tokens(0, ready))
 
     def preempt(self, req: Request) -> None:
         """Give `req`'s blocks back (its full ones stay cached, demoting to L2 under pressure)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
 import os
 import re
@@ -19,6 +20,7 @@ import threading
 from pathlib import Path
 
 from ..config import redact_url
+from ..engine.config import EngineConfig
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -27,15 +29,13 @@ API_KEY_ENV = "TIERKV_API_KEY"
 # period can still send their last event before uvicorn cancels what is left
 SHUTDOWN_SLACK_S = 5.0
 
-# key -> (default, type for YAML values); flags without a default here default to None (engine's choice)
-OPTIONS = {
-    "model": None, "served_model_name": None, "host": DEFAULT_HOST, "port": DEFAULT_PORT, "api_key": None,
-    "l1": None, "l2": None, "l3": [], "eviction": "lru", "write_policy": "write_through", "block_size": 16,
-    "enable_prefix_caching": True,
-    "max_model_len": None, "max_num_batched_tokens": None, "max_num_seqs": 256, "max_waiting": 256,
-    "device": None, "dtype": None, "enforce_eager": False, "grace_period": 30.0, "flush_timeout": 60.0,
-    "log_level": "info",
+# The engine's options and their defaults come from EngineConfig (one place); these are the server's own.
+SERVER_OPTIONS = {
+    "served_model_name": None, "host": DEFAULT_HOST, "port": DEFAULT_PORT, "api_key": None, "max_waiting": 256,
+    "grace_period": 30.0, "flush_timeout": 60.0, "log_level": "info",
 }
+ENGINE_OPTIONS = {f.name: f.default for f in dataclasses.fields(EngineConfig) if f.name != "cache_dir"}
+OPTIONS = {**ENGINE_OPTIONS, **SERVER_OPTIONS}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -75,6 +75,9 @@ def parser() -> argparse.ArgumentParser:
     a("--device", help="cuda, cuda:N or cpu (default: cuda when there is one)")
     a("--dtype", help="auto, bfloat16, float16, float32 (default auto: bf16 on GPU, fp32 on CPU)")
     a("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps (faster start, slower decode)")
+    a("--async-scheduling", action=argparse.BooleanOptionalAction,
+      help="prepare the next step on the host while the GPU runs this one (default on); "
+      "--no-async-scheduling runs each step to completion first")
     a("--grace-period", type=float, help="seconds running requests get to finish after SIGTERM (default 30)")
     a("--flush-timeout", type=float, help="seconds allowed for flushing write-back blocks to L3 on exit (default 60)")
     a("--log-level", help="debug, info, warning, error (default info)")
@@ -188,12 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..errors import TierKVError
 
     try:
-        engine = Engine(opts["model"], l1=opts["l1"], l2=opts["l2"], l3=list(opts["l3"]), eviction=opts["eviction"],
-                        write_policy=opts["write_policy"], block_size=opts["block_size"],
-                        enable_prefix_caching=bool(opts["enable_prefix_caching"]),
-                        max_model_len=opts["max_model_len"], max_num_batched_tokens=opts["max_num_batched_tokens"],
-                        max_num_seqs=opts["max_num_seqs"], device=opts["device"], dtype=opts["dtype"],
-                        enforce_eager=bool(opts["enforce_eager"]))
+        engine = Engine(config=EngineConfig(**{name: opts[name] for name in ENGINE_OPTIONS}))
     except TierKVError as err:
         print(f"tierkv-serve: {Redact([]).scrub(str(err))}", file=sys.stderr)
         return 2

@@ -1,0 +1,97 @@
+"""EngineConfig: every option of the engine with its default, validated in one place.
+
+`LLM(**options)`, `Engine(**options)` and `tierkv-serve` all build one of these, so an option
+means the same thing and defaults the same way everywhere. The cache's own options become a
+`CacheConfig` here (its L1 default is the cache's, computed where the cache is made). Defaults
+that depend on the device are resolved by `for_device`. This file never loads a model or
+allocates memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from ..config import CacheConfig
+from ..errors import ConfigError
+
+# Tokens one step may compute: on a GPU large enough to keep prefill compute-bound, on CPU small
+# enough that a step stays interactive.
+GPU_BATCHED_TOKENS = 8192
+CPU_BATCHED_TOKENS = 1024
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """The engine's options.
+
+    model: a Hugging Face model directory or a hub id in the local cache; None is the bundled
+        SmolLM2-135M-Instruct.
+    l1, l2, l3, eviction, write_policy: the cache tiers (see CacheConfig); l1 None sizes L1
+        from the memory the weights left free.
+    block_size: tokens per KV block.
+    enable_prefix_caching: False computes every prompt from scratch (and shares nothing).
+    max_model_len: longest sequence (prompt + output); None is the model's own maximum.
+    max_num_batched_tokens: tokens one step computes at most; None is 8192 on a GPU, 1024 on CPU.
+    max_num_seqs: sequences running at once.
+    device, dtype, cache_dir: where and in what precision the model runs, where the hub cache is.
+    enforce_eager: no CUDA graphs for decode steps (debugging, or to save their capture time).
+    async_scheduling: the host schedules and prepares step N+1 while the GPU runs step N, and
+        takes step N's tokens back afterwards; False runs each step to completion first.
+    """
+
+    model: str | None = None
+    l1: int | str | None = None
+    l2: int | str | None = None
+    l3: tuple[str, ...] = ()
+    eviction: str = "lru"
+    write_policy: str = "write_through"
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int = 256
+    device: str | None = None
+    dtype: str | torch.dtype | None = None
+    cache_dir: str | None = None
+    enforce_eager: bool = False
+    async_scheduling: bool = True
+
+    def __post_init__(self) -> None:
+        self.l3 = (self.l3,) if isinstance(self.l3, str) else tuple(self.l3)
+        for name in ("block_size", "max_num_seqs"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
+        for name in ("enable_prefix_caching", "enforce_eager", "async_scheduling"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        for name in ("max_model_len", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 2):
+                raise ConfigError(f"{name} must be an int >= 2 or None (the default), got {value!r}")
+        self.cache_config()  # sizes, policies and L3 URLs fail here, before a model is loaded
+
+    @classmethod
+    def from_options(cls, model: str | None = None, **options) -> EngineConfig:
+        """`EngineConfig(model, **options)` with an unknown option named, and the known ones listed."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ConfigError(f"unknown engine option {unknown[0]!r}; the options are: {', '.join(sorted(known))}")
+        return cls(model=model, **options)
+
+    def cache_config(self) -> CacheConfig:
+        return CacheConfig(l1=self.l1, l2=self.l2 or 0, l3=list(self.l3), eviction=self.eviction,
+                           write_policy=self.write_policy)
+
+    def for_device(self, device: torch.device, max_position_embeddings: int) -> EngineConfig:
+        """A copy with every device- and model-dependent default filled in."""
+        return dataclasses.replace(
+            self,
+            max_model_len=self.max_model_len or max_position_embeddings,
+            max_num_batched_tokens=self.max_num_batched_tokens
+            or (GPU_BATCHED_TOKENS if device.type == "cuda" else CPU_BATCHED_TOKENS),
+        )

@@ -1,0 +1,144 @@
+"""StepInputs: a scheduled step's flat batch, built in pinned host buffers and copied to the device.
+
+The batch is the new tokens of every sequence laid end to end: token ids, positions, pool slots,
+block tables, lengths and the rows that sample. Everything is filled with numpy into host
+buffers allocated once (pinned on a GPU) and copied with non_blocking=True into device buffers
+allocated once, so building a step allocates nothing in proportion to batch x tokens and never
+waits for the GPU. Two host sets are used in turn: the engine waits for step N before it
+builds step N+2, so a set is never refilled while its copy may still be in flight.
+
+A token sampled by the previous step but not yet back on the host ("pending", with overlap)
+is read on the device from that step's sampled tokens. This file never schedules, never runs
+the model and never touches the cache's bookkeeping.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .attention import AttentionMetadata
+from .request import Request
+
+
+@dataclass(slots=True)
+class BuiltStep:
+    """One step's device inputs and the requests (in row order) whose last new token samples."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    meta: AttentionMetadata
+    sampling: list[Request]
+    cu: list[int]  # [B + 1] prefix sums of the new-token counts, on the host
+
+
+class _HostSet:
+    """Host-side arrays of one step (pinned on a GPU), with numpy views to fill them."""
+
+    def __init__(self, sizes: dict[str, int], pin: bool) -> None:
+        self.tensors = {
+            name: torch.zeros(n, dtype=torch.int32 if name in _INT32 else torch.int64, pin_memory=pin)
+            for name, n in sizes.items()
+        }
+        self.np = {name: t.numpy() for name, t in self.tensors.items()}
+
+
+# int32 on the device (the kernels' index type); everything else int64
+_INT32 = ("block_tables", "seq_lens", "cu_seqlens_q")
+
+
+class StepInputs:
+    def __init__(self, *, block_size: int, max_tokens: int, max_seqs: int, max_blocks: int,
+                 device: torch.device) -> None:
+        self.block_size, self.device = block_size, device
+        self._pin = device.type == "cuda"
+        self._sizes = {
+            "input_ids": max_tokens, "positions": max_tokens, "slot_mapping": max_tokens,
+            "block_tables": max_seqs * max_blocks, "seq_lens": max_seqs, "cu_seqlens_q": max_seqs + 1,
+            "logits_indices": max_seqs, "pending_at": max_seqs, "pending_from": max_seqs,
+        }
+        self._allocate()
+
+    def _allocate(self) -> None:
+        self._hosts = [_HostSet(self._sizes, self._pin) for _ in range(2)]
+        self._turn = 0
+        self._dev = {name: torch.zeros_like(t, device=self.device) for name, t in self._hosts[0].tensors.items()}
+
+    def _fit(self, **needed: int) -> None:
+        """Grow every buffer that is too small for this step (rare: a first long table, say)."""
+        grow = {name: max(n, 2 * self._sizes[name]) for name, n in needed.items() if n > self._sizes[name]}
+        if grow:
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()  # in-flight copies read the old sets
+            self._sizes.update(grow)
+            self._allocate()
+
+    def build(self, requests: list[Request], num_new: list[int], tables: list[list[int]],
+              previous: tuple[list[Request], torch.Tensor] | None) -> BuiltStep:
+        """The step's inputs; `tables[b]` is sequence b's L1 slots; `previous` is the last step's
+        sampling requests and their sampled tokens [n] on the device, for pending tokens."""
+        b_count, bs = len(requests), self.block_size
+        new = np.asarray(num_new, dtype=np.int64)  # [B]
+        starts = np.fromiter((r.num_computed for r in requests), dtype=np.int64, count=b_count)  # [B]
+        ends = starts + new
+        cu = np.zeros(b_count + 1, dtype=np.int64)
+        np.cumsum(new, out=cu[1:])
+        total = int(cu[-1])
+        width = max((len(t) for t in tables), default=0)
+        self._fit(input_ids=total, positions=total, slot_mapping=total, block_tables=b_count * width,
+                  seq_lens=b_count, cu_seqlens_q=b_count + 1, logits_indices=b_count,
+                  pending_at=b_count, pending_from=b_count)
+        host = self._hosts[self._turn]
+        self._turn ^= 1
+        h = host.np
+
+        # token ids: what the host knows; a pending token (always a sequence's last) is a
+        # placeholder here, filled on the device from the previous step's sampled tokens
+        ids: list[int] = []
+        pending_at: list[int] = []
+        pending_from: list[int] = []
+        rows = {id(r): i for i, r in enumerate(previous[0])} if previous is not None else {}
+        for b, r in enumerate(requests):
+            start, end = int(starts[b]), int(ends[b])
+            known = min(end, r.num_known)
+            ids += r.tokens(start, known)
+            if end > known:  # the one token still on its way from the GPU
+                ids.append(0)
+                pending_at.append(int(cu[b + 1]) - 1)
+                pending_from.append(rows[id(r)])
+        h["input_ids"][:total] = ids
+        row = np.repeat(np.arange(b_count), new)  # [T]: which sequence
+        positions = h["positions"][:total]
+        np.subtract(np.arange(total), np.repeat(cu[:-1] - starts, new), out=positions)  # [T]
+        table = h["block_tables"][: b_count * width].reshape(b_count, width)  # [B, width]
+        table.fill(-1)
+        for b, t in enumerate(tables):
+            table[b, : len(t)] = t
+        np.add(table[row, positions // bs].astype(np.int64) * bs, positions % bs, out=h["slot_mapping"][:total])
+        h["seq_lens"][:b_count] = ends
+        h["cu_seqlens_q"][: b_count + 1] = cu
+        # the rows that finish their prompt or decode sample, from their last new token
+        sample_rows = [b for b, r in enumerate(requests) if int(ends[b]) == r.num_tokens]
+        h["logits_indices"][: len(sample_rows)] = cu[1:][sample_rows] - 1
+
+        def dev(name: str, n: int) -> torch.Tensor:
+            out = self._dev[name][:n]
+            out.copy_(host.tensors[name][:n], non_blocking=True)
+            return out
+
+        input_ids = dev("input_ids", total)
+        if pending_at:
+            n = len(pending_at)
+            h["pending_at"][:n], h["pending_from"][:n] = pending_at, pending_from
+            input_ids.index_copy_(0, dev("pending_at", n), previous[1].index_select(0, dev("pending_from", n)))
+        meta = AttentionMetadata(
+            slot_mapping=dev("slot_mapping", total),
+            block_tables=dev("block_tables", b_count * width).view(b_count, width),
+            seq_lens=dev("seq_lens", b_count),
+            cu_seqlens_q=dev("cu_seqlens_q", b_count + 1),
+            logits_indices=dev("logits_indices", len(sample_rows)),
+            is_decode=bool((new == 1).all()),
+        )
+        return BuiltStep(input_ids, dev("positions", total), meta, [requests[b] for b in sample_rows], cu.tolist())
