@@ -145,12 +145,29 @@ def run_tierkv(model_dir: Path, device, dtype, prompts, out_lens, warm, a, sizes
             steps.append((t, step.is_decode, len(step), kv))
         return step
 
+    # and the GPU time of each step: events queued before and after its launch (no sync)
+    runner, run = llm.engine.runner, llm.engine.runner.run
+    events: list[tuple[bool, torch.cuda.Event, torch.cuda.Event]] = []
+
+    def timed_run(step, previous=None):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        launched = run(step, previous)
+        end.record()
+        events.append((step.is_decode, start, end))
+        return launched
+
     scheduler.schedule = recording_schedule
+    if device.type == "cuda":
+        runner.run = timed_run
     preempted = scheduler.num_preemptions
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - t0
-    scheduler.schedule = schedule
+    scheduler.schedule, runner.run = schedule, run
+    torch.cuda.synchronize() if device.type == "cuda" else None
+    gpu_decode_s = sum(s.elapsed_time(e) for d, s, e in events if d) / 1e3
+    gpu_other_s = sum(s.elapsed_time(e) for d, s, e in events if not d) / 1e3
 
     produced = sum(len(o.token_ids) for o in outs)
     ends = [s[0] for s in steps[1:]] + [t0 + seconds]
@@ -167,6 +184,11 @@ def run_tierkv(model_dir: Path, device, dtype, prompts, out_lens, warm, a, sizes
         roofline_fraction=sum(roof_s) / seconds,
         decode_seconds=decode_wall, decode_roofline_seconds=sum(roof_s[i] for i in decode),
         decode_roofline_fraction=sum(roof_s[i] for i in decode) / decode_wall if decode_wall else None,
+        # GPU time from each decode step's launch to its end (queued work included): against the
+        # steps' wall time it says whether the host or the GPU sets the pace
+        decode_gpu_seconds=gpu_decode_s or None,
+        other_steps_seconds=seconds - decode_wall, other_steps_gpu_seconds=gpu_other_s or None,
+        decode_gpu_roofline_fraction=sum(roof_s[i] for i in decode) / gpu_decode_s if gpu_decode_s else None,
     )
     if a.profile and device.type == "cuda":
         # 64 prompts decoding together, under the profiler: the step's host and GPU timeline
@@ -288,7 +310,7 @@ def main() -> None:
         hbm_bandwidth_gbps=bw / 1e9,
         roofline_formula="step bytes = weight_bytes + kv_bytes_per_token * sum(context read by each sequence); "
                          "roofline_s = sum(step bytes) / hbm_bw (d2d copy, read+write); fraction = roofline_s / wall_s",
-        targets=dict(ratio_vs_peer=25.0, decode_roofline_fraction=0.5, prefix_caching_cost=0.02),
+        targets=dict(ratio_vs_peer=25.0, decode_roofline_fraction=0.6, prefix_caching_cost=0.02),
     )
     with tempfile.TemporaryDirectory(prefix="bench-throughput-") as tmp:
         model, sizes = save_random_model(config, Path(tmp), device, dtype)
@@ -318,7 +340,8 @@ def main() -> None:
         print(f"ratio tierkv / peer: {figures['ratio_vs_peer']:.2f}x (target >= 25x)")
     print(f"HBM bw (d2d copy) {bw / 1e9:.0f} GB/s; roofline {ours['roofline_tok_s']:.0f} tok/s; "
           f"fraction whole run {ours['roofline_fraction']:.1%}, decode steps "
-          f"{ours['decode_roofline_fraction'] or 0:.1%} (target >= 50%); mean decode batch "
+          f"{ours['decode_roofline_fraction'] or 0:.1%} (target >= 60%; GPU time of those steps "
+          f"{ours['decode_gpu_seconds'] or 0:.2f} s of {ours['decode_seconds']:.2f} s wall); mean decode batch "
           f"{ours['mean_decode_batch']:.1f}; all requests full length: {ours['all_requests_full_length']}")
     if "prefix_caching_cost" in figures:
         print(f"prefix caching cost (tok/s off / on - 1): {figures['prefix_caching_cost']:+.1%} (target <= 2%)")

@@ -155,3 +155,24 @@ def test_abort_with_a_token_on_its_way_frees_everything(tiny_llama):
     assert got[0].token_ids == want[0].token_ids
     assert all(e.ref == 0 for e in llm.cache.index.entries.values())
     assert len(llm.cache.l1.free) + sum(e.l1 >= 0 for e in llm.cache.index.entries.values()) == llm.cache.l1.num_blocks
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run through the device tool)")
+@pytest.mark.parametrize("options", [dict(), dict(max_num_batched_tokens=24)], ids=["plain", "chunked"])
+def test_overlap_gives_the_same_tokens_on_a_gpu(tiny_llama, options):
+    """fp32 on CUDA with decode graphs: the pending tokens are gathered into the graph's inputs."""
+    ps = prompts((5, 40, 23, 61, 8, 33), seed=8, shared=20)
+    params = [SamplingParams(temperature=0, max_tokens=6 + 5 * i, ignore_eos=True) for i in range(5)]
+    params.append(SamplingParams(temperature=0.9, top_p=0.8, top_k=50, seed=2, max_tokens=19, logprobs=2))
+
+    def tokens(**extra):
+        llm = LLM(tiny_llama, device="cuda", dtype="float32", l1="64MiB", max_num_seqs=8, **options, **extra)
+        outs = llm.generate(ps, params, use_tqdm=False)
+        replays = llm.engine.runner.graphs.replays
+        llm.close()
+        return [(o.token_ids, o.finish_reason) for o in outs], replays
+
+    (on, replays), (off, _) = tokens(), tokens(async_scheduling=False)
+    assert on == off
+    assert replays > 0

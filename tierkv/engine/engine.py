@@ -185,6 +185,7 @@ class Engine:
             return []
         token_ids = out.token_ids.tolist()
         now = time.monotonic()
+        eos = self._eos()
         outputs = []
         for i, (req, tok) in enumerate(zip(launched.requests, token_ids)):
             req.pending -= 1
@@ -201,7 +202,7 @@ class Engine:
                     "top": list(zip(out.top_ids[i, :k].tolist(), out.top_logprobs[i, :k].tolist())) if k else [],
                 })
             new_text = req.detokenizer.add(tok) if req.detokenizer is not None else ""
-            reason = stop_reason(req.params, tok, len(req.output_ids), self._eos())
+            reason = stop_reason(req.params, tok, len(req.output_ids), eos)
             if req.params.stop and req.detokenizer is not None and new_text:
                 cut = find_stop_string(req.text + new_text, len(new_text), req.params)
                 if cut is not None:
@@ -211,8 +212,8 @@ class Engine:
             if reason is not None:
                 self.scheduler.finish(req, reason)
                 self.requests.pop(req.request_id, None)
-            else:
-                self.scheduler.commit(req)  # a block its token completed can be shared now
+            elif req.num_known % self.cache.block_size == 0:
+                self.scheduler.commit(req)  # the block its token completed can be shared now
             outputs.append(self.output(req, [tok], new_text))
         return outputs
 

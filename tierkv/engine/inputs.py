@@ -14,6 +14,7 @@ the model and never touches the cache's bookkeeping.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -100,22 +101,25 @@ class StepInputs:
         pending_at: list[int] = []
         pending_from: list[int] = []
         rows = {id(r): i for i, r in enumerate(previous[0])} if previous is not None else {}
-        for b, r in enumerate(requests):
-            start, end = int(starts[b]), int(ends[b])
-            known = min(end, r.num_known)
-            ids += r.tokens(start, known)
-            if end > known:  # the one token still on its way from the GPU
+        for b, (r, start, end) in enumerate(zip(requests, starts.tolist(), ends.tolist())):
+            if r.pending and end > r.num_known:  # the one token still on its way from the GPU
+                ids += r.tokens(start, end - 1)
                 ids.append(0)
                 pending_at.append(int(cu[b + 1]) - 1)
                 pending_from.append(rows[id(r)])
+            else:
+                ids += r.tokens(start, end)
         h["input_ids"][:total] = ids
         row = np.repeat(np.arange(b_count), new)  # [T]: which sequence
         positions = h["positions"][:total]
         np.subtract(np.arange(total), np.repeat(cu[:-1] - starts, new), out=positions)  # [T]
         table = h["block_tables"][: b_count * width].reshape(b_count, width)  # [B, width]
         table.fill(-1)
-        for b, t in enumerate(tables):
-            table[b, : len(t)] = t
+        # every row in one scatter: a numpy assignment per row costs more than the row itself
+        counts = np.fromiter(map(len, tables), dtype=np.int64, count=b_count)  # [B]
+        flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int32, count=int(counts.sum()))
+        cols = np.arange(len(flat)) - np.repeat(np.cumsum(counts) - counts, counts)
+        table[np.repeat(np.arange(b_count), counts), cols] = flat
         np.add(table[row, positions // bs].astype(np.int64) * bs, positions % bs, out=h["slot_mapping"][:total])
         h["seq_lens"][:b_count] = ends
         h["cu_seqlens_q"][: b_count + 1] = cu
