@@ -356,7 +356,8 @@ def main() -> None:
         benchmark="bench_kernels", machine=machine, gpu=torch.cuda.get_device_name(),
         torch=torch.__version__, triton=triton.__version__,
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        git_commit=os.environ.get("GIT_COMMIT", commit), host=platform.node(),
+        # the device's .git may lag the tree it runs: the caller names the commit it sent
+        git_commit=os.environ.get("TIERKV_COMMIT") or os.environ.get("GIT_COMMIT", commit), host=platform.node(),
     )
     result["d2d_copy_gbps"] = copy_bandwidth()
     print(f"d2d copy: {result['d2d_copy_gbps']:.0f} GB/s (read + written)", flush=True)
