@@ -58,6 +58,17 @@ class CacheMachine(RuleBasedStateMachine):
         n = self.cache.store(tokens, prefix_kv(LAYOUT, tokens, salt).to(self.device), salt)
         assert n % BS == 0 and n <= len(tokens) // BS * BS
 
+    @rule(tokens=st.lists(st.integers(0, 2), min_size=8, max_size=64), salt=salts)
+    def store_long(self, tokens, salt):
+        """Sequences up to 32 blocks: larger than L1, often larger than L1 + L2. store() spills
+        what L1 cannot hold and says how much it kept; that much is retrieved, bit for bit."""
+        n = self.cache.store(tokens, prefix_kv(LAYOUT, tokens, salt).to(self.device), salt)
+        assert n % BS == 0 and n <= len(tokens) // BS * BS
+        got, kv = self.cache.retrieve(tokens, salt, limit=n)
+        # a disk tier smaller than the sequence may evict its own earlier blocks as it writes later ones
+        assert got == n if not self.with_disk else got <= n
+        assert torch.equal(kv.cpu(), prefix_kv(LAYOUT, tokens, salt)[:, :, :got])
+
     @rule(tokens=prompts, salt=salts, whole=st.booleans())
     def match_then_retrieve(self, tokens, salt, whole):
         limit = len(tokens) if whole else None

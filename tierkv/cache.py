@@ -35,6 +35,7 @@ from .transfer import DONE
 log = logging.getLogger(__name__)
 
 DEFAULT_L3_DEADLINE_S = 5.0  # how long retrieve() waits for L3 reads before recomputing instead
+SPILL_WAIT_S = 60.0  # how long store() waits, in all, for L3 writes to free L2 room for a spill
 
 
 def _put_blocks(out: torch.Tensor, positions: list[int], blocks: torch.Tensor) -> None:
@@ -150,7 +151,10 @@ class TieredKVCache:
         """Cache the KV of the full blocks of `tokens`; returns how many leading tokens the cache now holds.
 
         kv: [layers, 2, len(tokens), kv_heads, head_dim] in the layout's dtype. Blocks already
-        cached are skipped. When L1 is all pinned, only the blocks that fit are stored.
+        cached are skipped. What L1 cannot hold goes straight to L2 in chunks, and on to L3 as
+        the write policy says (write-through at once, otherwise when L2 evicts it); when L2's room
+        is held by blocks on their way to L3, store() waits for those writes. It keeps less only
+        when no tier has room, and never by pushing out an earlier block of this same sequence.
         """
         self.tiers.reap()
         tb = token_bytes(tokens)
@@ -170,35 +174,76 @@ class TieredKVCache:
         for i, h in enumerate(hashes):
             entry, collided = self.index.lookup(h, parent, ns, tb[i * 4 * bs : (i + 1) * 4 * bs])
             if collided:
+                hashes = hashes[:i]
                 break  # the hash is taken by another block: this chain cannot be indexed past here
             if entry is None:
                 missing.append(i)
             else:
                 present.append(entry)
             parent = h
-        held = [e for e in present if e.l1 >= 0]
-        for e in held:  # keep this chain's L1 blocks while making room for the rest of it
+        # this chain's blocks stay where they are while room is made for the rest of it
+        in_l1 = [e for e in present if e.l1 >= 0]
+        in_l2 = [e for e in present if e.l2 >= 0]
+        for e in in_l1:
             self.index.pin(e)
+        self.index.hold_l2(in_l2)
+        # [layers, 2, tokens, h, d] -> [blocks, layers, 2, bs, h, d]
+        L, _, T, H, D = kv.shape
+        by_block = kv[:, :, : len(hashes) * bs].reshape(L, 2, len(hashes), bs, H, D).permute(2, 0, 1, 3, 4, 5)
         try:
             slots = self.tiers.take_l1(len(missing), partial=True)
+            first, rest = missing[: len(slots)], missing[len(slots) :]
+            if first:
+                blocks = by_block[torch.tensor(first, device=kv.device)].to(self.device, non_blocking=True)
+                self.l1.kv[:, torch.tensor(slots, device=self.device)] = blocks.transpose(0, 1)
+                self.tiers.stored(self._enter(hashes, tb, ns, first, "l1", slots, priority))
+            if rest and self.l2 is not None:
+                self._spill(by_block, hashes, tb, ns, rest, priority, held=in_l2)
         finally:
-            for e in held:
+            for e in in_l1:
                 self.index.unpin(e)
-        missing = missing[: len(slots)]
-        if missing:
-            L, _, T, H, D = kv.shape
-            # [layers, 2, tokens, h, d] -> [layers, blocks, 2, bs, h, d]
-            blocks = kv[:, :, : len(hashes) * bs].reshape(L, 2, len(hashes), bs, H, D).transpose(1, 2)
-            src = blocks[:, torch.tensor(missing, device=kv.device)].to(self.device, non_blocking=True)
-            self.l1.kv[:, torch.tensor(slots, device=self.device)] = src
+            self.index.release_l2(in_l2)
+        found = self.index.walk(hashes, ns, tb, bs)
+        return (len(found) + self.tiers.l3_present(hashes[len(found) :])) * bs
+
+    def _enter(self, hashes: list[int], tb: bytes, ns: bytes, blocks: list[int], tier: str, slots: list[int],
+               priority: int) -> list[BlockEntry]:
+        """Index entries for the chain's blocks `blocks`, whose KV is in `slots` of `tier`."""
+        stride = 4 * self.block_size
         new = []
-        for i, slot in zip(reversed(missing), reversed(slots)):  # tail first: the tail is evicted first
-            parent = hashes[i - 1] if i else 0
-            entry = self.index.create(hashes[i], parent, ns, tb[i * 4 * bs : (i + 1) * 4 * bs], priority)
-            self.index.place(entry, "l1", slot)
+        for i, slot in zip(reversed(blocks), reversed(slots)):  # tail first: the tail is evicted first
+            entry = self.index.create(hashes[i], hashes[i - 1] if i else 0, ns, tb[i * stride : (i + 1) * stride],
+                                      priority)
+            self.index.place(entry, tier, slot)
             new.append(entry)
-        self.tiers.stored(new[::-1])
-        return len(self.index.walk(hashes, ns, tb, bs)) * bs
+        return new[::-1]
+
+    def _spill(self, by_block: torch.Tensor, hashes: list[int], tb: bytes, ns: bytes, blocks: list[int],
+               priority: int, held: list[BlockEntry]) -> None:
+        """Write blocks `blocks` of by_block [n, layers, 2, bs, h, d] straight into L2, a chunk at a
+        time. `held`: this chain's entries held in L2, which the new ones join; when L2 is full of
+        them, the earlier ones move on to L3 and leave `held` once L3 has them (the caller
+        releases what is left)."""
+        self.synchronize()  # L2 slots are written from the host only after every copy queued out of them
+        end = time.monotonic() + SPILL_WAIT_S
+        while blocks:
+            slots = self.tiers.take_l2(len(blocks))
+            if not slots:
+                safe = [e for e in held if e.l3 == "written"]
+                if safe:  # L2 may now make room with these: L3 holds them
+                    self.index.release_l2(safe)
+                    held[:] = [e for e in held if e.l3 != "written"]
+                    continue
+                self.tiers.write_l3(held)
+                if self.tiers.wait_l3(end):
+                    continue
+                break  # no tier has room for the rest
+            chunk, blocks = blocks[: len(slots)], blocks[len(slots) :]
+            self.l2.kv[torch.tensor(slots)] = by_block[torch.tensor(chunk, device=by_block.device)].cpu()
+            new = self._enter(hashes, tb, ns, chunk, "l2", slots, priority)
+            self.index.hold_l2(new)  # later chunks must not push these out
+            held += new
+            self.tiers.spilled(new)
 
     def retrieve(self, tokens, salt: str | None = None, *, limit: int | None = None) -> tuple[int, torch.Tensor]:
         """(n, kv): the longest cached prefix of `tokens` (same `limit` rule as `match`) and its KV.
@@ -212,8 +257,15 @@ class TieredKVCache:
             self.prefetch(m, DEFAULT_L3_DEADLINE_S).wait()
             m = self.match(tokens, salt, limit=limit)
             if m.by_tier["l3"]:
-                ids = self._l3_ids(m, *self._l3_part(m))
-                direct = self.tiers.read_l3(ids, time.monotonic() + DEFAULT_L3_DEADLINE_S)
+                first, end = self._l3_part(m)
+                deadline = time.monotonic() + DEFAULT_L3_DEADLINE_S
+                # the run may hold blocks that L2 keeps and L3 does not have yet (a spilled
+                # store, or write-back): they are written first, so one read from L3 takes all
+                pending = [e for h in m.hashes[first:end] if (e := self.index.entries.get(h)) is not None]
+                self.tiers.write_l3(pending)
+                while any(e.l3 == "writing" for e in pending) and self.tiers.wait_l3(deadline):
+                    pass
+                direct = self.tiers.read_l3(self._l3_ids(m, first, end), deadline)
         L, _, bs, H, D = self.layout.block_shape
         n = len(m.blocks)
         k = 0 if direct is None else direct.shape[0]

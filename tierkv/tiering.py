@@ -308,17 +308,17 @@ class Tiering:
             if self.config.write_policy != "write_through":
                 self._flush(only_l1[:done], self.mover.last)
             only_l1 = only_l1[done:]
-            if done == 0 and not self._wait_l3(end):
+            if done == 0 and not self.wait_l3(end):
                 return False
         while any(e.l3 == "writing" for e in self.index.entries.values()):
-            if not self._wait_l3(end):
+            if not self.wait_l3(end):
                 return False
         return True
 
-    def _wait_l3(self, end: float | None) -> bool:
+    def wait_l3(self, end: float | None) -> bool:
         """Wait for one L3 job to finish and reap it; False once `end` has passed."""
         remaining = None if end is None else end - time.monotonic()
-        if (remaining is not None and remaining <= 0) or self.l3.in_flight == 0:
+        if self.l3 is None or (remaining is not None and remaining <= 0) or self.l3.in_flight == 0:
             return False  # out of time, or nothing left that could free an L2 slot
         self.l3.wait_any(remaining)
         self.reap()
@@ -332,6 +332,19 @@ class Tiering:
         self.counters.stored_blocks += len(new)
         if self.config.write_policy == "write_through":
             self.write_down(new)
+
+    def write_l3(self, entries: list[BlockEntry]) -> None:
+        """Start writing the L2 blocks among `entries` that L3 lacks (a failed write is tried again)."""
+        if self.l3 is not None:
+            self._flush([e for e in entries if e.l2 >= 0 and e.l3 in ("", "failed")], DONE)
+
+    def spilled(self, new: list[BlockEntry]) -> None:
+        """New blocks entered L2 directly (a store() larger than L1): count them, and copy them on
+        to L3 now under write-through."""
+        self.count("l2", len(new), into=True)
+        self.counters.stored_blocks += len(new)
+        if self.l3 is not None and self.config.write_policy == "write_through":
+            self._flush(new, DONE)
 
     def used(self, entries: list[BlockEntry], priority: int) -> None:
         """A request reused these blocks: update recency/frequency, and copy down what `selective` now admits."""
