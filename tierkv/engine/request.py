@@ -78,7 +78,7 @@ class Request:
     @property
     def num_tokens(self) -> int:
         """Tokens of the sequence, counting a sampled token still on its way."""
-        return len(self.prompt_ids) + len(self.output_ids) + self.pending
+        return self.num_known + self.pending
 
     @property
     def finished(self) -> bool:

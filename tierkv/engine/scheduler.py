@@ -10,7 +10,9 @@ start is recomputed, and taken once the computation reaches it). When L1 runs ou
 lowest-priority, latest request is preempted: its full blocks are committed and released, so
 they demote to L2 instead of vanishing, and its next admission finds them there. A request that
 all of L1 cannot hold is streamed instead: it keeps at most half of L1, moves its oldest
-computed blocks to L2 as it grows, and attention reads them back layer by layer.
+computed blocks to L2 as it grows, and attention reads them back layer by layer. With async
+scheduling a running request may have a sampled token on its way to the host ("pending"): it is
+scheduled as if that token were known, unless that token is its last.
 
 Never runs the model and never touches tensors.
 """
