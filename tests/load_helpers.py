@@ -50,7 +50,7 @@ def tiny_model(tmp_path_factory) -> Path:
 
 def start_server(model: Path, log: Path, l1: int, l2: int, l3: str) -> ServerProcess:
     srv = ServerProcess(["--model", str(model), "--served-model-name", MODEL, "--l1", str(l1), "--l2", str(l2),
-                         "--l3", l3, "--max-model-len", "512", "--log-level", "warning"], log, env=SERVER_ENV)
+                         "--l3", l3, "--log-level", "warning"], log, env=SERVER_ENV)
     try:
         srv.wait_ready()
     except BaseException:

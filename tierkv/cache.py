@@ -38,6 +38,20 @@ DEFAULT_L3_DEADLINE_S = 5.0  # how long retrieve() waits for L3 reads before rec
 SPILL_WAIT_S = 60.0  # how long store() waits, in all, for L3 writes to free L2 room for a spill
 
 
+def stream_window_blocks(l1_blocks: int) -> int:
+    """L1 blocks a streamed sequence may hold at once: half of L1."""
+    return max(1, l1_blocks // 2)
+
+
+def max_sequence_tokens(l1_blocks: int, l2_blocks: int, block_size: int) -> int:
+    """The longest sequence tiers of these sizes can ever hold: all of L1, or, streamed (with an
+    L2), its window in L1 and the rest in L2. Servers size their context by it."""
+    in_l1 = l1_blocks * block_size
+    if not l2_blocks:
+        return in_l1
+    return max(in_l1, (stream_window_blocks(l1_blocks) + l2_blocks) * block_size)
+
+
 def _put_blocks(out: torch.Tensor, positions: list[int], blocks: torch.Tensor) -> None:
     """out[:, :, positions] = blocks, as one plain copy when the positions are all of out's blocks."""
     if len(positions) == out.shape[2]:
@@ -301,7 +315,7 @@ class TieredKVCache:
     def stream_window(self) -> int:
         """Most tokens a streamed sequence computes or keeps in L1 at once: half of L1, so that
         other requests still run beside it."""
-        return max(1, self.l1.num_blocks // 2) * self.block_size
+        return stream_window_blocks(self.l1.num_blocks) * self.block_size
 
     def must_stream(self, num_tokens: int) -> bool:
         """Whether a sequence of `num_tokens` (and its next token) is larger than all of L1, so
@@ -309,12 +323,8 @@ class TieredKVCache:
         return self.l2 is not None and self.blocks_needed(num_tokens + 1) > self.l1.num_blocks
 
     def max_tokens(self) -> int:
-        """The longest sequence the tiers can ever hold: all of L1, or, streamed, its window in
-        L1 and the rest in L2."""
-        in_l1 = self.l1.num_blocks * self.block_size
-        if self.l2 is None:
-            return in_l1
-        return max(in_l1, self.stream_window + self.l2.num_blocks * self.block_size)
+        """The longest sequence the tiers can ever hold (see `max_sequence_tokens`)."""
+        return max_sequence_tokens(self.l1.num_blocks, self.l2.num_blocks if self.l2 else 0, self.block_size)
 
     def plan(
         self, tokens, salt: str | None = None, *, budget: int, prefix_caching: bool = True,

@@ -15,9 +15,13 @@ from pathlib import Path
 import httpx
 from server_helpers import ServerProcess
 
+from tierkv.cache import max_sequence_tokens
 from tierkv.config import parse_size
+from tierkv.engine.config import EngineConfig
 
 from .model import ModelInfo
+
+BLOCK_SIZE = EngineConfig().block_size  # the servers run with the engine's default block size
 from .replay import run_one
 from .workloads import Workload
 
@@ -51,7 +55,12 @@ def external_sizes(a, workloads: list[Workload], kvb: int) -> dict:
 
 
 def server_args(a, config: str, model: ModelInfo, sizes: dict, max_len: int, l3_dir: Path) -> list[str]:
-    args = ["--served-model-name", SERVED_NAME, "--l1", str(sizes["l1_bytes"]), "--max-model-len", str(max_len),
+    # a context the config's tiers cannot hold for one sequence is refused at startup: ask for
+    # at most what they hold (the "off" config has no L2)
+    block_bytes = BLOCK_SIZE * model.kv_bytes_per_token
+    holds = max_sequence_tokens(sizes["l1_bytes"] // block_bytes,
+                                sizes["l2_bytes"] // block_bytes if "l2" in config else 0, BLOCK_SIZE)
+    args = ["--served-model-name", SERVED_NAME, "--l1", str(sizes["l1_bytes"]), "--max-model-len", str(min(max_len, holds)),
             "--max-num-seqs", str(a.max_num_seqs), "--max-waiting", "100000", "--log-level", "warning",
             # stop fast: nothing in flight is worth waiting for, nor queued disk writes worth keeping
             "--grace-period", "5", "--flush-timeout", "1"]

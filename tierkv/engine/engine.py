@@ -51,10 +51,12 @@ class Engine:
                                                                cache_dir=config.cache_dir)
         self.tokenizer = self.lm.tokenizer
         dev = self.lm.device
+        explicit_len = config.max_model_len is not None
         self.config = config = config.for_device(dev, self.lm.config.max_position_embeddings)
         # made after the weights: with l1 None the cache sizes L1 from the memory they left
         layout = self.lm.kv_layout(config.block_size)
         self.cache = TieredKVCache(layout, config.cache_config(), device=dev, model=self.lm.fingerprint)
+        self.config = config = self._fit_context(config, explicit=explicit_len)
         self.max_model_len = config.max_model_len
         self.scheduler = Scheduler(
             self.cache, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
@@ -69,6 +71,27 @@ class Engine:
         log.info("engine: %s; L1 %d blocks, L2 %d blocks, L3 %s", self.lm.model_dir.name, self.cache.l1.num_blocks,
                  self.cache.l2.num_blocks if self.cache.l2 else 0,
                  [redact_url(u) for u in config.l3] or "none")
+
+    def _fit_context(self, config: EngineConfig, explicit: bool) -> EngineConfig:
+        """`config` with a max_model_len that the tiers can always hold: one sequence of that many
+        tokens must fit in L1, or streamed in half of L1 plus L2. A default that does not fit is
+        lowered, with a warning naming both sizes; one the user asked for is refused."""
+        holds = self.cache.max_tokens()  # tokens: whole blocks
+        self.context_set_by_tiers = config.max_model_len >= holds  # the tiers, not the model, set the limit
+        if config.max_model_len <= holds:
+            return config
+        l1, l2 = self.cache.l1.num_blocks, self.cache.l2.num_blocks if self.cache.l2 else 0
+        if explicit:
+            self.cache.close()
+            raise ConfigError(
+                f"max_model_len {config.max_model_len} needs {self.cache.blocks_needed(config.max_model_len)} KV "
+                f"blocks per sequence, but L1 holds {l1} and L2 {l2} ({holds} tokens in all): lower max_model_len "
+                f"to {holds} or less, or raise l1 or l2"
+            )
+        log.warning("max_model_len lowered from the model's %d to %d tokens: that is what L1 (%d blocks) and "
+                    "L2 (%d blocks) can hold for one sequence; raise l1 or l2 for more",
+                    config.max_model_len, holds, l1, l2)
+        return dataclasses.replace(config, max_model_len=holds)
 
     # ------------------------------------------------------------------ requests
 
@@ -91,22 +114,17 @@ class Engine:
             raise ConfigError(f"prompt token ids must be ints in [0, {vocab})")
         prompt_ids = ids.tolist()  # plain ints (numpy integers are not JSON-serialisable)
         if len(prompt_ids) >= self.max_model_len:
+            # max_model_len never exceeds what the tiers hold for one sequence (see _fit_context)
+            tiers = " or raise l1 or l2 (it is what they hold for one sequence)" if self.context_set_by_tiers else ""
             raise ConfigError(
                 f"the prompt has {len(prompt_ids)} tokens; this model takes at most {self.max_model_len - 1} "
-                f"(max_model_len {self.max_model_len}, one position is left for the output): shorten the prompt"
+                f"(max_model_len {self.max_model_len}, one position is left for the output): shorten the prompt{tiers}"
             )
         room = self.max_model_len - len(prompt_ids)
         if params.max_tokens is None or params.max_tokens > room:
             if params.max_tokens is not None and params.max_tokens > room and params.max_tokens > 0:
                 log.debug("max_tokens %d capped at %d by max_model_len", params.max_tokens, room)
             params = dataclasses.replace(params, max_tokens=room)  # validated again on construction
-        needed = self.cache.blocks_needed(len(prompt_ids) + 1)
-        if needed * self.cache.block_size > self.cache.max_tokens():
-            l1_blocks, l2_blocks = self.cache.l1.num_blocks, self.cache.l2.num_blocks if self.cache.l2 else 0
-            raise ConfigError(
-                f"the prompt needs {needed} KV blocks but L1 holds {l1_blocks} and L2 {l2_blocks}: "
-                "raise l1 or l2 (sequences larger than L1 stream their older blocks from L2), or shorten the prompt"
-            )
         if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
             raise ConfigError(f"logprobs must be at most {MAX_LOGPROBS}")
         req = Request(prompt_ids, params, salt=cache_salt, priority=priority)
