@@ -1,4 +1,5 @@
-"""tierkv.kernels: paged-KV kernels, dispatched by device.
+"""tierkv.kernels: the GPU kernels (paged attention, KV writes, block copies, the decoder's fused
+RMSNorm / RoPE / SiLU-mul, the sampler's top-k/top-p filter), dispatched by device.
 
 Triton kernels run on CUDA tensors and the torch reference everywhere else. The environment
 variable TIERKV_KERNELS=reference|triton forces one implementation (triton on CPU means the
