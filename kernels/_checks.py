@@ -187,3 +187,17 @@ def check_silu_mul(gate_up) -> tuple[int, int]:
     if gate_up.shape[1] % 2 != 0:
         _fail(f"gate_up must be [T, 2 * I] (gate then up), got an odd width {gate_up.shape[1]}")
     return gate_up.shape[0], gate_up.shape[1] // 2
+
+
+def check_top_k_top_p(logits, top_k, top_p) -> None:
+    """logits [B, V] float; top_k None or [B] int; top_p None or [B] fp32; one device."""
+    check_tensor("logits", logits, 2, ATTN_DTYPES)
+    tensors = {"logits": logits}
+    for name, t, dtypes in (("top_k", top_k, INDEX_DTYPES), ("top_p", top_p, (torch.float32,))):
+        if t is None:
+            continue
+        check_tensor(name, t, 1, dtypes)
+        if t.shape[0] != logits.shape[0]:
+            _fail(f"{name} has {t.shape[0]} entries for {logits.shape[0]} rows of logits")
+        tensors[name] = t
+    check_same_device(**tensors)

@@ -227,20 +227,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 # Sampling filters. The Triton version (sampling.py) finds the same kept set without sorting.
 
 
-def check_top_k_top_p(logits, top_k, top_p) -> None:
-    """logits [B, V] float; top_k None or [B] int; top_p None or [B] fp32; one device."""
-    _checks.check_tensor("logits", logits, 2, _checks.ATTN_DTYPES)
-    tensors = {"logits": logits}
-    for name, t, dtypes in (("top_k", top_k, _checks.INDEX_DTYPES), ("top_p", top_p, (torch.float32,))):
-        if t is None:
-            continue
-        _checks.check_tensor(name, t, 1, dtypes)
-        if t.shape[0] != logits.shape[0]:
-            raise _checks.ShapeError(f"{name} has {t.shape[0]} entries for {logits.shape[0]} rows of logits")
-        tensors[name] = t
-    _checks.check_same_device(**tensors)
-
-
 def top_k_top_p_filter(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
     """A new [B, V] copy of logits [B, V] with the tokens outside each row's filters set to -inf.
 
@@ -252,7 +238,7 @@ def top_k_top_p_filter(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: 
     always stays. Ties: tokens of equal logit share one fate, decided at the first rank of their
     run, so a tie across the boundary keeps every tied token (-0.0 and +0.0 are equal).
     """
-    check_top_k_top_p(logits, top_k, top_p)
+    _checks.check_top_k_top_p(logits, top_k, top_p)
     sorted_logits, order = logits.sort(dim=-1, descending=True)              # [B, V]
     vocab = logits.shape[-1]
     ranks = torch.arange(vocab, device=logits.device).expand_as(sorted_logits)

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import reference
+from . import _checks
 from ._launch import check_triton_device
 
 _LOG2E = tl.constexpr(1.4426950408889634)
@@ -150,7 +150,7 @@ def _top_k_top_p_kernel(
 def _top_k_top_p_filter(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
                         *, block: int = _BLOCK, num_warps: int = _NUM_WARPS) -> torch.Tensor:
     """top_k_top_p_filter with the chunk size and warps exposed (tests pick small chunks)."""
-    reference.check_top_k_top_p(logits, top_k, top_p)
+    _checks.check_top_k_top_p(logits, top_k, top_p)
     check_triton_device(*(t for t in (logits, top_k, top_p) if t is not None))
     if logits.stride(-1) != 1:
         logits = logits.contiguous()  # rows are read as contiguous chunks

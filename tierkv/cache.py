@@ -27,7 +27,7 @@ from .index import BlockEntry
 from .layout import KVLayout
 from .plan import AdmissionPlan, Match, tail_to_read, worth_loading
 from .tiering import Prefetch, Tiering
-from .sequence import SequenceBlocks
+from .sequence import SequenceBlocks, fill_block_table
 from .streaming import LayerStream, LayerStreamer, StreamPlan
 from .tiers.codec import BlockId
 from .transfer import DONE
@@ -202,7 +202,7 @@ class TieredKVCache:
             self.index.pin(e)
         self.index.hold_l2(in_l2)
         # [layers, 2, tokens, h, d] -> [blocks, layers, 2, bs, h, d]
-        L, _, T, H, D = kv.shape
+        L, _, _, H, D = kv.shape
         by_block = kv[:, :, : len(hashes) * bs].reshape(L, 2, len(hashes), bs, H, D).permute(2, 0, 1, 3, 4, 5)
         try:
             slots = self.tiers.take_l1(len(missing), partial=True)
@@ -257,7 +257,7 @@ class TieredKVCache:
             new = self._enter(hashes, tb, ns, chunk, "l2", slots, priority)
             self.index.hold_l2(new)  # later chunks must not push these out
             held += new
-            self.tiers.spilled(new)
+            self.tiers.stored(new, "l2")
 
     def retrieve(self, tokens, salt: str | None = None, *, limit: int | None = None) -> tuple[int, torch.Tensor]:
         """(n, kv): the longest cached prefix of `tokens` (same `limit` rule as `match`) and its KV.
@@ -602,11 +602,7 @@ class TieredKVCache:
     ) -> torch.Tensor:
         """[len(seqs), width] int32 on `device` (default: the cache's); rows padded with -1."""
         width = width if width is not None else max((len(s.slots) for s in seqs), default=0)
-        # filled row by row in numpy: a torch op per row costs more than the row itself
-        table = np.full((len(seqs), width), -1, dtype=np.int32)
-        for row, s in enumerate(seqs):
-            n = min(len(s.slots), width)
-            table[row, :n] = s.slots[:n]
+        table = fill_block_table([s.slots for s in seqs], np.empty((len(seqs), width), dtype=np.int32))
         return torch.from_numpy(table).to(device if device is not None else self.device, non_blocking=True)
 
     # ------------------------------------------------------------------ lifecycle, reporting

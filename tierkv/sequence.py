@@ -1,13 +1,16 @@
 """SequenceBlocks: the blocks one running sequence holds, in token order, and where each lives.
 
 A plain record that TieredKVCache makes (`allocate`) and changes (`append`, `commit`, `adopt`,
-`offload`, `free`); engines read it for block tables and slot numbers. It never allocates,
-frees or moves anything itself.
+`offload`, `free`); engines read it for block tables (`fill_block_table`) and slot numbers. It
+never allocates, frees or moves anything itself.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from .index import BlockEntry
 from .transfer import Transfer
@@ -51,3 +54,18 @@ class SequenceBlocks:
 
     def slot_of(self, position: int, block_size: int) -> int:
         return self.slots[position // block_size] * block_size + position % block_size
+
+
+def fill_block_table(slots: list[list[int]], out: np.ndarray) -> np.ndarray:
+    """out [B, width] int32: row b holds the first `width` of slots[b], then -1; returns out.
+
+    Every row goes in one numpy scatter: an assignment per row costs more than the row itself.
+    """
+    rows, width = out.shape
+    out.fill(-1)
+    counts = np.fromiter((min(len(s), width) for s in slots), dtype=np.int64, count=rows)  # [B]
+    flat = np.fromiter(itertools.chain.from_iterable(s[:width] for s in slots), dtype=out.dtype,
+                       count=int(counts.sum()))
+    cols = np.arange(len(flat)) - np.repeat(np.cumsum(counts) - counts, counts)
+    out[np.repeat(np.arange(rows), counts), cols] = flat
+    return out

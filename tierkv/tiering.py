@@ -326,25 +326,22 @@ class Tiering:
 
     # ------------------------------------------------------------------ write policy
 
-    def stored(self, new: list[BlockEntry]) -> None:
-        """New blocks entered L1: count them, and copy them down now under write-through."""
-        self.count("l1", len(new), into=True)
+    def stored(self, new: list[BlockEntry], tier: str = "l1") -> None:
+        """New blocks entered `tier` (L2 directly: a store() larger than L1): count them, and under
+        write-through copy them down a tier now."""
+        self.count(tier, len(new), into=True)
         self.counters.stored_blocks += len(new)
-        if self.config.write_policy == "write_through":
+        if self.config.write_policy != "write_through":
+            return
+        if tier == "l1":
             self.write_down(new)
+        else:
+            self.write_l3(new)
 
     def write_l3(self, entries: list[BlockEntry]) -> None:
         """Start writing the L2 blocks among `entries` that L3 lacks (a failed write is tried again)."""
         if self.l3 is not None:
             self._flush([e for e in entries if e.l2 >= 0 and e.l3 in ("", "failed")], DONE)
-
-    def spilled(self, new: list[BlockEntry]) -> None:
-        """New blocks entered L2 directly (a store() larger than L1): count them, and copy them on
-        to L3 now under write-through."""
-        self.count("l2", len(new), into=True)
-        self.counters.stored_blocks += len(new)
-        if self.l3 is not None and self.config.write_policy == "write_through":
-            self._flush(new, DONE)
 
     def used(self, entries: list[BlockEntry], priority: int) -> None:
         """A request reused these blocks: update recency/frequency, and copy down what `selective` now admits."""

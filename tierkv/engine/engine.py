@@ -77,7 +77,6 @@ class Engine:
         tokens must fit in L1, or streamed in half of L1 plus L2. A default that does not fit is
         lowered, with a warning naming both sizes; one the user asked for is refused."""
         holds = self.cache.max_tokens()  # tokens: whole blocks
-        self.context_set_by_tiers = config.max_model_len >= holds  # the tiers, not the model, set the limit
         if config.max_model_len <= holds:
             return config
         l1, l2 = self.cache.l1.num_blocks, self.cache.l2.num_blocks if self.cache.l2 else 0
@@ -115,7 +114,8 @@ class Engine:
         prompt_ids = ids.tolist()  # plain ints (numpy integers are not JSON-serialisable)
         if len(prompt_ids) >= self.max_model_len:
             # max_model_len never exceeds what the tiers hold for one sequence (see _fit_context)
-            tiers = " or raise l1 or l2 (it is what they hold for one sequence)" if self.context_set_by_tiers else ""
+            by_tiers = self.max_model_len >= self.cache.max_tokens()
+            tiers = " or raise l1 or l2 (it is what they hold for one sequence)" if by_tiers else ""
             raise ConfigError(
                 f"the prompt has {len(prompt_ids)} tokens; this model takes at most {self.max_model_len - 1} "
                 f"(max_model_len {self.max_model_len}, one position is left for the output): shorten the prompt{tiers}"

@@ -14,12 +14,12 @@ the model and never touches the cache's bookkeeping.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from ..sequence import fill_block_table
 from .attention import AttentionMetadata
 from .request import Request
 
@@ -113,13 +113,7 @@ class StepInputs:
         row = np.repeat(np.arange(b_count), new)  # [T]: which sequence
         positions = h["positions"][:total]
         np.subtract(np.arange(total), np.repeat(cu[:-1] - starts, new), out=positions)  # [T]
-        table = h["block_tables"][: b_count * width].reshape(b_count, width)  # [B, width]
-        table.fill(-1)
-        # every row in one scatter: a numpy assignment per row costs more than the row itself
-        counts = np.fromiter(map(len, tables), dtype=np.int64, count=b_count)  # [B]
-        flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int32, count=int(counts.sum()))
-        cols = np.arange(len(flat)) - np.repeat(np.cumsum(counts) - counts, counts)
-        table[np.repeat(np.arange(b_count), counts), cols] = flat
+        table = fill_block_table(tables, h["block_tables"][: b_count * width].reshape(b_count, width))  # [B, width]
         np.add(table[row, positions // bs].astype(np.int64) * bs, positions % bs, out=h["slot_mapping"][:total])
         h["seq_lens"][:b_count] = ends
         h["cu_seqlens_q"][: b_count + 1] = cu
