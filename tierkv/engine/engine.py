@@ -187,10 +187,8 @@ class Engine:
 
         Not when a running request's sampling reads its own output (penalties: the pending token
         must be counted), nor while any request streams from L2 (its offloads and per-layer
-        stream then see only finished steps).
+        stream then see only finished steps). (Without async scheduling nothing is ever in flight here.)
         """
-        if not self.config.async_scheduling:
-            return False
         for req in self.scheduler.running:
             if req.params.penalizes_output or (req.seq is not None and req.seq.offloaded):
                 return False
