@@ -2,7 +2,8 @@
 
 decode:  paged_decode vs SDPA on the same K/V made contiguous, Llama-3.1-8B layer shape; GB/s of KV
          read, ratio to SDPA and to the d2d copy bandwidth measured in this run.
-prefill: paged_prefill vs SDPA causal on contiguous K/V, TFLOP/s and ratio.
+prefill: paged_prefill of one sequence (cold, and long chunks over a cached prefix) as the engine
+         calls it, and its Triton kernel alone, vs SDPA causal on contiguous K/V, TFLOP/s and ratio.
 extend:  paged_prefill of a few new tokens over a long cached prefix (a prefix-cache hit) vs SDPA
          with a bottom-right causal mask on contiguous K/V, vs the one-split 128-row launch it
          replaces, and vs the HBM floor (the KV bytes at the d2d copy bandwidth of this run).
@@ -22,6 +23,7 @@ import os
 import platform
 import subprocess
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -30,11 +32,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 from triton.testing import do_bench, do_bench_cudagraph
 
-from tierkv.kernels import block_copy, decode, prefill, reference
+from tierkv.kernels import block_copy, decode, dense, prefill, reference
 
 HQ, HKV, D, PAGE, DT = 32, 8, 128, 16, torch.bfloat16   # Llama-3.1-8B layer, bf16, 16-token blocks
 DECODE_SHAPES = [(1, 131072), (8, 32768), (32, 8192), (128, 2048)]
-PREFILL_LENS = [4096, 8192, 16384, 32768]
+# (new tokens, cached tokens) of one sequence: cold prompts, and chunks of a 100K-token prefill
+PREFILL_SHAPES = [(4096, 0), (8192, 0), (16384, 0), (32768, 0), (8192, 32768), (8192, 90112)]
 # (sequences, new tokens each, cached tokens each): prefix-cache hits of one request, and a batch
 EXTEND_SHAPES = [(1, n, ctx) for ctx in (12288, 102400) for n in (1, 3, 16, 128)] + [(8, 16, 8192)]
 GB = 1e9
@@ -144,33 +147,49 @@ def sweep_decode(q, kv, tables, lens, scale, kv_bytes) -> list[dict]:
 
 
 def bench_prefill(sweep: bool) -> list[dict]:
+    """One sequence: n new tokens over ctx cached ones. tierkv is the engine's path for a
+    one-sequence step (paged_prefill told the context: cuDNN for long chunks, kernels/dense.py);
+    the Triton kernel alone is timed too. Peer: SDPA on contiguous K/V, causal (ctx = 0) or with a
+    bottom-right causal mask (ctx > 0), the fastest fused backend and GQA form."""
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(1)
-    for n in PREFILL_LENS:
-        kv, tables, lens, k, v = paged_pool(1, n, gen)
+    for n, ctx in PREFILL_SHAPES:
+        length = ctx + n
+        kv, tables, lens, k, v = paged_pool(1, length, gen)
         q = torch.randn(n, HQ, D, device="cuda", dtype=DT, generator=gen)
         cu = torch.tensor([0, n], dtype=torch.int32, device="cuda")
         scale = D**-0.5
-        flops = 4 * HQ * D * n * n / 2                           # QK^T and PV, causal half
-        ours = lambda: prefill.paged_prefill(q, kv, tables, cu, lens, scale)  # noqa: E731
+        flops = 4 * HQ * D * n * (ctx + n / 2)                  # QK^T and PV, causal half of the new part
+        ours = lambda: prefill.paged_prefill(q, kv, tables, cu, lens, scale, context=ctx)  # noqa: E731
+        triton_only = lambda: prefill.paged_prefill(q, kv, tables, cu, lens, scale)  # noqa: E731
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        ours()
+        torch.cuda.synchronize()
+        first_ms = 1e3 * (time.perf_counter() - t0)             # a new shape: cuDNN builds its plan
         qs = q.transpose(0, 1).unsqueeze(0)                     # [1, Hq, n, D]
+        mask = dict(is_causal=True) if ctx == 0 else dict(attn_mask=causal_lower_right(n, length))
         # peer: SDPA with enable_gqa, and with K/V expanded to Hq heads; the faster one counts
-        ke = k.repeat_interleave(HQ // HKV, 1)                  # [1, Hq, n, D]
+        ke = k.repeat_interleave(HQ // HKV, 1)                  # [1, Hq, L, D]
         ve = v.repeat_interleave(HQ // HKV, 1)
-        sdpa_exp = lambda: sdpa(qs, ke, ve, is_causal=True, scale=scale)  # noqa: E731
-        sdpa_gqa = lambda: sdpa(qs, k, v, is_causal=True, scale=scale, enable_gqa=True)  # noqa: E731
-        err = (ours().float() - sdpa_exp()[0].transpose(0, 1).float()).abs().max().item()
-        t_ours, t_exp = ms(ours, 30), ms(sdpa_exp, 30)
+        sdpa_exp = lambda: sdpa(qs, ke, ve, scale=scale, **mask)  # noqa: E731
+        sdpa_gqa = lambda: sdpa(qs, k, v, scale=scale, enable_gqa=True, **mask)  # noqa: E731
+        want = sdpa_exp()[0].transpose(0, 1).float()
+        err = (ours().float() - want).abs().max().item()
+        err_triton = (triton_only().float() - want).abs().max().item()
+        t_ours, t_triton, t_exp = ms(ours, 30), ms(triton_only, 30), ms(sdpa_exp, 30)
         try:
             t_gqa = ms(sdpa_gqa, 30)
         except RuntimeError:
             t_gqa = float("inf")
         t_sdpa = min(t_exp, t_gqa)
-        row = dict(tokens=n, tierkv_ms=t_ours, sdpa_ms=t_sdpa, sdpa_expanded_ms=t_exp, sdpa_gqa_ms=t_gqa,
-                   max_abs_diff_vs_sdpa=err,
-                   tierkv_tflops=flops / (t_ours * 1e-3) / 1e12, sdpa_tflops=flops / (t_sdpa * 1e-3) / 1e12,
-                   ratio_vs_sdpa=t_sdpa / t_ours)
-        if sweep and n == 16384:
+        row = dict(tokens=n, context=ctx, dense_path=dense.applies(q, kv, 1, ctx, None),
+                   tierkv_ms=t_ours, tierkv_first_call_ms=first_ms, triton_ms=t_triton, sdpa_ms=t_sdpa,
+                   sdpa_expanded_ms=t_exp, sdpa_gqa_ms=t_gqa, max_abs_diff_vs_sdpa=err,
+                   triton_max_abs_diff_vs_sdpa=err_triton,
+                   tierkv_tflops=flops / (t_ours * 1e-3) / 1e12, triton_tflops=flops / (t_triton * 1e-3) / 1e12,
+                   sdpa_tflops=flops / (t_sdpa * 1e-3) / 1e12, ratio_vs_sdpa=t_sdpa / t_ours)
+        if sweep and n == 16384 and ctx == 0:
             row["sweep"] = []
             for bm, bn, warps, stages in ((128, 64, 4, 3), (128, 64, 4, 4), (256, 64, 8, 2), (256, 64, 8, 3),
                                           (256, 64, 8, 4), (256, 128, 8, 2), (256, 32, 8, 3), (256, 32, 8, 4)):
@@ -183,7 +202,8 @@ def bench_prefill(sweep: bool) -> list[dict]:
                     row["sweep"].append(dict(bm=bm, bn=bn, warps=warps, stages=stages, error=str(e)[:200]))
             print(f"   sweep: {row['sweep']}", flush=True)
         rows.append(row)
-        print(f"prefill N={n:6d}: tierkv {row['tierkv_tflops']:6.1f} TFLOP/s  sdpa {row['sdpa_tflops']:6.1f}"
+        print(f"prefill N={n:6d} ctx={ctx:6d}: tierkv {row['tierkv_tflops']:6.1f} TFLOP/s (triton "
+              f"{row['triton_tflops']:6.1f}, first call {first_ms:.1f} ms)  sdpa {row['sdpa_tflops']:6.1f}"
               f"  x{row['ratio_vs_sdpa']:.2f}  (max|diff| {err:.1e})", flush=True)
         del kv, tables, k, v, ke, ve
         torch.cuda.empty_cache()
@@ -330,9 +350,10 @@ def plot(result: dict, path: str) -> None:
     x = range(len(pre))
     b.bar([i - 0.2 for i in x], [r["tierkv_tflops"] for r in pre], 0.4, label="tierkv paged_prefill")
     b.bar([i + 0.2 for i in x], [r["sdpa_tflops"] for r in pre], 0.4, label="SDPA causal, contiguous")
-    b.set_xticks(list(x), [f"{r['tokens'] // 1024}K" for r in pre])
+    b.set_xticks(list(x), [f"{r['tokens'] // 1024}K" + (f"+{r['context'] // 1024}K" if r["context"] else "")
+                           for r in pre])
     b.set_ylabel("TFLOP/s")
-    b.set_title("prefill, one sequence")
+    b.set_title("prefill, one sequence (new + cached tokens)")
     b.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -73,9 +73,16 @@ def paged_decode(q, kv, block_tables, seq_lens, scale: float, sliding_window: in
     return _impl("paged_decode", q)(q, kv, block_tables, seq_lens, scale, sliding_window)
 
 
-def paged_prefill(q, kv, block_tables, cu_seqlens_q, seq_lens, scale: float, sliding_window: int | None = None):
-    """Flat varlen q [T, Hq, D], causal over the paged kv; see reference.paged_prefill."""
-    return _impl("paged_prefill", q)(q, kv, block_tables, cu_seqlens_q, seq_lens, scale, sliding_window)
+def paged_prefill(q, kv, block_tables, cu_seqlens_q, seq_lens, scale: float, sliding_window: int | None = None,
+                  context: int | None = None):
+    """Flat varlen q [T, Hq, D], causal over the paged kv; see reference.paged_prefill.
+
+    context: when the batch is one sequence, its cached token count as the host knows it; a long
+    chunk may then take a faster path on the GPU (kernels/dense.py). The result is the same.
+    """
+    if backend_for(q) == "reference":
+        return reference.paged_prefill(q, kv, block_tables, cu_seqlens_q, seq_lens, scale, sliding_window)
+    return _impl("paged_prefill", q)(q, kv, block_tables, cu_seqlens_q, seq_lens, scale, sliding_window, context)
 
 
 def gather_blocks(pool: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -105,6 +105,13 @@ def check_prefill(q, kv, block_tables, cu_seqlens_q, seq_lens, sliding_window) -
     return dims
 
 
+def check_context(context: int, num_tokens: int, block_tables, page: int) -> None:
+    """A one-sequence batch's cached length must be >= 0 and leave its new tokens in the table."""
+    room = block_tables.shape[1] * page
+    if context < 0 or context + num_tokens > room:
+        _fail(f"context {context} + {num_tokens} new tokens do not fit the block table's {room} tokens")
+
+
 def check_blocks(pool, slots, staged, staged_name: str) -> None:
     """pool [layers, num_slots, 2, bs, h, d] and staged [n, layers, 2, bs, h, d] must agree."""
     check_tensor("pool", pool, 6, ATTN_DTYPES + (torch.float8_e4m3fn, torch.float8_e5m2))

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _checks
+from . import _checks, dense
 from ._launch import INTERPRETING, check_triton_device, dot_precision, pow2, sm_count
 from .merge import merge_splits_kernel
 
@@ -326,12 +326,19 @@ def paged_prefill(
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    context: int | None = None,
 ) -> torch.Tensor:
     """Flat varlen q [T, Hq, D] over the paged kv, causal; see reference.paged_prefill.
 
     seq_lens[b] must not exceed block_tables.shape[1] * block_size and must be at least that
     sequence's new-token count; neither is checked here, as checking would sync the host.
+    context: the cached tokens of a one-sequence batch, known on the host (seq_lens[0] - T); a
+    long chunk then runs through cuDNN (dense.py) when `dense.applies`.
     """
+    if dense.applies(q, kv, seq_lens.shape[0], context, sliding_window):
+        _checks.check_prefill(q, kv, block_tables, cu_seqlens_q, seq_lens, sliding_window)
+        _checks.check_context(context, q.shape[0], block_tables, kv.shape[2])
+        return dense.prefill_one(q, kv, block_tables[0], context, scale)
     return _paged_prefill(q, kv, block_tables, cu_seqlens_q, seq_lens, scale, sliding_window)
 
 

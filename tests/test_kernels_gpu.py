@@ -166,6 +166,45 @@ def test_prefill_long_chunk_tile_shapes(d, new_tokens):
     _close(got, want, torch.bfloat16)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d,context,new_tokens", [(128, 0, 2048), (128, 0, 3001), (128, 5120, 3001),
+                                                  (64, 20480, 2500)])
+def test_prefill_one_long_sequence_takes_the_dense_path(dtype, d, context, new_tokens):
+    # a one-sequence chunk with its cached length known on the host goes through cuDNN (self part
+    # causal + prefix part, merged by log-sum-exp); it must equal the reference and the Triton path
+    from tierkv.kernels import dense
+
+    _, prefill, _, _ = _kernels()
+    g = torch.Generator().manual_seed(11)
+    pb = make_paged([context + new_tokens], 8, d, 16, dtype=dtype, device="cuda", generator=g, table_fill=FAR)
+    q = torch.randn(new_tokens, 32, d, generator=g).to(dtype).cuda()
+    cu = cu_seqlens([new_tokens], "cuda")
+    assert dense.applies(q, pb.kv, 1, context, None), "the shape this test is about must take the dense path"
+    got = prefill.paged_prefill(q, pb.kv, pb.block_tables, cu, pb.seq_lens, d**-0.5, context=context)
+    want = ref.paged_prefill(q.float(), pb.kv.float(), pb.block_tables, cu, pb.seq_lens, d**-0.5)
+    _close(got, want, dtype)
+    triton_path = prefill.paged_prefill(q, pb.kv, pb.block_tables, cu, pb.seq_lens, d**-0.5)
+    _close(triton_path, want, dtype)
+    assert got.shape == q.shape and got.dtype == dtype
+
+
+def test_dense_path_refuses_what_it_cannot_compute():
+    from tierkv.kernels import dense
+
+    kv = torch.zeros(4, 2, 16, 8, 128, dtype=torch.bfloat16, device="cuda")
+    q = torch.zeros(4096, 32, 128, dtype=torch.bfloat16, device="cuda")
+    assert dense.applies(q, kv, 1, 0, None)
+    assert not dense.applies(q, kv, 2, 0, None)          # two sequences: the varlen Triton kernel
+    assert not dense.applies(q, kv, 1, None, None)       # cached length unknown on the host
+    assert dense.applies(q, kv, 1, 3 * dense.ALIGN, None)
+    assert not dense.applies(q, kv, 1, 3 * dense.ALIGN + 16, None)   # a context that would need its own plan
+    assert not dense.applies(q, kv, 1, 0, 1024)          # sliding window
+    assert not dense.applies(q[: dense.MIN_NEW_TOKENS - 1], kv, 1, 0, None)
+    assert not dense.applies(q.float(), kv.float(), 1, 0, None)
+    assert not dense.applies(torch.zeros(4096, 32, 256, dtype=torch.bfloat16, device="cuda"),
+                             torch.zeros(4, 2, 16, 8, 256, dtype=torch.bfloat16, device="cuda"), 1, 0, None)
+
+
 def test_compile_variants_leaves_nothing_to_compile_mid_run():
     # after the engine's start-up compile, batches of every shape run on kernels already built
     import random

@@ -33,6 +33,8 @@ class AttentionMetadata:
                     the last new token of each sequence that finishes its prompt or decodes.
     is_decode:      True when every sequence has exactly one new token (T == B); the model then
                     uses the decode kernel, which is cheaper and CUDA-graph friendly.
+    context:        when the batch is one sequence, its cached tokens before this step (host int):
+                    lets a long prefill chunk take the kernels' dense path.
     streamed:       set when the batch ends with streamed sequences (see StreamedAttention).
     """
 
@@ -42,6 +44,7 @@ class AttentionMetadata:
     cu_seqlens_q: torch.Tensor
     logits_indices: torch.Tensor
     is_decode: bool = False
+    context: int | None = None
     streamed: StreamedAttention | None = None
 
     @property
@@ -73,7 +76,8 @@ class StreamedAttention:
 def _attend(q: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None):
     if meta.is_decode:  # one query per sequence: [B, Hq, D] with B == T
         return kernels.paged_decode(q, kv, meta.block_tables, meta.seq_lens, scale, window)
-    return kernels.paged_prefill(q, kv, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens, scale, window)
+    return kernels.paged_prefill(q, kv, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens, scale, window,
+                                 meta.context)
 
 
 def paged_attention(

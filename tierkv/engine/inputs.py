@@ -138,5 +138,6 @@ class StepInputs:
             cu_seqlens_q=dev("cu_seqlens_q", b_count + 1),
             logits_indices=dev("logits_indices", len(sample_rows)),
             is_decode=bool((new == 1).all()),
+            context=int(starts[0]) if b_count == 1 else None,
         )
         return BuiltStep(input_ids, dev("positions", total), meta, [requests[b] for b in sample_rows], cu.tolist())

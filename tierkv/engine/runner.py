@@ -108,6 +108,7 @@ class ModelRunner:
                 cu_seqlens_q=meta.cu_seqlens_q[lo : hi + 1] - cu[lo],
                 logits_indices=meta.logits_indices[:0],
                 is_decode=all(n == 1 for n in step.num_new[lo:hi]),
+                context=step.requests[lo].num_computed if hi - lo == 1 else None,
             )
 
         stream = self.cache.stream([r.seq for r in step.requests[first:]])
