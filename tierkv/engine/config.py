@@ -27,8 +27,8 @@ CPU_BATCHED_TOKENS = 1024
 class EngineConfig:
     """The engine's options.
 
-    model: a Hugging Face model directory or a hub id in the local cache; None is the bundled
-        SmolLM2-135M-Instruct.
+    model: a Hugging Face model directory or a hub id ("org/name", fetched into the HF cache,
+        safetensors only); None is the bundled SmolLM2-135M-Instruct.
     l1, l2, l3, eviction, write_policy: the cache tiers (see CacheConfig); l1 None sizes L1
         from the memory the weights left free.
     block_size: tokens per KV block.
@@ -36,7 +36,9 @@ class EngineConfig:
     max_model_len: longest sequence (prompt + output); None is the model's own maximum.
     max_num_batched_tokens: tokens one step computes at most; None is 8192 on a GPU, 1024 on CPU.
     max_num_seqs: sequences running at once.
-    device, dtype, cache_dir: where and in what precision the model runs, where the hub cache is.
+    device, dtype: where and in what precision the model runs.
+    cache_dir: where the bundled model is converted (default ~/.cache/tierkv); hub models go
+        to the Hugging Face cache (HF_HOME).
     enforce_eager: no CUDA graphs for decode steps (debugging, or to save their capture time).
     async_scheduling: the host schedules and prepares step N+1 while the GPU runs step N, and
         takes step N's tokens back afterwards; False runs each step to completion first.

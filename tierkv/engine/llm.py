@@ -28,9 +28,9 @@ Prompt = str | Sequence[int]
 
 class LLM:
     def __init__(self, model: str | None = None, **options) -> None:
-        """`model`: a Hugging Face model directory (or a hub id already in the local cache);
-        None is the bundled SmolLM2-135M-Instruct. Options: those of `EngineConfig` (l1, l2, l3,
-        eviction, write_policy, block_size, enable_prefix_caching, max_model_len,
+        """`model`: a Hugging Face model directory, or a hub id ("org/name", fetched into the HF
+        cache, safetensors only); None is the bundled SmolLM2-135M-Instruct. Options: those of
+        `EngineConfig` (l1, l2, l3, eviction, write_policy, block_size, enable_prefix_caching, max_model_len,
         max_num_batched_tokens, max_num_seqs, device, dtype, cache_dir, enforce_eager,
         async_scheduling)."""
         self.engine = Engine(model, **options)

