@@ -4,7 +4,8 @@ RMSNorm / RoPE / SiLU-mul, the sampler's top-k/top-p filter), dispatched by devi
 Triton kernels run on CUDA tensors and the torch reference everywhere else. The environment
 variable TIERKV_KERNELS=reference|triton forces one implementation (triton on CPU means the
 Triton interpreter, which also needs TRITON_INTERPRET=1 set before the first import). The Triton
-modules are imported lazily, so CPU-only installs without triton work. Kernels know nothing of tiers.
+modules are imported lazily, so CPU-only installs without triton work. Kernels know nothing of tiers:
+this package imports nothing from tierkv, so `import tierkv.kernels` loads it alone.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ from types import ModuleType
 import torch
 
 from . import reference
+from ._checks import ShapeError
 
 __all__ = [
+    "ShapeError",
     "backend_for",
     "kv_write",
     "paged_decode",

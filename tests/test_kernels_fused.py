@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import tierkv.kernels as K
 from tierkv.engine.model import ModelConfig, rope_inv_freq
-from tierkv.errors import ShapeError
+from tierkv.kernels import ShapeError
 from tierkv.kernels import reference as ref
 
 DTYPES = [torch.float32, torch.bfloat16]

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tierkv.errors import ShapeError
+from tierkv.kernels import ShapeError
 from tierkv.kernels import reference as ref
 from tierkv.kernels.testing import cu_seqlens, make_paged
 
@@ -97,3 +97,29 @@ def test_bad_inputs_say_what_is_wrong():
         ref.kv_write(torch.randn(2, 2, 8), torch.randn(2, 2, 8), pb.kv, torch.tensor([0]))
     with pytest.raises(ShapeError, match="sliding_window"):
         ref.paged_decode(torch.randn(1, 2, 8), pb.kv, pb.block_tables, pb.seq_lens, 1.0, sliding_window=0)
+
+
+def test_kernels_load_alone_and_import_nothing_from_tierkv():
+    # kernels/ is the bottom layer: `import tierkv.kernels` must not pull in the cache (the
+    # package's top level imports lazily), and no kernel module may import tierkv
+    import ast
+    import pathlib
+    import subprocess
+    import sys
+
+    code = "import sys, tierkv.kernels; print(sorted(m for m in sys.modules if m.startswith('tierkv')))"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "tierkv.cache" not in loaded and "tierkv.tiers" not in loaded and "tierkv.engine" not in loaded, loaded
+    root = pathlib.Path(__file__).parent.parent / "kernels"
+    for path in root.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+            assert not any(n == "tierkv" or n.startswith("tierkv.") for n in names), f"{path.name} imports {names}"
+
+
+def test_the_cache_shape_error_is_a_kernel_shape_error():
+    from tierkv import errors, kernels
+
+    assert issubclass(errors.ShapeError, kernels.ShapeError) and issubclass(errors.ShapeError, errors.TierKVError)
+    assert issubclass(kernels.ShapeError, ValueError)

@@ -238,7 +238,7 @@ def test_dispatch_env_forces_triton(tk, monkeypatch):
 
 
 def test_bad_inputs_fail_before_launch(tk):
-    from tierkv.errors import ShapeError
+    from tierkv.kernels import ShapeError
 
     pb = make_paged([5], 2, 16, 16)
     with pytest.raises(ShapeError, match="dtype"):

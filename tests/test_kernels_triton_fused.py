@@ -166,7 +166,7 @@ def test_dispatch_env_forces_triton_for_fused_kernels(tk, monkeypatch):
 
 
 def test_fused_bad_inputs_fail_before_launch(tk):
-    from tierkv.errors import ShapeError
+    from tierkv.kernels import ShapeError
 
     kv = torch.zeros(2, 2, 4, 2, 16)
     q, k = torch.randn(3, 4, 16), torch.randn(3, 2, 16)

@@ -4,6 +4,8 @@ Every error a user can cause says what to change. Internal faults of a tier (a d
 corrupt file) are never raised from here: tiers count them and report a miss instead.
 """
 
+from .kernels._checks import ShapeError as KernelShapeError  # kernels/ is the layer below everything
+
 
 class TierKVError(Exception):
     """Base class of every error tierkv raises on purpose."""
@@ -13,8 +15,9 @@ class ConfigError(TierKVError, ValueError):
     """A configuration value is wrong; the message names the field and what it accepts."""
 
 
-class ShapeError(TierKVError, ValueError):
-    """A tensor handed to the cache has the wrong shape, dtype or device."""
+class ShapeError(TierKVError, KernelShapeError):
+    """A tensor handed to the cache has the wrong shape, dtype or device. The kernels raise their
+    own base of this class (tierkv.kernels.ShapeError, a ValueError): catch that to catch both."""
 
 
 class OutOfMemoryError(TierKVError, MemoryError):
