@@ -1,4 +1,5 @@
-"""Helpers for tests/test_server.py: run `tierkv-serve` as a real process on a free loopback port.
+"""Helpers for the server tests: run `tierkv-serve` as a real process on a free loopback port, talk
+raw HTTP to it, read its memory.
 
 The server's output goes to a log file that tests read (for the secrets check). Processes are
 stopped by their own pid only.
@@ -6,6 +7,7 @@ stopped by their own pid only.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -15,7 +17,6 @@ import time
 from pathlib import Path
 
 import httpx
-import msgpack
 
 READY_TIMEOUT_S = 240.0  # model load on a busy 2-core CI box
 
@@ -70,6 +71,38 @@ class ServerProcess:
         return self.proc.returncode
 
 
+def rss_mib(pid: int) -> float:
+    """Resident memory of a process, from /proc (Linux)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def raw_exchange(port: int, data: bytes, timeout: float = 10.0) -> bytes:
+    """Send raw bytes on a fresh loopback connection and read until the server closes it (or
+    `timeout`): for requests no HTTP client would send."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        try:
+            s.sendall(data)
+        except OSError:  # the server may answer and close before taking it all
+            pass
+        out = b""
+        try:
+            while chunk := s.recv(65536):
+                out += chunk
+        except (TimeoutError, ConnectionResetError):
+            pass
+        return out
+
+
+def raw_json(response: bytes) -> tuple[int, dict]:
+    """Status and JSON body of one raw HTTP/1.1 response."""
+    head, _, body = response.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), json.loads(body)
+
+
 def metric(text: str, name: str, labels: str = "") -> float:
     """The value of one sample in Prometheus text output (0 when absent)."""
     key = f"{name}{{{labels}}}" if labels else name
@@ -80,32 +113,25 @@ def metric(text: str, name: str, labels: str = "") -> float:
 
 
 def l3_objects_all_decode(root: Path) -> int:
-    """Check every object in a disk L3 directory the way a reader would; return how many."""
+    """Check every chunk object in a disk L3 directory the way a reader would; return how many."""
     import torch
 
     from tierkv.layout import KVLayout
-    from tierkv.tiers.codec import (
-        PREFIX_SIZE,
-        BlockId,
-        check_payload,
-        decode_header,
-        payload_offset,
-    )
+    from tierkv.tiers.codec import check_payload, parse_header, payload_offset, record_size
 
-    # SmolLM2-135M: 30 layers, 3 KV heads of 64; fp32 on the CPU. A wrong guess fails decode_header.
+    # SmolLM2-135M: 30 layers, 3 KV heads of 64; fp32 on the CPU. A wrong guess fails parse_header.
     layout = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, dtype=torch.float32, block_size=16)
+    rs, start = record_size(layout, 4096), payload_offset(layout, 4096)
     files = sorted(root.rglob("*.kv"))
     for f in files:
-        data = f.read_bytes()
-        hlen = int.from_bytes(data[4:8], "little")
-        head = msgpack.unpackb(data[PREFIX_SIZE: PREFIX_SIZE + hlen])
-        bid = BlockId(int.from_bytes(head["hash"], "little"), int.from_bytes(head["parent"], "little"),
-                      head["ns"], head["tokens"])
-        assert bid.chain_ok(), f
-        assert f.name == f"{bid.hash:032x}.kv"
-        xxh = decode_header(layout, bid, data, align=4096)  # raises DecodeError on anything wrong
-        start = payload_offset(layout, 4096)
-        payload = memoryview(data)[start:]
-        assert len(payload) == layout.bytes_per_block, f
-        check_payload(payload, xxh)
+        data = memoryview(f.read_bytes())
+        assert len(data) and len(data) % rs == 0, f
+        parent = None
+        for j in range(len(data) // rs):
+            rec = data[j * rs : (j + 1) * rs]
+            bid, xxh = parse_header(layout, rec, 4096)  # raises DecodeError on anything wrong
+            assert bid.chain_ok() and (parent is None or bid.parent == parent), f
+            check_payload(rec[start : start + layout.bytes_per_block], xxh)
+            parent = bid.hash
+        assert f.name.startswith(f"{parent:032x}.c"), f  # named after its last block
     return len(files)

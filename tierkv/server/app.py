@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import ConfigError
 from .async_engine import AsyncEngine, Overloaded, ShuttingDown
+from .limits import BodyLimits, default_max_request_bytes
 from .metrics import ServerMetrics
 from .protocol import (
     APIError,
@@ -46,7 +47,9 @@ from .serving import (
 
 log = logging.getLogger(__name__)
 
-ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 429, 503)}
+ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 408, 413, 429, 503)}
+# how pydantic names the member of a union in an error's location: str, list[int], constrained-str
+_UNION_MEMBER = re.compile(r"^(str|int|float|bool|constrained-\w+|[\w-]+\[.*\])$")
 
 
 def _error(err: APIError) -> JSONResponse:
@@ -104,7 +107,8 @@ class _Guard:
 
 
 def create_app(engine: AsyncEngine, *, served_model_name: str, max_model_len: int, api_key: str | None = None,
-               grace_s: float = 30.0, flush_timeout_s: float = 60.0) -> FastAPI:
+               grace_s: float = 30.0, flush_timeout_s: float = 60.0, max_request_bytes: int | None = None) -> FastAPI:
+    """`max_request_bytes`: the largest request body read (default: derived from `max_model_len`)."""
     metrics = ServerMetrics(engine)
     names = [served_model_name]
     created = int(time.time())
@@ -124,10 +128,12 @@ def create_app(engine: AsyncEngine, *, served_model_name: str, max_model_len: in
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
         errors = exc.errors()
-        first = errors[0] if errors else {}
+        # a value that fits no member of a union fails once per member: a broken limit ("at most 4
+        # items") says more than a type mismatch against another member ("should be a valid string")
+        first = next((e for e in errors if not e.get("type", "").endswith("_type")), errors[0] if errors else {})
         if first.get("type") == "json_invalid":
             return _error(APIError(400, "the request body is not valid JSON", code="invalid_json"))
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _UNION_MEMBER.match(str(p))]
         if not loc:  # the body itself is wrong: not an object, or not sent as JSON
             return _error(APIError(400, "the request body must be a JSON object (with Content-Type: "
                                    "application/json)", code="invalid_json"))
@@ -296,5 +302,7 @@ def create_app(engine: AsyncEngine, *, served_model_name: str, max_model_len: in
         return _events(stream, chunk, include_usage)
 
     state.routes = {r.path for r in app.routes}
-    app.add_middleware(_Guard, state=state)
+    state.max_request_bytes = max_request_bytes or default_max_request_bytes(max_model_len)
+    app.add_middleware(BodyLimits, max_bytes=state.max_request_bytes)
+    app.add_middleware(_Guard, state=state)  # added last, runs first: no body is read before the key is checked
     return app

@@ -19,8 +19,9 @@ import sys
 import threading
 from pathlib import Path
 
-from ..config import redact_url
+from ..config import parse_size, redact_url
 from ..engine.config import EngineConfig
+from ..errors import ConfigError
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -33,7 +34,13 @@ SHUTDOWN_SLACK_S = 5.0
 SERVER_OPTIONS = {
     "served_model_name": None, "host": DEFAULT_HOST, "port": DEFAULT_PORT, "api_key": None, "max_waiting": 256,
     "grace_period": 30.0, "flush_timeout": 60.0, "log_level": "info",
+    # what one client may make the server hold (tierkv/server/limits.py); None: derived from max_model_len
+    "max_request_bytes": None, "header_timeout": 10.0, "body_timeout": 30.0, "send_timeout": 30.0,
+    "send_buffer_bytes": "256KiB", "keep_alive_timeout": 5.0, "max_connections": 1000, "max_keep_alive_requests": 1000,
 }
+TIMEOUTS = ("header_timeout", "body_timeout", "send_timeout", "keep_alive_timeout")
+COUNTS = ("max_connections", "max_keep_alive_requests")
+FD_SLACK = 256  # file descriptors beyond the connections: model files, L3 files, sockets to Redis/S3
 ENGINE_OPTIONS = {f.name: f.default for f in dataclasses.fields(EngineConfig) if f.name != "cache_dir"}
 OPTIONS = {**ENGINE_OPTIONS, **SERVER_OPTIONS}
 
@@ -49,9 +56,10 @@ def parser() -> argparse.ArgumentParser:
     a = p.add_argument
     a("--config", metavar="FILE.yaml", help="YAML file with any of these options as keys (dashes or underscores); "
       "flags given on the command line win")
-    a("--model", help="a Hugging Face model directory (or a hub id already in the local cache); "
-      "default: the bundled SmolLM2-135M-Instruct")
-    a("--served-model-name", help="the name clients put in 'model' (default: the model directory's name)")
+    a("--model", help="a Hugging Face model directory, or a hub id (org/name; safetensors only, fetched into "
+      "the HF cache; HF_TOKEN, HF_HOME, HF_HUB_OFFLINE apply); default: the bundled SmolLM2-135M-Instruct")
+    a("--served-model-name", help="the name clients put in 'model' (default: the hub id, or the model "
+      "directory's name)")
     a("--host", help=f"address to bind (default {DEFAULT_HOST}: this machine only; 0.0.0.0 for every interface)")
     a("--port", type=int, help=f"TCP port (default {DEFAULT_PORT})")
     a("--api-key", help=f"require 'Authorization: Bearer KEY' on every /v1 route (also read from ${API_KEY_ENV}); "
@@ -81,6 +89,24 @@ def parser() -> argparse.ArgumentParser:
     a("--grace-period", type=float, help="seconds running requests get to finish after SIGTERM (default 30)")
     a("--flush-timeout", type=float, help="seconds allowed for flushing write-back blocks to L3 on exit (default 60)")
     a("--log-level", help="debug, info, warning, error (default info)")
+    g = p.add_argument_group("limits on clients", "what one client may make the server hold "
+                             "(docs/serving.md, 'Limits'); the defaults are safe to expose behind a proxy")
+    b = g.add_argument
+    b("--max-request-bytes", help="largest request body, e.g. 4MiB; larger gets 413 (default: 64 bytes per "
+      "token of --max-model-len, at least 1MiB)")
+    b("--header-timeout", type=float, help="seconds a request's headers may take, from its first byte "
+      "(or from the connection's opening); then 408 and close (default 10)")
+    b("--body-timeout", type=float, help="seconds a request body may take after its headers; then 408 and close "
+      "(default 30)")
+    b("--send-timeout", type=float, help="seconds a response may wait on a client that stopped reading; then the "
+      "connection is dropped and the request aborted (default 30)")
+    b("--send-buffer-bytes", help="bytes queued for one client before a send waits (kernel socket buffer, and "
+      "again in the server); a full buffer starts --send-timeout (default 256KiB)")
+    b("--keep-alive-timeout", type=float, help="seconds an idle keep-alive connection stays open (default 5)")
+    b("--max-connections", type=int, help="open connections; past it, new ones get 503 and are closed "
+      "(default 1000)")
+    b("--max-keep-alive-requests", type=int, help="requests on one connection before the server closes it "
+      "(default 1000)")
     return p
 
 
@@ -97,7 +123,48 @@ def load_options(argv: list[str] | None = None) -> dict:
         merged["api_key"] = os.environ[API_KEY_ENV]
     if isinstance(merged["l3"], str):
         merged["l3"] = [merged["l3"]]
+    _check_limits(p, merged)
     return merged
+
+
+def _check_limits(p: argparse.ArgumentParser, opts: dict) -> None:
+    """Numbers for the client limits, whether they came from flags or YAML (which may hold strings)."""
+    for name in ("max_request_bytes", "send_buffer_bytes"):
+        flag = "--" + name.replace("_", "-")
+        if opts[name] is None:
+            continue  # derived from max_model_len
+        try:
+            opts[name] = parse_size(opts[name], flag)
+        except ConfigError as err:
+            p.error(str(err))
+        if opts[name] < 4096:
+            p.error(f"{flag} must be at least 4KiB, got {opts[name]}")
+    for name, kind in [*((n, float) for n in TIMEOUTS), *((n, int) for n in COUNTS)]:
+        flag = "--" + name.replace("_", "-")
+        try:
+            value = kind(opts[name])
+        except (TypeError, ValueError):
+            p.error(f"{flag} must be a number, got {opts[name]!r}")
+        if not value > 0 or value == float("inf"):
+            p.error(f"{flag} must be a positive number, got {opts[name]!r}")
+        opts[name] = value
+
+
+def _raise_fd_limit(max_connections: int, log: logging.Logger) -> None:
+    """Each connection is a file descriptor: raise the soft limit so that the cap, not EMFILE, is
+    what a flood of connections meets."""
+    try:
+        import resource
+    except ImportError:  # not on POSIX
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = max_connections + FD_SLACK
+    if soft != resource.RLIM_INFINITY and soft < need:
+        new = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+        if new < need:
+            log.warning("--max-connections %d needs %d file descriptors but the hard limit is %d (ulimit -Hn): "
+                        "lower --max-connections or raise the limit", max_connections, need, hard)
 
 
 def _read_yaml(p: argparse.ArgumentParser, path: str) -> dict:
@@ -182,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
 
         from .app import create_app
         from .async_engine import AsyncEngine
+        from .limits import Limits, protocol
     except ImportError as err:
         print(f"tierkv-serve needs the serve extra: pip install 'tierkv[serve]' ({err.name} is missing)",
               file=sys.stderr)
@@ -195,16 +263,32 @@ def main(argv: list[str] | None = None) -> int:
     except TierKVError as err:
         print(f"tierkv-serve: {Redact([]).scrub(str(err))}", file=sys.stderr)
         return 2
-    name = opts["served_model_name"] or (BUNDLED_NAME if opts["model"] is None else Path(opts["model"]).name)
+    model = opts["model"]
+    local = model is not None and Path(model).expanduser().is_dir()
+    name = opts["served_model_name"] or (BUNDLED_NAME if model is None else Path(model).name if local else model)
     aengine = AsyncEngine(engine, max_waiting=opts["max_waiting"])
     app = create_app(aengine, served_model_name=name, max_model_len=engine.max_model_len, api_key=opts["api_key"],
-                     grace_s=opts["grace_period"], flush_timeout_s=opts["flush_timeout"])
+                     grace_s=opts["grace_period"], flush_timeout_s=opts["flush_timeout"],
+                     max_request_bytes=opts["max_request_bytes"])
+    limits = Limits(**{f.name: opts[f.name] for f in dataclasses.fields(Limits) if f.name != "max_request_bytes"},
+                    max_request_bytes=app.state.max_request_bytes)
+    metrics = app.state.metrics
+    _raise_fd_limit(limits.max_connections, log)
+    # ws="none": no WebSocket route exists, so no upgrade path is offered either
     config = uvicorn.Config(app, host=opts["host"], port=opts["port"], log_level=opts["log_level"].lower(),
-                            timeout_graceful_shutdown=opts["grace_period"] + SHUTDOWN_SLACK_S, log_config=None)
+                            timeout_graceful_shutdown=opts["grace_period"] + SHUTDOWN_SLACK_S, log_config=None,
+                            http=protocol(limits, lambda reason: metrics.closed.labels(reason).inc()), ws="none",
+                            timeout_keep_alive=limits.keep_alive_timeout)
     server = _Server(config, aengine)
+    metrics.open_connections.set_function(lambda: len(server.server_state.connections))
     print(f"tierkv-serve: {name} on http://{opts['host']}:{opts['port']}/v1"
           f"{' (API key required)' if opts['api_key'] else ''}", flush=True)
     print(f"tierkv-serve: {tier_summary(engine, list(opts['l3']), opts)}", flush=True)
+    print(f"tierkv-serve: limits: body {_fmt_bytes(limits.max_request_bytes)}, headers {limits.header_timeout:g} s, "
+          f"body {limits.body_timeout:g} s, stalled send {limits.send_timeout:g} s "
+          f"({_fmt_bytes(limits.send_buffer_bytes)} buffer), keep-alive "
+          f"{limits.keep_alive_timeout:g} s x {limits.max_keep_alive_requests} requests, "
+          f"{limits.max_connections} connections", flush=True)
     server.run()
     if not server.started:
         log.error("the server did not start (is port %s free?)", opts["port"])

@@ -8,7 +8,7 @@ This file never reads request bodies or headers (no secrets can reach a metric).
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 # Buckets fit both a GPU (ms) and a loaded CPU (seconds).
@@ -36,6 +36,9 @@ class ServerMetrics:
         self.generation_tokens = Counter("tierkv_generation_tokens", "output tokens", registry=r)
         self.aborted = Counter("tierkv_requests_aborted", "requests cut short (client gone, shutdown)",
                                registry=r)
+        self.closed = Counter("tierkv_http_connections_closed", "connections closed by a limit: header, body, "
+                              "send or idle timeout, or the connection cap", ["reason"], registry=r)
+        self.open_connections = Gauge("tierkv_http_connections_open", "open HTTP connections", registry=r)
         r.register(_EngineCollector(engine))
 
     def observe(self, *, ttft: float | None, e2e: float, prompt_tokens: int, cached_tokens: int,
@@ -58,6 +61,9 @@ class _EngineCollector:
 
     def __init__(self, engine) -> None:
         self.engine = engine
+        # L2 is pinned (page-locked) or not once, when it is allocated; read here, not per scrape
+        l2 = engine.engine.cache.l2
+        self.l2_pinned = l2 is not None and l2.pinned
 
     def describe(self):
         return []  # computed at collect time; an empty describe skips the registration-time collect
@@ -88,8 +94,13 @@ class _EngineCollector:
                 fam.add_metric([t], tiers.get(t, {}).get(key, 0))
             yield fam
         for name, key, doc in (("tierkv_tier_used_blocks", "used_blocks", "blocks in use"),
-                               ("tierkv_tier_capacity_blocks", "capacity_blocks", "blocks a tier holds")):
+                               ("tierkv_tier_capacity_blocks", "capacity_blocks", "blocks a tier holds"),
+                               ("tierkv_tier_used_bytes", "used_bytes", "bytes of the blocks in use"),
+                               ("tierkv_tier_capacity_bytes", "capacity_bytes", "bytes of a tier's pool")):
             fam = GaugeMetricFamily(name, doc, labels=["tier"])
             for t in ("l1", "l2"):
                 fam.add_metric([t], tiers.get(t, {}).get(key, 0))
             yield fam
+        # the whole L2 pool is page-locked at start when it is pinned, used or not
+        yield GaugeMetricFamily("tierkv_pinned_host_bytes", "page-locked host memory of the L2 pool",
+                                value=tiers.get("l2", {}).get("capacity_bytes", 0) if self.l2_pinned else 0)

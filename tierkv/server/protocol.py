@@ -8,12 +8,20 @@ This file holds data shapes only: no engine, no I/O.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 INT64 = 2**63 - 1
 MAX_LOGPROBS = 20  # the engine's limit (tierkv.engine.sampler.MAX_LOGPROBS)
+# Stop strings are searched in the tail of the output at every step: keep them few and short.
+MAX_STOP = 4  # OpenAI's limit
+MAX_STOP_CHARS = 512
+MAX_STOP_TOKEN_IDS = 64
+MAX_CACHE_SALT_CHARS = 1024
+
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+TokenId = Annotated[int, Field(ge=0, le=INT64)]
 
 
 class APIError(Exception):
@@ -60,20 +68,21 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     temperature: float = Field(1.0, ge=0, le=2, description="0 is greedy")
     top_p: float = Field(1.0, gt=0, le=1)
-    stop: str | list[str] | None = Field(None, description="up to 4 stop strings")
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = Field(
+        None, description=f"up to {MAX_STOP} stop strings of at most {MAX_STOP_CHARS} characters")
     seed: int | None = Field(None, ge=-(2**63), le=INT64)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     user: str | None = None
     # tierkv extras
-    cache_salt: str | None = Field(None, max_length=1024,
+    cache_salt: str | None = Field(None, max_length=MAX_CACHE_SALT_CHARS,
                                    description="tenant id: requests with different salts never share cached KV")
     priority: int = Field(0, ge=-(2**31), le=2**31 - 1, description="higher is scheduled first, preempted last")
     top_k: int = Field(0, ge=-1, le=INT64, description="0 or -1 disables it")
     min_p: float = Field(0.0, ge=0, le=1)
     repetition_penalty: float = Field(1.0, gt=0, le=100)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = Field(None, max_length=64)
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
