@@ -6,9 +6,13 @@ cache's chained hashes follow the trace's prefix structure. Every request runs t
 path a paged engine runs: match -> allocate (pins L1 hits, loads L2 hits) -> commit -> free, in a
 real TieredKVCache with a payload-free layout (1 layer, 1 head, head_dim 1, fp16). Belady's MIN
 (an oracle policy plugged into the same cache) and the infinite-capacity ceiling run alongside.
-L3 is not wired into the cache yet, so the multi-tier replay keeps L3 in `L3Ledger` here: a
-write-through set of block hashes ordered by the policy under test. This file never measures
-time and never asserts; tests/test_bench_policies.py checks its figures on hand-made traces.
+The cache has an L3 now (CacheConfig.l3: disk, Redis and S3 stores), but no store evicts through
+an EvictionPolicy: the disk store keeps its own LRU of multi-block chunk files, Redis keys go by
+TTL and the Redis server's maxmemory policy, S3 objects by the bucket's rules; and each costs real
+I/O. So the multi-tier replay keeps L3 in `L3Ledger` here: a write-through set of block hashes
+ordered by the policy under test, as L1 and L2 are.
+This file never measures time and never asserts; tests/test_bench_policies.py checks its figures
+on hand-made traces.
 """
 
 from __future__ import annotations
@@ -128,8 +132,8 @@ class BeladyPolicy(EvictionPolicy):
 
 
 class L3Ledger:
-    """L3 bookkeeping until L3 is wired into the cache: which block hashes a write-through L3 of
-    `capacity` blocks would hold, ordered by a policy object. Every committed block is written."""
+    """A stand-in L3 whose order a policy decides (the cache's L3 stores keep their own): which
+    block hashes a write-through L3 of `capacity` blocks would hold. Every committed block is written."""
 
     def __init__(self, capacity: int, policy: EvictionPolicy) -> None:
         self.capacity, self.policy, self.held = capacity, policy, set()

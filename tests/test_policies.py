@@ -7,7 +7,15 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from tierkv.config import EVICTION_POLICIES
 from tierkv.errors import ConfigError
-from tierkv.policies import ARCPolicy, LFUPolicy, LRUPolicy, PriorityPolicy, S3FIFOPolicy, make_policy
+from tierkv.policies import (
+    ARCPolicy,
+    BucketQueue,
+    LFUPolicy,
+    LRUPolicy,
+    PriorityPolicy,
+    S3FIFOPolicy,
+    make_policy,
+)
 
 
 def drain(policy) -> list:
@@ -237,3 +245,105 @@ def test_lru_matches_a_reference_model(accesses):
             p.insert(k)
         model.append(k)
     assert drain(p) == model
+
+
+# ---------------------------------------------------------------------------- BucketQueue (LFU and priority)
+
+
+def pop_all(q: BucketQueue) -> list:
+    out = []
+    while (key := q.pop_min()) is not None:
+        out.append(key)
+    return out
+
+
+def test_bucket_queue_lowest_level_first_oldest_first_within_a_level():
+    q = BucketQueue()
+    for key, level in (("a", 2), ("b", 1), ("c", 2), ("d", 1), ("e", -3)):
+        q.add(key, level)
+    q.set_level("b", 1)  # same level: still goes last in it
+    assert len(q) == 5 and q.level("a") == 2
+    assert pop_all(q) == ["e", "d", "b", "a", "c"]
+    assert len(q) == 0 and "a" not in q
+
+
+def test_bucket_queue_held_keys_keep_their_level_out_of_the_order():
+    q = BucketQueue()
+    q.add("a", 1)
+    q.add("b", 5, queued=False)
+    q.add("c", 3)
+    q.hold("a")
+    q.hold("a")  # twice: still one entry
+    q.set_level("a", 9)  # a level change while held stays held
+    assert len(q) == 1 and "a" in q and "b" in q
+    assert q.pop_min() == "c" and q.pop_min() is None
+    q.release("b")
+    q.release("a")
+    q.release("a")  # releasing a queued key moves it last, never adds it twice
+    assert len(q) == 2 and pop_all(q) == ["b", "a"]
+
+
+def test_bucket_queue_ignores_absent_keys_and_re_adds_cleanly():
+    q = BucketQueue()
+    for op in (q.hold, q.release, q.discard):
+        op("ghost")
+    assert len(q) == 0 and "ghost" not in q and q.pop_min() is None
+    q.add("a", 4)
+    q.add("a", 0)  # a second add replaces the first: one entry, at the new level
+    q.add("b", 1)
+    q.discard("b")
+    q.discard("b")
+    assert len(q) == 1 and pop_all(q) == ["a"]
+
+
+def test_bucket_queue_heap_stays_small_as_levels_climb():
+    q = BucketQueue()
+    q.add("floor", 0)
+    q.add("hot", 1)
+    for level in range(2, 10_000):  # LFU: one key's count climbing opens a new level per hit
+        q.set_level("hot", level)
+    assert len(q._heap) <= 2 * len(q._buckets) + 8
+    assert pop_all(q) == ["floor", "hot"]
+
+
+@given(st.lists(st.tuples(st.sampled_from(["add", "held", "set", "hold", "release", "discard", "pop"]),
+                          st.integers(0, 8), st.integers(-3, 3)), max_size=120))
+def test_bucket_queue_matches_a_sorted_list_model(ops):
+    """The model: queued keys as a list in (level, arrival) order; held keys remember their level."""
+    q, level, queued, stamp = BucketQueue(), {}, {}, 0
+
+    def enqueue(k):
+        nonlocal stamp
+        stamp += 1
+        queued[k] = stamp
+
+    for op, k, lvl in ops:
+        if op in ("add", "held"):
+            queued.pop(k, None)
+            level[k] = lvl
+            q.add(k, lvl, queued=op == "add")
+            if op == "add":
+                enqueue(k)
+        elif op == "set" and k in level:
+            level[k] = lvl
+            q.set_level(k, lvl)
+            if k in queued:
+                enqueue(k)
+        elif op == "hold":
+            q.hold(k)
+            queued.pop(k, None)
+        elif op == "release":
+            q.release(k)
+            if k in level:
+                enqueue(k)
+        elif op == "discard":
+            q.discard(k)
+            level.pop(k, None)
+            queued.pop(k, None)
+        elif op == "pop":
+            want = min(queued, key=lambda key: (level[key], queued[key])) if queued else None
+            assert q.pop_min() == want
+            if want is not None:
+                del queued[want], level[want]
+        assert len(q) == len(queued) and all(key in q for key in level)
+    assert pop_all(q) == sorted(queued, key=lambda key: (level[key], queued[key]))

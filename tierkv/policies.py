@@ -8,6 +8,7 @@ or tiers: the index tells them what happened and asks for a victim.
 
 from __future__ import annotations
 
+import heapq
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Hashable
@@ -19,7 +20,8 @@ Key = Hashable
 
 
 class EvictionPolicy(ABC):
-    """The interface every policy implements. All operations are O(1) (LFU/priority: O(distinct levels))."""
+    """The interface every policy implements. All operations are O(1), amortised; LFU and priority
+    pay O(log distinct levels) when a key opens a new level and on evict (see BucketQueue)."""
 
     @abstractmethod
     def insert(self, key: Key, *, priority: int = 0, pinned: bool = False) -> None:
@@ -81,67 +83,153 @@ class LRUPolicy(EvictionPolicy):
         return len(self._order)
 
 
-class LFUPolicy(EvictionPolicy):
-    """Least frequently used first, least recently used among equals."""
+class BucketQueue:
+    """Keys grouped by an integer level; the oldest key of the lowest level comes out first.
+
+    The one mechanism behind LFU (level = hit count) and priority (level = priority). Every tracked
+    key has a level; only queued keys sit in a bucket (an insertion-ordered dict per level), so a
+    held (pinned) key keeps its level while out of the order. A heap of levels finds the lowest
+    bucket without scanning them all: adding to an existing level is O(1), opening a new level
+    O(log levels), `pop_min` O(log levels) amortised.
+    """
 
     def __init__(self) -> None:
-        self._freq: dict[Key, int] = {}  # every resident key, pinned or not
-        self._buckets: dict[int, OrderedDict[Key, None]] = {}  # freq -> evictable keys, oldest first
-        self._count = 0
+        self._level: dict[Key, int] = {}  # every tracked key, queued or held
+        self._buckets: dict[int, OrderedDict[Key, None]] = {}  # level -> queued keys, oldest first
+        # Levels that have a bucket, plus stale ones whose bucket has since emptied: those are
+        # skipped when they reach the top, rather than searched for and deleted.
+        self._heap: list[int] = []
+        self._queued = 0
 
-    def _add(self, key: Key) -> None:
-        self._buckets.setdefault(self._freq[key], OrderedDict())[key] = None
-        self._count += 1
+    def __contains__(self, key: Key) -> bool:
+        return key in self._level
 
-    def _drop(self, key: Key) -> bool:
-        bucket = self._buckets.get(self._freq.get(key, -1))
+    def __len__(self) -> int:
+        """Number of queued keys (held ones not counted)."""
+        return self._queued
+
+    def level(self, key: Key) -> int:
+        return self._level[key]
+
+    def add(self, key: Key, level: int, *, queued: bool = True) -> None:
+        """Track `key` at `level`, replacing any earlier entry for it; a queued key goes last in its level."""
+        self.discard(key)
+        self._level[key] = level
+        if queued:
+            self._enqueue(key)
+
+    def set_level(self, key: Key, level: int) -> None:
+        """Move a tracked `key` to `level`. A queued key goes last there, even if the level is unchanged."""
+        queued = self._dequeue(key)
+        self._level[key] = level
+        if queued:
+            self._enqueue(key)
+
+    def hold(self, key: Key) -> None:
+        """Take `key` out of the order, keeping its level. No-op if absent or already held."""
+        self._dequeue(key)
+
+    def release(self, key: Key) -> None:
+        """Put a tracked `key` back in the order, last in its level (also if it was queued already)."""
+        if key in self._level:
+            self._dequeue(key)
+            self._enqueue(key)
+
+    def discard(self, key: Key) -> None:
+        """Forget `key`, queued or held. No-op if absent."""
+        self._dequeue(key)
+        self._level.pop(key, None)
+
+    def pop_min(self) -> Key | None:
+        """Remove and return the oldest queued key of the lowest level, or None if none is queued."""
+        while self._heap and self._heap[0] not in self._buckets:
+            heapq.heappop(self._heap)
+        if not self._heap:
+            return None
+        level = self._heap[0]
+        bucket = self._buckets[level]
+        key, _ = bucket.popitem(last=False)
+        if not bucket:
+            del self._buckets[level]  # its heap entry goes stale and is dropped on a later pop
+        self._queued -= 1
+        del self._level[key]
+        return key
+
+    def _enqueue(self, key: Key) -> None:
+        level = self._level[key]
+        bucket = self._buckets.get(level)
+        if bucket is None:
+            bucket = self._buckets[level] = OrderedDict()
+            heapq.heappush(self._heap, level)
+            # Levels that open and close away from the top (LFU counts climbing) would pile up as
+            # stale entries; rebuilding once they outnumber the live ones keeps the heap O(levels).
+            if len(self._heap) > 2 * len(self._buckets) + 8:
+                self._heap = sorted(self._buckets)
+        bucket[key] = None
+        self._queued += 1
+
+    def _dequeue(self, key: Key) -> bool:
+        """Take `key` out of its bucket; False if it was not queued."""
+        level = self._level.get(key)
+        bucket = self._buckets.get(level) if level is not None else None
         if bucket is None or key not in bucket:
             return False
         del bucket[key]
         if not bucket:
-            del self._buckets[self._freq[key]]
-        self._count -= 1
+            del self._buckets[level]
+        self._queued -= 1
         return True
 
+
+class _LevelPolicy(EvictionPolicy):
+    """A policy that evicts the lowest level first and the least recently used within a level.
+
+    Subclasses say only how a key's level starts and how a hit changes it. An unpin counts as a
+    use (last in its level), as a touch of an evictable key does even when its level stays.
+    """
+
+    def __init__(self) -> None:
+        self._queue = BucketQueue()
+
+    @abstractmethod
+    def _first_level(self, priority: int) -> int:
+        """The level of a key that enters the tier with `priority`."""
+
+    @abstractmethod
+    def _hit_level(self, level: int, priority: int) -> int:
+        """The level of a key at `level` after a hit from a request with `priority`."""
+
     def insert(self, key, *, priority=0, pinned=False):
-        self.remove(key)
-        self._freq[key] = 1
-        if not pinned:
-            self._add(key)
+        self._queue.add(key, self._first_level(priority), queued=not pinned)
 
     def pin(self, key):
-        self._drop(key)
+        self._queue.hold(key)
 
     def unpin(self, key):
-        if key in self._freq:
-            self._drop(key)  # an unpin of an evictable key is a no-op, not a double entry
-            self._add(key)
+        self._queue.release(key)
 
     def touch(self, key, *, priority=0):
-        if key not in self._freq:
-            return
-        evictable = self._drop(key)
-        self._freq[key] += 1
-        if evictable:
-            self._add(key)
+        if key in self._queue:
+            self._queue.set_level(key, self._hit_level(self._queue.level(key), priority))
 
     def evict(self):
-        if not self._buckets:
-            return None
-        lowest = min(self._buckets)
-        key, _ = self._buckets[lowest].popitem(last=False)
-        if not self._buckets[lowest]:
-            del self._buckets[lowest]
-        self._count -= 1
-        del self._freq[key]
-        return key
+        return self._queue.pop_min()
 
     def remove(self, key):
-        self._drop(key)
-        self._freq.pop(key, None)
+        self._queue.discard(key)
 
     def __len__(self):
-        return self._count
+        return len(self._queue)
+
+
+class LFUPolicy(_LevelPolicy):
+    """Least frequently used first, least recently used among equals. Hits while pinned count too."""
+
+    def _first_level(self, priority):
+        return 1
+
+    def _hit_level(self, level, priority):
+        return level + 1
 
 
 class S3FIFOPolicy(EvictionPolicy):
@@ -334,70 +422,17 @@ class ARCPolicy(EvictionPolicy):
         return len(self._t1) + len(self._t2)
 
 
-class PriorityPolicy(EvictionPolicy):
+class PriorityPolicy(_LevelPolicy):
     """Lowest priority value first, least recently used within a priority.
 
     A block's priority is the highest priority of the requests that stored or hit it.
     """
 
-    def __init__(self) -> None:
-        self._priority: dict[Key, int] = {}  # every resident key
-        self._levels: dict[int, OrderedDict[Key, None]] = {}  # priority -> evictable keys, oldest first
-        self._count = 0
+    def _first_level(self, priority):
+        return priority
 
-    def _add(self, key: Key) -> None:
-        self._levels.setdefault(self._priority[key], OrderedDict())[key] = None
-        self._count += 1
-
-    def _drop(self, key: Key) -> bool:
-        level = self._levels.get(self._priority.get(key))
-        if level is None or key not in level:
-            return False
-        del level[key]
-        if not level:
-            del self._levels[self._priority[key]]
-        self._count -= 1
-        return True
-
-    def insert(self, key, *, priority=0, pinned=False):
-        self.remove(key)
-        self._priority[key] = priority
-        if not pinned:
-            self._add(key)
-
-    def pin(self, key):
-        self._drop(key)
-
-    def unpin(self, key):
-        if key in self._priority:
-            self._drop(key)
-            self._add(key)
-
-    def touch(self, key, *, priority=0):
-        if key not in self._priority:
-            return
-        evictable = self._drop(key)
-        self._priority[key] = max(self._priority[key], priority)
-        if evictable:
-            self._add(key)
-
-    def evict(self):
-        if not self._levels:
-            return None
-        lowest = min(self._levels)
-        key, _ = self._levels[lowest].popitem(last=False)
-        if not self._levels[lowest]:
-            del self._levels[lowest]
-        self._count -= 1
-        del self._priority[key]
-        return key
-
-    def remove(self, key):
-        self._drop(key)
-        self._priority.pop(key, None)
-
-    def __len__(self):
-        return self._count
+    def _hit_level(self, level, priority):
+        return max(level, priority)
 
 
 _POLICIES: dict[str, type[EvictionPolicy]] = {
