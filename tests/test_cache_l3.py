@@ -135,6 +135,28 @@ def test_an_unmeasured_l3_is_probed_then_judged_by_its_measured_speed(tmp_path):
         assert cache.match(doc, recompute_seconds_per_token=1e-15).tokens == 0
 
 
+@pytest.mark.parametrize("chunk", [16, 256])
+def test_chunked_l3_hits_a_prompt_ending_inside_a_chunk_and_a_longer_one(tmp_path, chunk):
+    """Chunk objects are named after their last block: a prompt whose usable part ends one block
+    before the stored chain's end still finds it (the match looks up its last block's hash too),
+    and a longer prompt whose chain was stored in two writes reads both parts."""
+    url = f"file://{tmp_path}?size=64MiB&chunk={chunk}"  # 4 or 64 blocks of 4 tokens a chunk
+    doc = list(range(4 * 10))  # 10 full blocks: the last token is computed, so 9 blocks are usable
+    longer = doc + list(range(500, 500 + 4 * 7 + 1))  # 17 full blocks and one token
+    with make([url], l1=48, l2=48) as first:
+        store(first, doc)
+        assert first.flush(timeout=30)
+    with make([url], l1=48, l2=48) as second:
+        assert second.match(doc).by_tier["l3"] == 36
+        check_retrieve(second, doc, 36)
+        store(second, longer)
+        assert second.flush(timeout=30)
+    with make([url], l1=48, l2=48) as third:
+        assert third.match(longer).by_tier["l3"] == 68
+        check_retrieve(third, longer, 68)
+        assert sum(third.stats()["l3_stores"][0]["errors"].values()) == 0
+
+
 def test_an_l3_tail_is_read_while_the_head_is_computed_then_adopted(tmp_path):
     url = f"file://{tmp_path}?size=64MiB"
     doc = list(range(4 * 40 + 1))  # 40 full blocks and the token whose logits are computed

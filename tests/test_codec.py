@@ -12,7 +12,7 @@ from services import block_chain, same_bytes
 
 from tierkv.errors import ConfigError
 from tierkv.layout import KVLayout
-from tierkv.tiers.codec import BlockId, DecodeError, byte_view, decode_into, encode, payload_offset
+from tierkv.tiers.codec import BlockId, DecodeError, byte_view, decode_into, encode, parse_header, payload_offset
 from tierkv.tiers.l3 import open_store, redact_url
 
 SMALL = KVLayout(num_layers=2, num_kv_heads=1, head_dim=4, dtype=torch.float16, block_size=2)
@@ -114,6 +114,35 @@ def test_chain_ok_detects_a_mislabeled_block(tmp_path):
     store = open_store(f"file://{tmp_path}/d?size=1MiB", SMALL)
     with pytest.raises(ValueError):
         store.put_many([liar], [pays[1]])
+    store.close()
+
+
+def test_format_1_objects_are_refused_with_a_clear_reason():
+    ids, _, data = _obj()
+    old = data.replace(b"\xa1v\x02", b"\xa1v\x01", 1)  # the header's "v": 1, as before chunk objects
+    with pytest.raises(DecodeError, match="format version 1") as err:
+        parse_header(SMALL, old)
+    assert err.value.kind == "layout"
+    assert parse_header(SMALL, data) == (ids[1], parse_header(SMALL, data)[1])
+
+
+def test_a_block_at_another_chain_position_is_a_mismatch():
+    ids, _, data = _obj()
+    moved = BlockId(ids[1].hash, ids[1].parent, ids[1].ns, ids[1].tokens, ids[1].pos + 16)
+    with pytest.raises(DecodeError, match="mismatch"):
+        decode_into(SMALL, moved, data, memoryview(bytearray(SMALL.bytes_per_block)))
+
+
+def test_chunked_stores_need_chain_positions(tmp_path):
+    ids, pays = block_chain(SMALL, 2)
+    store = open_store(f"file://{tmp_path}/d?size=1MiB", SMALL)
+    unplaced = [BlockId(b.hash, b.parent, b.ns, b.tokens) for b in ids]
+    with pytest.raises(ValueError, match="position"):
+        store.put_many(unplaced, pays)
+    with pytest.raises(ValueError, match="position"):
+        store.get_many(unplaced, pays)
+    with pytest.raises(ConfigError, match="chunk"):
+        open_store(f"file://{tmp_path}/e?size=1MiB&chunk=3", SMALL)
     store.close()
 
 

@@ -1,4 +1,5 @@
-"""tierkv/tiers/disk.py: round trips, warm restart, budget, and faults (damaged files, read-only, SIGKILL)."""
+"""tierkv/tiers/disk.py: round trips, chunk objects, warm restart, budget, and faults (damaged
+files, read-only, SIGKILL). Tests about single objects use chunk=16 (one block per object)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch
 from services import block_chain, get_and_check, empty_like_blocks, same_bytes
 
 from tierkv.layout import KVLayout
-from tierkv.tiers.codec import key_hex
+from tierkv.tiers.codec import byte_view, encode_header, key_hex, payload_offset
 from tierkv.tiers.l3 import open_store
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16, block_size=16)  # 16 KiB
@@ -29,9 +30,10 @@ def _store(path, size="64MiB", **opts):
     return open_store(f"file://{path}?size={size}{extra}", LAYOUT)
 
 
-def _file(root, h) -> Path:
+def _file(root, h, chunk_blocks=1) -> Path:
+    """The file of the chunk object whose last block has hash `h`."""
     hx = key_hex(h)
-    return Path(root) / hx[:2] / f"{hx}.kv"
+    return Path(root) / hx[:2] / f"{hx}.c{chunk_blocks}.kv"
 
 
 def _check(store, ids, pays) -> list[bool]:
@@ -39,15 +41,21 @@ def _check(store, ids, pays) -> list[bool]:
     return get_and_check(store, LAYOUT, ids, pays)
 
 
-def test_roundtrip_and_lookup(tmp_path):
+@pytest.mark.parametrize("chunk", [0, 256])  # one block per object (the default), or 16-block chunks
+def test_roundtrip_and_lookup(tmp_path, chunk):
     ids, pays = block_chain(LAYOUT, 12)
-    s = _store(tmp_path)
+    s = _store(tmp_path, chunk=chunk)
     assert s.contains_many([b.hash for b in ids]) == [False] * 12
     assert s.put_many(ids, pays) == [True] * 12
     assert s.contains_many([b.hash for b in ids] + [12345]) == [True] * 12 + [False]
     assert _check(s, ids, pays) == [True] * 12
     st = s.stats()
     assert st["hits"] == 12 and st["bytes_read"] == 12 * LAYOUT.bytes_per_block and st["blocks"] == 12
+    if chunk:  # one partial chunk of 12 blocks, named after its last block
+        assert st["objects"] == 1 and [p.name for p in tmp_path.rglob("*.kv")] == [_file(tmp_path, ids[11].hash, 16).name]
+    else:
+        assert st["objects"] == 12
+        assert sorted(p.name for p in tmp_path.rglob("*.kv")) == sorted(_file(tmp_path, b.hash).name for b in ids)
     assert s.estimate_load_seconds(10) > 0
     with pytest.raises(ValueError):
         s.get_many(ids[:1], [torch.empty(3)])
@@ -67,7 +75,7 @@ def test_warm_restart_finds_blocks_without_reading_payloads(tmp_path):
 
 def test_truncated_and_flipped_files_are_counted_misses_and_dropped(tmp_path):
     ids, pays = block_chain(LAYOUT, 4)
-    s = _store(tmp_path)
+    s = _store(tmp_path, chunk=16)
     s.put_many(ids, pays)
     f0, f1, f2 = (_file(tmp_path, b.hash) for b in ids[:3])
     os.truncate(f0, f0.stat().st_size - 100)
@@ -87,7 +95,7 @@ def test_truncated_and_flipped_files_are_counted_misses_and_dropped(tmp_path):
 
 def test_foreign_files_are_ignored_and_left_alone(tmp_path):
     ids, pays = block_chain(LAYOUT, 3)
-    s = _store(tmp_path)
+    s = _store(tmp_path, chunk=16)
     s.put_many(ids[:2], pays[:2])
     s.close()
     (tmp_path / "README").write_text("not a block")
@@ -96,7 +104,7 @@ def test_foreign_files_are_ignored_and_left_alone(tmp_path):
     impostor = _file(tmp_path, ids[2].hash)  # a block's name holding something else
     impostor.parent.mkdir(exist_ok=True)
     impostor.write_bytes(os.urandom(LAYOUT.bytes_per_block + 4096))
-    s2 = _store(tmp_path)
+    s2 = _store(tmp_path, chunk=16)
     assert _check(s2, ids, pays) == [True, True, False]
     assert s2.stats()["errors"]["garbage"] == 1
     assert (tmp_path / "README").exists() and (tmp_path / "ab" / "notes.txt").exists()
@@ -104,10 +112,10 @@ def test_foreign_files_are_ignored_and_left_alone(tmp_path):
 
 
 def test_budget_evicts_least_recently_used_and_never_grows(tmp_path):
-    s = _store(tmp_path, size="1KiB")
-    size = s.object_size
+    s = _store(tmp_path, size="1KiB", chunk=16)
+    size = s.record_size
     s.close()
-    s = _store(tmp_path, size=str(5 * size))
+    s = _store(tmp_path, size=str(5 * size), chunk=16)
     ids, pays = block_chain(LAYOUT, 20)
     s.put_many(ids[:5], pays[:5])
     assert _check(s, ids[:1], pays[:1]) == [True]  # block 0 becomes the most recent
@@ -120,22 +128,22 @@ def test_budget_evicts_least_recently_used_and_never_grows(tmp_path):
     assert s.stats()["evictions"] == 15
     s.close()
     # A block larger than the whole budget is refused, not written.
-    tiny = _store(tmp_path / "tiny", size="4KiB")
+    tiny = _store(tmp_path / "tiny", size="4KiB", chunk=16)
     assert tiny.put_many(ids[:1], pays[:1]) == [False]
     assert tiny.stats()["errors"]["too_large"] == 1 and not list((tmp_path / "tiny").rglob("*.kv"))
     tiny.close()
 
 
 def test_restart_rebuilds_lru_order_from_mtimes(tmp_path):
-    s = _store(tmp_path)
-    size = s.object_size
+    s = _store(tmp_path, chunk=16)
+    size = s.record_size
     ids, pays = block_chain(LAYOUT, 4)
     for i in range(3):
         s.put_many([ids[i]], [pays[i]])
         os.utime(_file(tmp_path, ids[i].hash), (1000 + i, 1000 + i))
     _check(s, ids[:1], pays[:1])  # a read refreshes block 0's mtime: it is now the newest
     s.close()
-    s2 = _store(tmp_path, size=str(3 * size))
+    s2 = _store(tmp_path, size=str(3 * size), chunk=16)
     s2.put_many([ids[3]], [pays[3]])
     assert s2.contains_many([b.hash for b in ids]) == [True, False, True, True]
     s2.close()
@@ -168,6 +176,76 @@ def test_direct_io_option_roundtrips(tmp_path):
     outs = empty_like_blocks(big, 4)
     assert s.get_many(ids, outs) == [True] * 4
     assert all(same_bytes(o, p) for o, p in zip(outs, pays))
+    s.close()
+
+
+def test_partial_chunk_then_a_longer_write_completes_it(tmp_path):
+    ids, pays = block_chain(LAYOUT, 20)
+    s = _store(tmp_path, chunk=64)  # 4 blocks a chunk
+    assert s.put_many(ids[:6], pays[:6]) == [True] * 6  # one full chunk and a partial one (blocks 4, 5)
+    assert s.contains_many([b.hash for b in ids[:8]]) == [True] * 6 + [False] * 2
+    assert s.contains_many([b.hash for b in ids[5:8]], first_pos=5) == [True, False, False]
+    assert _check(s, ids[:6], pays[:6]) == [True] * 6
+    # blocks 6..9 extend the partial chunk from its parent's object, then start the next chunk
+    assert s.put_many(ids[6:10], pays[6:10]) == [True] * 4
+    names = sorted(p.name for p in tmp_path.rglob("*.kv"))
+    assert names == sorted(_file(tmp_path, ids[i].hash, 4).name for i in (3, 7, 9))
+    assert s.contains_many([b.hash for b in ids]) == [True] * 10 + [False] * 10
+    assert _check(s, ids, pays) == [True] * 10 + [False] * 10
+    # a run that starts inside a chunk whose head is in no object is refused, never mislabeled
+    assert s.put_many(ids[13:15], pays[13:15]) == [False, False]
+    assert s.stats()["orphans"] == 2
+    # a second store on the directory reads the part of a chunk it asks for, up to the chunk's end
+    s2 = _store(tmp_path, chunk=64)
+    assert _check(s2, ids[5:8], pays[5:8]) == [True] * 3
+    assert _check(s2, ids[0:4], pays[0:4]) == [True] * 4
+    # the trade of naming a chunk after its last block: a chain that ends inside a chunk finds no
+    # longer object (blocks 4..7 are stored as one); at most chunk-1 blocks are recomputed
+    assert _check(s2, ids[4:6], pays[4:6]) == [False, False]
+    assert sum(s.stats()["errors"].values()) + sum(s2.stats()["errors"].values()) == 0
+    s.close()
+    s2.close()
+
+
+def test_corrupt_byte_in_block_k_of_a_chunk_is_a_miss_from_k_on(tmp_path):
+    ids, pays = block_chain(LAYOUT, 8)
+    s = _store(tmp_path, chunk=256)
+    s.put_many(ids, pays)
+    f = _file(tmp_path, ids[7].hash, 16)
+    data = bytearray(f.read_bytes())
+    k = 5
+    data[k * s.record_size + payload_offset(LAYOUT, 4096) + 123] ^= 0x01  # inside block 5's payload
+    f.write_bytes(bytes(data))
+    assert _check(s, ids, pays) == [True] * k + [False] * (8 - k)
+    assert s.stats()["errors"]["checksum"] == 1
+    s.close()
+
+
+def test_two_chains_sharing_a_prefix_keep_their_own_chunks(tmp_path):
+    a_ids, a_pays = block_chain(LAYOUT, 6, seed=1)
+    b_ids, b_pays = block_chain(LAYOUT, 6, seed=2)
+    s = _store(tmp_path, chunk=64)
+    assert s.put_many(a_ids, a_pays) == [True] * 6
+    assert s.put_many(b_ids, b_pays) == [True] * 6
+    assert _check(s, a_ids, a_pays) == [True] * 6 and _check(s, b_ids, b_pays) == [True] * 6
+    s.close()
+
+
+def test_old_single_block_files_are_not_read_and_evicted_first(tmp_path, caplog):
+    ids, pays = block_chain(LAYOUT, 3)
+    old = _file(tmp_path, ids[0].hash).with_name(f"{key_hex(ids[0].hash)}.kv")  # format 1 name
+    old.parent.mkdir()
+    payload = byte_view(pays[0])
+    head = encode_header(LAYOUT, ids[0], payload, 4096).replace(b"\xa1v\x02", b"\xa1v\x01", 1)  # "v": 1
+    old.write_bytes(head + bytes(payload))
+    s = _store(tmp_path)
+    assert "old one-block format" in caplog.text
+    assert s.contains_many([ids[0].hash]) == [False] and _check(s, ids[:1], pays[:1]) == [False]
+    s.close()
+    size = payload_offset(LAYOUT, 4096) + LAYOUT.bytes_per_block
+    s = _store(tmp_path, size=str(size + 2 * _store(tmp_path).record_size))
+    assert s.put_many(ids, pays) == [True] * 3
+    assert not old.exists() and _check(s, ids, pays) == [True] * 3
     s.close()
 
 
@@ -225,7 +303,7 @@ def test_read_only_directory_fails_puts_and_still_serves_reads(tmp_path):
             d.chmod(0o755)
     assert len(result) == 4, result[0]
     puts, gets, io_errors, after = result
-    assert puts == [False] * 3 and gets == [True] * 3 and io_errors >= 3
+    assert puts == [False] * 3 and gets == [True] * 3 and io_errors >= 1  # blocks 3..5: one chunk object
     assert after == before  # no temp file or half object left behind
 
 

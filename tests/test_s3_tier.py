@@ -1,4 +1,4 @@
-"""tierkv/tiers/s3.py against a real SeaweedFS: sharing a bucket, damage, and faults (stopped, frozen)."""
+"""tierkv/tiers/s3.py against a real SeaweedFS: chunk objects, sharing a bucket, damage, and faults (stopped, frozen)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from services import S3_SECRET, block_chain, get_and_check, empty_like_blocks
 from test_redis_tier import run_writer
 
 from tierkv.layout import KVLayout
-from tierkv.tiers.codec import key_hex
+from tierkv.tiers.codec import key_hex, payload_offset
 from tierkv.tiers.l3 import open_store
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16, block_size=16)  # 16 KiB
@@ -45,15 +45,39 @@ def test_roundtrip_lookup_and_no_secret_in_logs(seaweed, caplog):
 
 def test_corrupt_object_is_a_counted_miss_and_deleted(seaweed):
     ids, pays = block_chain(LAYOUT, 2)
-    s = open_store(seaweed.url("corrupt"), LAYOUT)
+    s = open_store(seaweed.url("corrupt", chunk="16"), LAYOUT)  # one block per object
     s.put_many(ids, pays)
     raw = boto3.client("s3", endpoint_url=seaweed.endpoint, region_name="us-east-1")
-    key = f"kv/{key_hex(ids[0].hash)}"
+    key = f"kv/{key_hex(ids[0].hash)}.c1"
     raw.put_object(Bucket="corrupt", Key=key, Body=b"\x00" * 100)
     assert _check(s, ids, pays) == [False, True]
     assert s.stats()["errors"]["garbage"] == 1
     assert raw.list_objects_v2(Bucket="corrupt", Prefix=key)["KeyCount"] == 0
     s.close()
+
+
+def test_chunks_partial_then_longer_write_and_a_damaged_block(seaweed):
+    ids, pays = block_chain(LAYOUT, 12)
+    s = open_store(seaweed.url("chunks", chunk="64"), LAYOUT)  # 4 blocks a chunk
+    assert s.put_many(ids[:6], pays[:6]) == [True] * 6
+    assert s.contains_many([b.hash for b in ids[:8]]) == [True] * 6 + [False] * 2
+    assert s.put_many(ids[6:10], pays[6:10]) == [True] * 4  # completes the partial chunk 4..7
+    raw = boto3.client("s3", endpoint_url=seaweed.endpoint, region_name="us-east-1")
+    keys = sorted(o["Key"] for o in raw.list_objects_v2(Bucket="chunks", Prefix="kv/")["Contents"])
+    assert keys == sorted(f"kv/{key_hex(ids[i].hash)}.c4" for i in (3, 7, 9))
+    assert s.contains_many([b.hash for b in ids]) == [True] * 10 + [False] * 2
+    assert _check(s, ids, pays) == [True] * 10 + [False] * 2
+    # a flipped byte in block 6 (record 2 of chunk 4..7): blocks 4, 5 still hit, 6 and 7 miss
+    key = f"kv/{key_hex(ids[7].hash)}.c4"
+    body = bytearray(raw.get_object(Bucket="chunks", Key=key)["Body"].read())
+    body[2 * s.record_size + payload_offset(LAYOUT) + 7] ^= 0x40
+    raw.put_object(Bucket="chunks", Key=key, Body=bytes(body))
+    fresh = open_store(seaweed.url("chunks", chunk="64"), LAYOUT)
+    assert _check(fresh, ids[4:8], pays[4:8]) == [True, True, False, False]
+    assert fresh.stats()["errors"]["checksum"] == 1
+    assert sum(s.stats()["errors"].values()) == 0
+    s.close()
+    fresh.close()
 
 
 def test_missing_bucket_without_create_is_a_counted_miss(seaweed):

@@ -115,7 +115,8 @@ class TieredKVCache:
         hashes = hash_blocks(tb, self.block_size, ns) if limit else []
         usable = hashes[: limit // self.block_size]
         blocks = self.index.walk(usable, ns, tb, self.block_size)
-        l3_blocks = self.tiers.l3_present(usable[len(blocks) :]) if len(blocks) < len(usable) else 0
+        l3_blocks = (self.tiers.l3_present(hashes[len(blocks) :], len(blocks), len(usable) - len(blocks))
+                     if len(blocks) < len(usable) else 0)
         tail = None
         if recompute_seconds_per_token is not None:
             per_block = recompute_seconds_per_token * self.block_size
@@ -157,7 +158,8 @@ class TieredKVCache:
         """BlockIds of blocks first..end-1 of the match's prompt, in chain order."""
         stride = 4 * self.block_size
         return [
-            BlockId(match.hashes[i], match.hashes[i - 1] if i else 0, match.ns, match.token_bytes[i * stride : (i + 1) * stride])
+            BlockId(match.hashes[i], match.hashes[i - 1] if i else 0, match.ns,
+                    match.token_bytes[i * stride : (i + 1) * stride], i)
             for i in range(first, end)
         ]
 
@@ -218,7 +220,7 @@ class TieredKVCache:
                 self.index.unpin(e)
             self.index.release_l2(in_l2)
         found = self.index.walk(hashes, ns, tb, bs)
-        return (len(found) + self.tiers.l3_present(hashes[len(found) :])) * bs
+        return (len(found) + self.tiers.l3_present(hashes[len(found) :], len(found))) * bs
 
     def _enter(self, hashes: list[int], tb: bytes, ns: bytes, blocks: list[int], tier: str, slots: list[int],
                priority: int) -> list[BlockEntry]:
@@ -227,7 +229,7 @@ class TieredKVCache:
         new = []
         for i, slot in zip(reversed(blocks), reversed(slots)):  # tail first: the tail is evicted first
             entry = self.index.create(hashes[i], hashes[i - 1] if i else 0, ns, tb[i * stride : (i + 1) * stride],
-                                      priority)
+                                      priority, pos=i)
             self.index.place(entry, tier, slot)
             new.append(entry)
         return new[::-1]
@@ -513,7 +515,7 @@ class TieredKVCache:
             if seq.slots[i] < 0 or collided or (entry is not None and entry.l1 >= 0):
                 continue  # someone else holds this block (or its hash): ours stays private
             if entry is None:
-                entry = self.index.create(h, parent, seq.ns, blk, seq.priority)
+                entry = self.index.create(h, parent, seq.ns, blk, seq.priority, pos=i)
                 new.append(entry)
             self.index.pin(entry)
             self.index.place(entry, "l1", seq.slots[i])

@@ -32,6 +32,7 @@ class BlockEntry:
     loading: Any = None  # Transfer filling its L1 slot, None once known complete
     held: int = 0  # holds on its L2 slot (an L3 write in flight, a load being set up); not evictable from L2 while > 0
     l3: str = ""  # what this process knows of it in L3: "", "writing", "written" (or read from there), "failed"
+    pos: int = -1  # position in its chain (0 = first block): L3 stores group blocks into chunks by it
 
     def slot(self, tier: str) -> int:
         return self.l1 if tier == "l1" else self.l2
@@ -85,8 +86,8 @@ class BlockIndex:
         self.collisions += 1
         return None, True
 
-    def create(self, h: int, parent: int, ns: bytes, tokens: bytes, priority: int = 0) -> BlockEntry:
-        entry = BlockEntry(h, parent, ns, bytes(tokens), priority)
+    def create(self, h: int, parent: int, ns: bytes, tokens: bytes, priority: int = 0, pos: int = -1) -> BlockEntry:
+        entry = BlockEntry(h, parent, ns, bytes(tokens), priority, pos=pos)
         self.entries[h] = entry
         return entry
 

@@ -37,7 +37,7 @@ ACTIVATION_RESERVE = 4 * 2**30  # leaving this much for activations and the allo
 
 
 def block_id(e: BlockEntry) -> BlockId:
-    return BlockId(e.hash, e.parent, e.ns, e.tokens)
+    return BlockId(e.hash, e.parent, e.ns, e.tokens, e.pos)
 
 
 class Prefetch:
@@ -205,33 +205,70 @@ class Tiering:
 
     # ------------------------------------------------------------------ L3
 
-    def l3_present(self, hashes: list[int]) -> int:
-        """How many leading `hashes` some L3 store holds. Probes in growing chunks (16, 64, 256, ...)
-        so a cold prompt costs one small round trip and a long hit a handful. A block L1 or L2
-        holds counts too (one that L2 had no room to copy down, after a parent that went on to
-        L3): fetching the L3 ones makes the whole run reachable, so the run goes on past it."""
+    def l3_present(self, hashes: list[int], first_pos: int = 0, usable: int | None = None) -> int:
+        """How many leading `hashes` (a chain's blocks from position `first_pos`), up to `usable`
+        of them, some L3 store holds. Hashes past `usable` (the prompt's last blocks, which a
+        match leaves to compute) are looked up too: a chunk object is named after its last
+        block, so they find the chunk that holds the usable end. Probes in growing parts (16,
+        64, 256, ... blocks, ending on chunk boundaries) so a cold prompt costs one small round
+        trip and a long hit a handful. A block L1 or L2 holds counts too (one that L2 had no
+        room to copy down, after a parent that went on to L3): fetching the L3 ones makes the
+        whole run reachable, so the run goes on past it."""
         if self.l3 is None:
             return 0
-        found, chunk = 0, 16
-        while found < len(hashes):
-            part = hashes[found : found + chunk]
-            present = [p or h in self.index.entries for p, h in zip(self.l3.contains(part), part)]
+        usable = len(hashes) if usable is None else min(usable, len(hashes))
+        K = self.l3.chunk_blocks
+        found, size = 0, 16
+        while found < usable:
+            end = -(-(first_pos + found + size) // K) * K - first_pos  # up to a chunk boundary
+            part = hashes[found:end]
+            present = [p or h in self.index.entries for p, h in zip(self.l3.contains(part, first_pos + found), part)]
             run = next((i for i, p in enumerate(present) if not p), len(present))
             found += run
             if run < len(present):
                 break
-            chunk *= 4
-        return found
+            size *= 4
+        return min(found, usable)
 
     def _flush(self, entries: list[BlockEntry], after: Transfer) -> None:
         """Write L2 blocks to every L3 store in the background; they stay held in L2 until done."""
-        entries = [e for e in entries if e.l3 != "writing"]
+        entries = self._with_chunk_heads([e for e in entries if e.l3 != "writing"])
         if not entries:
             return
         for e in entries:
             e.l3 = "writing"
-        self.index.hold_l2(entries)
-        self.l3.put([block_id(e) for e in entries], [e.l2 for e in entries], after, entries)
+        held = [e for e in entries if e.l2 >= 0]
+        self.index.hold_l2(held)
+        # a chunk's head still only in L1 goes as a host copy taken now (its slot may be reused)
+        bufs = [e.l2 if e.l2 >= 0 else self._host_copy(e) for e in entries]
+        self.l3.put([block_id(e) for e in entries], bufs, after, entries).held = held
+
+    def _host_copy(self, e: BlockEntry) -> torch.Tensor:
+        out = torch.empty(self.layout.block_shape, dtype=self.layout.dtype)
+        out.copy_(self.l1.kv[:, e.l1])  # ordered after the writes queued into the slot
+        return out
+
+    def _with_chunk_heads(self, entries: list[BlockEntry]) -> list[BlockEntry]:
+        """`entries` and, before each, the earlier blocks of its L3 chunk that L2 or L1 holds and
+        no write in flight has: a chunk object is written whole from its first block, so writing
+        them together saves reading the chunk's head back from L3 (the store's other way to
+        extend a chunk), and under write-back, which evicts a chain's tail first (its head may
+        still be in L1), is the only way the tail is stored at all. In chain order, each block once."""
+        K = self.l3.chunk_blocks
+        out: dict[int, BlockEntry] = {}
+        for e in entries:
+            head = []
+            p = e
+            while p.pos % K and (q := self.index.entries.get(p.parent)) is not None and q.hash not in out:
+                in_l1 = q.l1 >= 0 and q.loading is None  # an L1 block still being loaded is not there yet
+                if not (q.l2 >= 0 or in_l1) or q.l3 == "writing" or q.pos != p.pos - 1:
+                    break
+                head.append(q)
+                p = q
+            for q in reversed(head):
+                out[q.hash] = q
+            out[e.hash] = e
+        return list(out.values())
 
     def prefetch(self, ids: list[BlockId], deadline: float | None, priority: int = 0) -> Prefetch:
         """Start reading the blocks `ids` (a chain's L3 part, in order) into fresh L2 slots."""
@@ -272,7 +309,7 @@ class Tiering:
             c.blocks_in += ok
             c.bytes_in += ok * self.layout.bytes_per_block
             c.errors += not ok
-        self.index.release_l2(job.entries)
+        self.index.release_l2(job.held)
 
     def _landed(self, job: L3Job) -> None:
         """Index the leading blocks that arrived; a block after a miss would be unreachable: drop it."""
@@ -281,7 +318,7 @@ class Tiering:
             self._fetching.pop(bid.hash, None)
             broken = broken or not ok
             if not broken and bid.hash not in self.index.entries:
-                e = self.index.create(bid.hash, bid.parent, bid.ns, bid.tokens, job.priority)
+                e = self.index.create(bid.hash, bid.parent, bid.ns, bid.tokens, job.priority, pos=bid.pos)
                 e.l3 = "written"
                 self.index.place(e, "l2", slot)
                 arrived += 1

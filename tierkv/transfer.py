@@ -187,8 +187,9 @@ class L3Job:
 
     kind: str  # "put" or "get"
     ids: list[BlockId]
-    slots: list[int]  # the L2 slots read from (put) or written into (get), one per id
+    slots: list[Any]  # the L2 slots read from (put) or written into (get), one per id; put: or a host block
     entries: list[Any] = field(default_factory=list)  # put: the caller's records of these blocks
+    held: list[Any] = field(default_factory=list)  # put: the entries the caller holds in L2 until done
     priority: int = 0
     ok: list[bool] = field(default_factory=list)
     finished: threading.Event = field(default_factory=threading.Event)
@@ -206,19 +207,27 @@ class L3Mover:
         self._signal = threading.Event()
         self.in_flight = 0  # jobs submitted and not yet returned by finished_jobs()
 
-    def contains(self, hashes: list[int]) -> list[bool]:
-        """Which `hashes` some store holds: one batched query per store, for what earlier ones lacked."""
+    @property
+    def chunk_blocks(self) -> int:
+        """Blocks of the largest chunk object among the stores: writes are grouped up to it."""
+        return max(store.chunk_blocks for store in self.stores)
+
+    def contains(self, hashes: list[int], first_pos: int = 0) -> list[bool]:
+        """Which `hashes` (a chain's blocks from position `first_pos`) some store holds: one
+        batched query per store, for what earlier ones lacked."""
         found = [False] * len(hashes)
         for store in self.stores:
             todo = [i for i, f in enumerate(found) if not f]
             if not todo:
                 break
-            for i, hit in zip(todo, store.contains_many([hashes[i] for i in todo])):
-                found[i] = hit
+            # a later store is asked about the chain from the first block that earlier ones lack
+            start = todo[0]
+            for i, hit in enumerate(store.contains_many(hashes[start:], first_pos + start), start):
+                found[i] = found[i] or hit
         return found
 
-    def put(self, ids: list[BlockId], slots: list[int], after: Transfer, entries: list[Any]) -> L3Job:
-        """Write L2 `slots` to every store once `after` (the copy that filled them) is complete."""
+    def put(self, ids: list[BlockId], slots: list[Any], after: Transfer, entries: list[Any]) -> L3Job:
+        """Write L2 `slots` (or host blocks) to every store once `after` (the copy that filled them) is complete."""
         job = L3Job("put", ids, slots, entries)
         self.in_flight += 1
         self._writer.submit(self._run, job, self._put, after)
@@ -243,7 +252,7 @@ class L3Mover:
 
     def _put(self, job: L3Job, after: Transfer) -> list[bool]:
         after.synchronize()
-        bufs = [self.l2.kv[s] for s in job.slots]  # [layers, 2, bs, h, d] each, contiguous
+        bufs = [self.l2.kv[s] if isinstance(s, int) else s for s in job.slots]  # [layers, 2, bs, h, d] each, contiguous
         ok = [False] * len(job.ids)
         for store in self.stores:
             ok = [a or b for a, b in zip(ok, store.put_many(job.ids, bufs))]

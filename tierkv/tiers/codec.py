@@ -1,13 +1,17 @@
-"""codec: one KV block <-> the bytes of one L3 object, and the checks that make a read trustworthy.
+"""codec: one KV block <-> the bytes of one record of an L3 object, and the checks that make a read trustworthy.
 
-    object = prefix (magic "TKV1", u32 header length, u32 payload offset)
+    record = prefix (magic "TKV1", u32 header length, u32 payload offset)
              + msgpack header + zero padding up to the payload offset
              + raw payload (the block, [layers, 2, block_size, kv_heads, head_dim], as stored in L2)
+             + zero padding up to a multiple of the store's alignment
 
+An L3 object is one record (Redis) or a run of records of consecutive blocks of one chain (a
+chunk, see l3.py); every record has the same size in a store, so record j sits at j * record_size.
 The header holds the format version, the layout fingerprint, the block's hash, parent hash,
-namespace and token ids, the payload length and the xxh3-64 checksum of the payload. A reader
-checks every one of them against what it asked for; anything else raises `DecodeError`, which
-the stores turn into a counted miss. It decodes only msgpack data (never Python objects), never does I/O and never logs.
+namespace, chain position and token ids, the payload length and the xxh3-64 checksum of the
+payload. A reader checks every one of them against what it asked for; anything else raises
+`DecodeError`, which the stores turn into a counted miss. It decodes only msgpack data (never
+Python objects), never does I/O and never logs.
 """
 
 from __future__ import annotations
@@ -23,14 +27,16 @@ import xxhash
 
 from ..layout import KVLayout
 
-FORMAT_VERSION = 1
+# 2: the header holds the block's chain position (objects hold chunks of records). Version 1
+# objects (one object per block, no position) are refused as a "layout" miss, never guessed at.
+FORMAT_VERSION = 2
 MAGIC = b"TKV1"
 _PREFIX = struct.Struct("<4sII")  # magic, msgpack header length, payload offset
 PREFIX_SIZE = _PREFIX.size
 NAMESPACE_SIZE = 16
 # Bytes a header may take besides the token ids: version (1) + fingerprint str (<= 2 + 255)
 # + 3 x 16-byte bin (hash, parent, ns: 18 each) + tokens bin header (5) + payload len (9)
-# + checksum (9) + map header and 8 one-byte key strings (~50). Rounded up generously.
+# + checksum (9) + position (9) + map header and 9 short key strings (~60). Rounded up generously.
 _HEADER_SLACK = 512
 
 
@@ -48,13 +54,15 @@ class BlockId:
 
     hash: the chained xxh3-128 hash (tierkv.hashing), parent: the previous block's hash (0 for
     the first block), ns: the 16-byte namespace digest, tokens: the block's token ids as
-    little-endian int32 bytes (4 * block_size bytes).
+    little-endian int32 bytes (4 * block_size bytes), pos: the block's position in its chain
+    (0 for the first block; -1 where unknown, which only a store without chunks accepts).
     """
 
     hash: int
     parent: int
     ns: bytes
     tokens: bytes
+    pos: int = -1
 
     def chain_ok(self) -> bool:
         """True when `hash` really is the chained hash of (parent, ns, tokens)."""
@@ -118,6 +126,7 @@ def encode_header(layout: KVLayout, bid: BlockId, payload: memoryview, align: in
             "parent": bid.parent.to_bytes(16, "little"),
             "ns": bytes(bid.ns),
             "tokens": bytes(bid.tokens),
+            "pos": bid.pos,
             "len": len(payload),
             "xxh3": checksum(payload),
         }
@@ -135,11 +144,15 @@ def encode(layout: KVLayout, bid: BlockId, payload: Any) -> bytes:
     return b"".join((encode_header(layout, bid, view), view))
 
 
-def decode_header(layout: KVLayout, bid: BlockId, head: bytes | memoryview, align: int = 1) -> int:
-    """Check the header at the start of `head` against `layout` and `bid`; return the checksum.
+def record_size(layout: KVLayout, align: int = 1) -> int:
+    """Bytes of one record: header area + payload, padded so the next record starts aligned."""
+    return payload_offset(layout, align) + -(-layout.bytes_per_block // align) * align
 
-    `head` must hold at least `payload_offset(layout, align)` bytes. Raises DecodeError.
-    """
+
+def parse_header(layout: KVLayout, head: bytes | memoryview, align: int = 1) -> tuple[BlockId, int]:
+    """The block a record's header names and its payload checksum, once the header is known to
+    be a well-formed one of `layout`. `head` holds at least `payload_offset(layout, align)`
+    bytes of the record. Raises DecodeError."""
     want_offset = payload_offset(layout, align)
     if len(head) < PREFIX_SIZE:
         raise DecodeError("truncated", "shorter than the prefix")
@@ -157,21 +170,28 @@ def decode_header(layout: KVLayout, bid: BlockId, head: bytes | memoryview, alig
         raise DecodeError("garbage", f"header is not msgpack ({type(err).__name__})") from None
     if not isinstance(h, dict):
         raise DecodeError("garbage", "header is not a map")
+    if h.get("v") == 1:
+        raise DecodeError("layout", "format version 1 (one object per block, before chunked L3 objects): not read")
     if h.get("v") != FORMAT_VERSION:
         raise DecodeError("layout", f"format version {h.get('v')!r}")
     if h.get("layout") != layout.fingerprint or h.get("len") != layout.bytes_per_block:
         raise DecodeError("layout", f"stored layout {h.get('layout')!r}")
-    if (
-        h.get("hash") != bid.hash.to_bytes(16, "little")
-        or h.get("parent") != bid.parent.to_bytes(16, "little")
-        or h.get("ns") != bytes(bid.ns)
-        or h.get("tokens") != bytes(bid.tokens)
-    ):
-        # A hash collision or a misnamed object: someone else's KV, never served.
+    fields = (h.get("hash"), h.get("parent"), h.get("ns"), h.get("tokens"))
+    if not all(isinstance(f, bytes) for f in fields) or not isinstance(h.get("pos"), int) or not isinstance(h.get("xxh3"), int):
+        raise DecodeError("garbage", "header fields missing")
+    bid = BlockId(int.from_bytes(fields[0], "little"), int.from_bytes(fields[1], "little"), fields[2], fields[3], h["pos"])
+    return bid, h["xxh3"]
+
+
+def decode_header(layout: KVLayout, bid: BlockId, head: bytes | memoryview, align: int = 1) -> int:
+    """Check the header at the start of `head` against `layout` and `bid`; return the checksum.
+
+    `head` must hold at least `payload_offset(layout, align)` bytes. Raises DecodeError.
+    """
+    stored, xxh = parse_header(layout, head, align)
+    if stored != bid:
+        # A hash collision, a misnamed object or another branch of the chain: never served.
         raise DecodeError("mismatch", "header names another block")
-    xxh = h.get("xxh3")
-    if not isinstance(xxh, int):
-        raise DecodeError("garbage", "no checksum")
     return xxh
 
 

@@ -1,7 +1,8 @@
-"""l3: the interface every L3 store (disk, S3, Redis) offers, their shared bookkeeping, and open_store.
+"""l3: the interface every L3 store (disk, S3, Redis) offers, their shared bookkeeping, chunk
+objects, and open_store.
 
     store = open_store("file:///var/cache/tierkv?size=100GiB", layout)   # or s3://..., redis://...
-    store.contains_many(hashes: list[int]) -> list[bool]        # one round trip per call
+    store.contains_many(hashes: list[int], first_pos=0) -> list[bool]   # one round trip per call
     store.get_many(ids: list[BlockId], outs: list[buffer], deadline: float | None = None) -> list[bool]
     store.put_many(ids: list[BlockId], payloads: list[buffer]) -> list[bool]
     store.estimate_load_seconds(num_blocks: int) -> float       # for load-or-recompute
@@ -9,23 +10,62 @@
 
 A buffer is a contiguous CPU tensor (an L2 slot), numpy array, bytearray or memoryview of
 exactly layout.bytes_per_block bytes; reads land in it without an intermediate tensor. A get
-returns True only when the object's header equals the BlockId asked for (hash, parent, namespace,
-token ids), its layout matches and its checksum holds; on False the buffer's bytes are undefined.
-`deadline` (time.monotonic() seconds) skips what has not started by then; get_many never returns
-while a worker could still write into `outs`, so a slot is free for reuse once it returns.
+returns True only when the stored record's header equals the BlockId asked for (hash, parent,
+namespace, token ids, chain position), its layout matches and its checksum holds; on False the
+buffer's bytes are undefined. `deadline` (time.monotonic() seconds) skips what has not started
+by then; get_many never returns while a worker could still write into `outs`, so a slot is free
+for reuse once it returns.
+
+Chunk objects (disk, S3). One object holds the records (codec.py) of a run of consecutive blocks
+of one chain: chunk c covers chain positions [c*K, (c+1)*K), K = `chunk` tokens / block_size
+(URL option `chunk`; the default, 0, is one block per object), and the object holding positions c*K..e is named after the
+hash of block e, its last block: `<32 hex>.c<K>`. Callers pass chain positions (BlockId.pos,
+contains_many's first_pos): the cache and tiering know them (a match walks the chain from block
+0; every index entry records its position).
+Why the last block's hash and not a manifest: a name is then a pure function of the chain, so
+a lookup of N blocks is one existence check per chunk (N/K parallel requests, all in one round
+trip), with no manifest to fetch first, to keep in step with its chunks, or to race on between
+two writers; and a chunk's name says exactly which blocks it holds, so two branches of one
+prefix never overwrite each other. The cost is at the end of a sequence: a partial chunk
+c*K..e is named after block e, and
+  - a lookup checks the name of each chunk's last block it knows (its chain's last one for the
+    final chunk), and for the first chunk that misses, the names of that chunk's other blocks
+    (one more parallel round) in case a writer stopped earlier. A match looks up its prompt's
+    last blocks too (those it leaves to compute), so a prompt re-sent finds its own last chunk;
+  - a later, longer write of the same chain completes the chunk: its first new block's parent
+    names the partial object, which is read, extended and rewritten under the new last block,
+    and the partial one deleted. A reader whose chain ends where the partial object ended then
+    finds nothing past the last whole chunk it covers: at most K-1 blocks to recompute, the
+    trade LMCache makes too.
+  - worse, a reader that shares only part of a chunk with the writer (a system prompt shorter
+    than K, then different questions) cannot name the writer's object at all: it finds none of
+    that chunk. So chunks are opt-in (`?chunk=256`, fewer and larger reads: disk and S3 run
+    faster, S3 lookups take one request per K tokens) and the default keeps one block per object,
+    where every shared block is found. Naming a chunk after its FIRST block, with a small index
+    of its block hashes read first, would serve partial sharers too; that is the next step.
+A record is checked on its own (header and checksum), so a damaged block k of a chunk is a
+miss from k on and the blocks before it still hit. Objects of format 1 (one object per block,
+named `<32 hex>`) are never read: their names differ, and the disk store evicts them first.
 
 Stores are thread-safe and never raise on a service or I/O failure: they count the error by
-kind and answer a miss or a failed put. They raise only for caller bugs (wrong buffer size) and
-for a bad URL at open time (ConfigError). Keys are `<32 hex of the chained hash>`, so the
-namespace (model, layout, TP rank, salt) travels in the key and two models never collide.
+kind and answer a miss or a failed put. They raise only for caller bugs (wrong buffer size, no
+chain position for a chunked store) and for a bad URL at open time (ConfigError). Names start
+with the chained hash, so the namespace (model, layout, TP rank, salt) travels in the name and
+two models never collide.
+
+Backends implement whole-object I/O by name (_stat, _read, _write, _delete); everything about
+chunks lives here and in codec.py. A backend that still implements the per-block methods
+(_contains, _get, _put; the Redis store) keeps one object per block through the same API.
 """
 
 from __future__ import annotations
 
 import logging
+import mmap
 import threading
 import time
-from abc import ABC, abstractmethod
+from abc import ABC
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -34,7 +74,18 @@ from urllib.parse import parse_qs, urlsplit
 from ..config import parse_size, redact_url, validate_l3_url
 from ..errors import ConfigError
 from ..layout import KVLayout
-from .codec import BlockId, byte_view, key_hex
+from .codec import (
+    BlockId,
+    DecodeError,
+    byte_view,
+    check_payload,
+    decode_header,
+    encode_header,
+    key_hex,
+    parse_header,
+    payload_offset,
+    record_size,
+)
 
 __all__ = ["BlockId", "L3Store", "StoreStats", "key_hex", "open_store", "redact_url"]
 
@@ -85,6 +136,11 @@ class UrlOptions:
         return parse_size(v)
 
 
+# tokens a chunk object holds (URL option `chunk`); 0 is one block per object (see the docstring
+# for why that is the default; LMCache uses 256)
+DEFAULT_CHUNK_TOKENS = 0
+_WHERE_MAX = 1 << 16  # block hashes whose object name a lookup found, kept for the reads after it
+
 UNMEASURED_READ_BPS = 1e9  # bytes/s assumed of a store nothing has been read from yet
 
 
@@ -102,7 +158,8 @@ class StoreStats:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.counts = {"hits": 0, "misses": 0, "puts": 0, "put_failures": 0, "lookups": 0,
-                       "bytes_read": 0, "bytes_written": 0}
+                       "bytes_read": 0, "bytes_written": 0,
+                       "orphans": 0}  # blocks not written: their chunk's earlier blocks were in no object
         self.errors = dict.fromkeys(ERROR_KINDS, 0)
         self.latency_s: float | None = None
         self.read_Bps: float | None = None
@@ -164,32 +221,48 @@ class Breaker:
 
 
 class L3Store(ABC):
-    """Base of the disk, S3 and Redis stores: argument checks, stats, the worker pool.
+    """Base of the disk, S3 and Redis stores: argument checks, stats, the worker pool, chunks.
 
-    Subclasses implement _contains, _get and _put on already-validated arguments; they may raise
-    anything, which is counted as an io error and answered as misses.
+    A chunked backend implements _stat, _read, _write and _delete on whole objects by name; a
+    per-block backend implements _contains, _get and _put on already-validated arguments. Either
+    may raise anything, which is counted as an io error and answered as misses.
     """
 
     name: str = "l3"
+    align: int = 1  # records in an object start at multiples of this (disk: the page size)
 
-    def __init__(self, layout: KVLayout, url: str, threads: int) -> None:
+    def __init__(self, layout: KVLayout, url: str, threads: int, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> None:
         self.layout = layout
         self.url = redact_url(url)
+        self.chunked = type(self)._read is not L3Store._read
+        self.chunk_blocks = 1
+        if self.chunked:
+            chunk_tokens = chunk_tokens or layout.block_size
+            if chunk_tokens < layout.block_size or chunk_tokens % layout.block_size:
+                raise ConfigError(f"L3 URL {self.url}: chunk={chunk_tokens} must be a multiple of the block size {layout.block_size}")
+            self.chunk_blocks = chunk_tokens // layout.block_size
+        self.record_size = record_size(layout, self.align)
+        self._offset = payload_offset(layout, self.align)
         self._stats = StoreStats()
         self._pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix=f"tierkv-{self.name}")
+        self._where: OrderedDict[int, int] = OrderedDict()  # block hash -> hash naming the object found holding it
+        self._where_lock = threading.Lock()
+        self._tls = threading.local()  # per-thread scratch for record headers
         self._closed = False
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r}, {self.layout.fingerprint})"
 
     # -- public API -----------------------------------------------------------------------
-    def contains_many(self, hashes: Sequence[int]) -> list[bool]:
-        """Which of `hashes` the store holds (a hint: a later get may still miss)."""
+    def contains_many(self, hashes: Sequence[int], first_pos: int = 0) -> list[bool]:
+        """Which of `hashes` (a chain's blocks from position `first_pos` on) the store holds.
+
+        A hint: a later get may still miss."""
         if not hashes or self._closed:
             return [False] * len(hashes)
         t0 = time.monotonic()
         try:
-            found = self._contains(list(hashes))
+            found = self._lookup(list(hashes), first_pos) if self.chunked else self._contains(list(hashes))
         except Exception as err:  # a store must never take the engine down
             log.warning("%s: lookup failed: %s", self.url, err)
             self._stats.error("io")
@@ -203,11 +276,12 @@ class L3Store(ABC):
         if len(ids) != len(outs):
             raise ValueError(f"get_many: {len(ids)} ids but {len(outs)} output buffers")
         views = [self._check_buffer(o) for o in outs]
+        self._check_positions(ids)
         if not ids or self._closed:
             return [False] * len(ids)
         t0 = time.monotonic()
         try:
-            ok = self._get(list(ids), views, deadline)
+            ok = self._get_chunks(list(ids), views, deadline) if self.chunked else self._get(list(ids), views, deadline)
         except Exception as err:
             log.warning("%s: read failed: %s", self.url, err)
             self._stats.error("io")
@@ -227,11 +301,14 @@ class L3Store(ABC):
             # A mislabeled block would poison a store shared by many processes: refuse it here.
             if len(bid.ns) != 16 or len(bid.tokens) != 4 * self.layout.block_size or not bid.chain_ok():
                 raise ValueError(f"put_many: BlockId {key_hex(bid.hash)} is not the chained hash of its parent/ns/tokens")
+            if bid.pos == 0 and bid.parent != 0:
+                raise ValueError(f"put_many: BlockId {key_hex(bid.hash)} at position 0 has a parent")
+        self._check_positions(ids)
         if not ids or self._closed:
             return [False] * len(ids)
         t0 = time.monotonic()
         try:
-            ok = self._put(list(ids), views)
+            ok = self._put_chunks(list(ids), views) if self.chunked else self._put(list(ids), views)
         except Exception as err:
             log.warning("%s: write failed: %s", self.url, err)
             self._stats.error("io")
@@ -258,13 +335,241 @@ class L3Store(ABC):
         return latency + num_blocks * self.layout.bytes_per_block / (s.read_Bps or UNMEASURED_READ_BPS)
 
     def stats(self) -> dict[str, Any]:
-        return {"name": self.name, "url": self.url, **self._stats.snapshot(), **self._extra_stats()}
+        return {"name": self.name, "url": self.url, "chunk_blocks": self.chunk_blocks,
+                **self._stats.snapshot(), **self._extra_stats()}
 
     def close(self) -> None:
         if not self._closed:
             self._closed = True
             self._pool.shutdown(wait=True)
             self._close()
+
+    # -- chunks: names and lookups ----------------------------------------------------------
+    def object_name(self, h: int) -> str:
+        """The name of the chunk object whose last block has hash `h`."""
+        return f"{key_hex(h)}.c{self.chunk_blocks}"
+
+    def _check_positions(self, ids: Sequence[BlockId]) -> None:
+        if self.chunked and any(b.pos < 0 for b in ids):
+            raise ValueError(f"{self.url}: chunked L3 stores need each BlockId's chain position (pos)")
+
+    def _holds(self, size: int | None, last_pos: int) -> bool:
+        """Whether an object of `size` bytes is the chunk object ending at chain position `last_pos`."""
+        return size == (last_pos % self.chunk_blocks + 1) * self.record_size
+
+    def _remember(self, hashes: Sequence[int], name_hash: int) -> None:
+        with self._where_lock:
+            for h in hashes:
+                self._where[h] = name_hash
+                self._where.move_to_end(h)
+            while len(self._where) > _WHERE_MAX:
+                self._where.popitem(last=False)
+
+    def _lookup(self, hashes: list[int], first: int) -> list[bool]:
+        """contains_many for chunk objects: one batched existence check of each chunk's name, and
+        for the first chunk that misses, one more of its shorter (partial) names."""
+        K = self.chunk_blocks
+        groups, i = [], 0  # [start, end) in hashes of each chunk touched
+        while i < len(hashes):
+            end = min(len(hashes), i + K - (first + i) % K)
+            groups.append((i, end))
+            i = end
+        found = [False] * len(hashes)
+        missed = None
+        for (s, e), size in zip(groups, self._stat([self.object_name(hashes[e - 1]) for s, e in groups])):
+            if self._holds(size, first + e - 1):
+                found[s:e] = [True] * (e - s)
+                self._remember(hashes[s:e], hashes[e - 1])
+            elif missed is None:
+                missed = (s, e)
+        if missed is not None and missed[1] - missed[0] > 1:
+            s, e = missed
+            sizes = self._stat([self.object_name(h) for h in hashes[s : e - 1]])
+            for j in reversed(range(len(sizes))):
+                if self._holds(sizes[j], first + s + j):
+                    found[s : s + j + 1] = [True] * (j + 1)
+                    self._remember(hashes[s : s + j + 1], hashes[s + j])
+                    break
+        return found
+
+    # -- chunks: reads ----------------------------------------------------------------------
+    def _scratch(self, n_heads: int) -> tuple[list[memoryview], memoryview]:
+        """Per-thread page-aligned buffers: `n_heads` header areas and one payload+padding area
+        that records nobody asked for are read into (mmap memory suits O_DIRECT)."""
+        t = self._tls
+        if getattr(t, "heads", None) is None:
+            t.heads = memoryview(mmap.mmap(-1, self.chunk_blocks * self._offset))
+            t.spare = memoryview(mmap.mmap(-1, self.record_size - self._offset))
+        return [t.heads[j * self._offset : (j + 1) * self._offset] for j in range(n_heads)], t.spare
+
+    def _get_chunks(self, ids: list[BlockId], outs: list[memoryview], deadline: float | None) -> list[bool]:
+        """Reads by chunk: each chunk's wanted records come in one ranged read of its object."""
+        ok = [False] * len(ids)
+        groups: list[list[int]] = []  # indices of ids, one chunk each, increasing positions
+        for i, b in enumerate(ids):
+            g = groups[-1] if groups else None
+            if g and ids[g[-1]].pos < b.pos and ids[g[-1]].pos // self.chunk_blocks == b.pos // self.chunk_blocks:
+                g.append(i)
+            else:
+                groups.append([i])
+        self._parallel(self._get_group, [(g, ids, outs, ok) for g in groups], deadline)
+        return ok
+
+    def _get_group(self, group: list[int], ids: list[BlockId], outs: list[memoryview], ok: list[bool]) -> bool:
+        last = ids[group[-1]]
+        with self._where_lock:
+            named = self._where.get(last.hash)
+        for h in dict.fromkeys(x for x in (named, last.hash) if x is not None):
+            if self._read_group(self.object_name(h), group, ids, outs, ok):
+                return True
+        # No object ends at (or past) the last block asked for: the chunk may be a shorter partial
+        # one (a writer that stopped earlier); read what the longest one holds.
+        sizes = self._stat([self.object_name(ids[i].hash) for i in group[:-1]])
+        for j in reversed(range(len(sizes))):
+            if self._holds(sizes[j], ids[group[j]].pos):
+                self._read_group(self.object_name(ids[group[j]].hash), group[: j + 1], ids, outs, ok)
+                break
+        return True
+
+    def _read_group(self, name: str, group: list[int], ids: list[BlockId], outs: list[memoryview], ok: list[bool]) -> bool:
+        """Read the records of `group` (one chunk, increasing positions) from object `name` with
+        one ranged read and check them in order; False if the object does not exist."""
+        K, rs, off, bpb = self.chunk_blocks, self.record_size, self._offset, self.layout.bytes_per_block
+        first, last = ids[group[0]].pos % K, ids[group[-1]].pos % K
+        heads, spare = self._scratch(last - first + 1)
+        wanted = {ids[i].pos % K: i for i in group}
+        views: list[memoryview] = []
+        for r in range(first, last + 1):
+            i = wanted.get(r)
+            views.append(heads[r - first])
+            if i is None:
+                views.append(spare)  # a block the caller does not ask for: read past it
+            else:
+                views.append(outs[i])
+                if rs - off > bpb:
+                    views.append(spare[bpb:])
+        found = self._read(name, first * rs, views)
+        if found is None:
+            return False
+        size, nread = found
+        r = first
+        try:
+            if size > K * rs:
+                raise DecodeError("garbage", f"object of {size} bytes, more than {K} records")
+            for r in range(first, last + 1):
+                i = wanted.get(r)
+                if i is None:
+                    continue
+                start = (r - first) * rs  # where record r begins among the bytes read
+                xxh = decode_header(self.layout, ids[i], heads[r - first][: max(0, min(off, nread - start))], self.align)
+                if nread < start + off + bpb:
+                    raise DecodeError("truncated", f"{size} bytes: record {r} is cut short")
+                check_payload(outs[i], xxh)
+                ok[i] = True
+        except DecodeError as err:
+            # Records are checked one by one: those before this one stay hits, this and later miss.
+            log.warning("%s: %s, record %d: %s", self.url, name, r, err)
+            self._stats.error(err.kind)
+            if err.kind != "mismatch":  # damage would fail every reader; another branch is not damage
+                self._delete_quietly(name)
+        return True
+
+    def _delete_quietly(self, name: str) -> None:
+        try:
+            self._delete(name)
+        except Exception as err:
+            log.debug("%s: delete of %s failed: %s", self.url, name, err)
+
+    # -- chunks: writes ---------------------------------------------------------------------
+    def _runs(self, ids: list[BlockId]) -> list[list[int]]:
+        """The batch as runs of consecutive blocks of one chain within one chunk, in chain order."""
+        K = self.chunk_blocks
+        by_hash = {b.hash: i for i, b in enumerate(ids)}
+        child = {}
+        for i, b in enumerate(ids):
+            p = by_hash.get(b.parent)
+            if p is not None and ids[p].pos == b.pos - 1 and b.pos % K:
+                child.setdefault(p, i)
+        linked = set(child.values())
+        runs = []
+        for i in range(len(ids)):
+            if i in linked:
+                continue
+            run = [i]
+            while run[-1] in child:
+                run.append(child[run[-1]])
+            runs.append(run)
+        return runs
+
+    def _put_chunks(self, ids: list[BlockId], payloads: list[memoryview]) -> list[bool]:
+        ok = [False] * len(ids)
+        self._parallel(self._put_run, [(run, ids, payloads, ok) for run in self._runs(ids)])
+        return ok
+
+    def _put_run(self, run: list[int], ids: list[BlockId], payloads: list[memoryview], ok: list[bool]) -> bool:
+        K, rs = self.chunk_blocks, self.record_size
+        head, last = ids[run[0]], ids[run[-1]]
+        name = self.object_name(last.hash)
+        size = (last.pos % K + 1) * rs
+        if self._known(name, size):
+            for i in run:
+                ok[i] = True
+            return True
+        parts: list[Any] = []
+        before = None
+        if head.pos % K:
+            # The chunk's earlier blocks are in the object named after this run's parent: extend it.
+            before = self.object_name(head.parent)
+            prefix = self._read_prefix(before, head)
+            if prefix is None:
+                if self._holds(self._stat([name])[0], last.pos):
+                    for i in run:  # another writer stored the whole run already
+                        ok[i] = True
+                    return True
+                self._stats.add(orphans=len(run))
+                return False
+            parts.append(prefix)
+        pad = bytes(rs - self._offset - self.layout.bytes_per_block)
+        for i in run:
+            parts += [encode_header(self.layout, ids[i], payloads[i], self.align), payloads[i]]
+            if pad:
+                parts.append(pad)
+        if not self._write(name, parts, size):
+            return False
+        for i in run:
+            ok[i] = True
+        self._remember([ids[i].hash for i in run], last.hash)
+        if before is not None:
+            self._delete_quietly(before)  # the longer object holds all of it now
+        return True
+
+    def _read_prefix(self, name: str, head: BlockId) -> memoryview | None:
+        """The records of chain positions chunk start .. head.pos-1 from object `name`, checked
+        (headers, chain links, checksums), or None if they are not there whole."""
+        n = head.pos % self.chunk_blocks
+        buf = memoryview(mmap.mmap(-1, n * self.record_size))
+        found = self._read(name, 0, [buf])
+        if found is None:
+            return None
+        size, nread = found
+        try:
+            if size != len(buf) or nread != len(buf):
+                raise DecodeError("truncated", f"{size} bytes, expected {len(buf)}")
+            parent = None
+            for j in range(n):
+                rec = buf[j * self.record_size : (j + 1) * self.record_size]
+                bid, xxh = parse_header(self.layout, rec, self.align)
+                if bid.pos != head.pos - n + j or (parent is not None and bid.parent != parent) or bid.ns != head.ns:
+                    raise DecodeError("mismatch", f"record {j} is not block {head.pos - n + j} of this chain")
+                check_payload(rec[self._offset : self._offset + self.layout.bytes_per_block], xxh)
+                parent = bid.hash
+            if parent != head.parent:
+                raise DecodeError("mismatch", "object does not end at this block's parent")
+        except DecodeError as err:
+            log.warning("%s: cannot extend %s: %s", self.url, name, err)
+            self._stats.error(err.kind)
+            return None
+        return buf
 
     # -- for subclasses -------------------------------------------------------------------
     def _check_buffer(self, buf: Any) -> memoryview:
@@ -273,16 +578,16 @@ class L3Store(ABC):
             raise ValueError(f"buffer of {len(view)} bytes; {self.layout.fingerprint} blocks are {self.layout.bytes_per_block}")
         return view
 
-    def _parallel(self, fn: Callable[..., bool], args: list[tuple], deadline: float | None = None) -> list[bool]:
-        """fn(*a) for each a on the pool; False for what raised or had not started by `deadline`.
+    def _map(self, fn: Callable[..., T], args: list[tuple], default: T, deadline: float | None = None) -> list[T]:
+        """fn(*a) for each a on the pool; `default` for what raised or had not started by `deadline`.
 
         Waits for every started call before returning (they may be writing into caller buffers).
         """
         if deadline is not None and time.monotonic() >= deadline:
-            return [False] * len(args)
+            return [default] * len(args)
         if len(args) == 1 and deadline is None:
-            return [self._guard(fn, *args[0])]
-        futures: list[Future[bool]] = [self._pool.submit(self._guard, fn, *a) for a in args]
+            return [self._guard(fn, default, *args[0])]
+        futures: list[Future[T]] = [self._pool.submit(self._guard, fn, default, *a) for a in args]
         if deadline is not None:
             for f in futures:
                 remaining = deadline - time.monotonic()
@@ -294,15 +599,19 @@ class L3Store(ABC):
                     break
             for f in futures:
                 f.cancel()  # only succeeds on calls that have not started: safe to drop
-        return [False if f.cancelled() else f.result() for f in futures]
+        return [default if f.cancelled() else f.result() for f in futures]
 
-    def _guard(self, fn: Callable[..., bool], *args: Any) -> bool:
+    def _parallel(self, fn: Callable[..., bool], args: list[tuple], deadline: float | None = None) -> list[bool]:
+        """_map with False for what failed or did not start."""
+        return self._map(fn, args, False, deadline)
+
+    def _guard(self, fn: Callable[..., T], default: T, *args: Any) -> T:
         try:
             return fn(*args)
         except Exception as err:
             log.warning("%s: %s failed: %s", self.url, getattr(fn, "__name__", "call"), err)
             self._stats.error("io")
-            return False
+            return default
 
     def _extra_stats(self) -> dict[str, Any]:
         return {}
@@ -310,14 +619,37 @@ class L3Store(ABC):
     def _close(self) -> None:
         pass
 
-    @abstractmethod
-    def _contains(self, hashes: list[int]) -> list[bool]: ...
+    # Chunked backends: whole objects by name. They may raise on service errors.
+    def _stat(self, names: list[str]) -> list[int | None]:
+        """Each object's size in bytes, None where it does not exist (one round trip for all)."""
+        raise NotImplementedError
 
-    @abstractmethod
-    def _get(self, ids: list[BlockId], outs: list[memoryview], deadline: float | None) -> list[bool]: ...
+    def _read(self, name: str, offset: int, views: list[memoryview]) -> tuple[int, int] | None:
+        """Fill `views`, in order, with the object's bytes from `offset` on (as far as it goes);
+        (object size, bytes read) or None when it does not exist."""
+        raise NotImplementedError
 
-    @abstractmethod
-    def _put(self, ids: list[BlockId], payloads: list[memoryview]) -> list[bool]: ...
+    def _write(self, name: str, parts: list[Any], size: int) -> bool:
+        """Store the concatenation of `parts` (`size` bytes) as the object `name`, atomically
+        (a reader sees the old object, the new one or none); False if refused (counted)."""
+        raise NotImplementedError
+
+    def _delete(self, name: str) -> None:
+        raise NotImplementedError
+
+    def _known(self, name: str, size: int) -> bool:
+        """Whether the object is known, without a round trip, to be stored with `size` bytes."""
+        return False
+
+    # Per-block backends (one object per block).
+    def _contains(self, hashes: list[int]) -> list[bool]:
+        raise NotImplementedError
+
+    def _get(self, ids: list[BlockId], outs: list[memoryview], deadline: float | None) -> list[bool]:
+        raise NotImplementedError
+
+    def _put(self, ids: list[BlockId], payloads: list[memoryview]) -> list[bool]:
+        raise NotImplementedError
 
 
 def open_store(url: str, layout: KVLayout) -> L3Store:

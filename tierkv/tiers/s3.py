@@ -1,11 +1,12 @@
 """s3: the S3 L3 store (`s3://bucket/prefix?endpoint=http://127.0.0.1:8333&region=us-east-1`).
 
-One object per block, `<prefix>/<32 hex>`, body = codec object. S3 has no multi-HEAD, so a
-lookup is parallel HEADs (one round trip of latency); gets and puts run in parallel on a
-thread pool. boto3's standard retry mode adds backoff; connect/read timeouts bound every call
+One object per chunk (l3.py), `<prefix>/<32 hex>.c<K>`, body = its codec records. A lookup is
+one HEAD per chunk touched, all in parallel (one round trip: 4 HEADs for 64 blocks); a read is
+one ranged GET per chunk, a write one PUT; they run in parallel on a thread pool. boto3's standard retry mode adds backoff; connect/read timeouts bound every call
 and a short back-off skips calls while the service is down. Credentials come from boto3's usual
 chain (env vars, ~/.aws files, instance roles) and are never logged; logged URLs are redacted.
-Options: create_bucket=1, threads, timeout, connect_timeout, retries, addressing=path|virtual.
+Options: create_bucket=1, threads, timeout, connect_timeout, retries, addressing=path|virtual,
+chunk (tokens per object). Objects of the one-block format 1 (`<prefix>/<32 hex>`) are never read.
 """
 
 from __future__ import annotations
@@ -18,12 +19,12 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, ConnectTimeoutError, ReadTimeoutError
 
 from ..layout import KVLayout
-from .codec import BlockId, DecodeError, decode_into, encode, key_hex
-from .l3 import Breaker, L3Store, UrlOptions
+from .l3 import DEFAULT_CHUNK_TOKENS, Breaker, L3Store, UrlOptions
 
 log = logging.getLogger(__name__)
 
 _NOT_FOUND = {"404", "NoSuchKey", "NotFound"}
+_PAST_END = {"416", "InvalidRange"}  # a ranged GET that starts beyond the object's end
 
 
 class _Unavailable(Exception):
@@ -35,9 +36,9 @@ class S3Store(L3Store):
 
     def __init__(self, url: str, layout: KVLayout) -> None:
         opts = UrlOptions(url, ("endpoint", "region", "create_bucket", "threads", "timeout",
-                                "connect_timeout", "retries", "addressing"))
+                                "connect_timeout", "retries", "addressing", "chunk"))
         threads = opts.get("threads", 16, int)
-        super().__init__(layout, url, threads)
+        super().__init__(layout, url, threads, opts.get("chunk", DEFAULT_CHUNK_TOKENS, int))
         parts = urlsplit(url)
         self.bucket = parts.netloc
         self.prefix = unquote(parts.path).strip("/")
@@ -78,18 +79,18 @@ class S3Store(L3Store):
         except (ClientError, BotoCoreError) as err:
             log.warning("s3 L3 %s: cannot create bucket %s: %s", self.url, self.bucket, err)
 
-    def _key(self, h: int) -> str:
-        return f"{self.prefix}/{key_hex(h)}" if self.prefix else key_hex(h)
+    def _key(self, name: str) -> str:
+        return f"{self.prefix}/{name}" if self.prefix else name
 
     def _call(self, fn, *args, **kwargs):
-        """One request; None for a missing key; classify failures for stats and the breaker."""
+        """One request; None for a missing key (or a range past its end); classify failures for stats and the breaker."""
         if not self._breaker.allow():
             self._stats.error("unavailable")
             raise _Unavailable()
         try:
             out = fn(*args, **kwargs)
         except ClientError as err:
-            if err.response.get("Error", {}).get("Code") in _NOT_FOUND:
+            if err.response.get("Error", {}).get("Code") in _NOT_FOUND | _PAST_END:
                 self._breaker.success()
                 return None
             self._stats.error("io")  # denied, no bucket, 5xx after retries: the service answered
@@ -105,52 +106,52 @@ class S3Store(L3Store):
         self._breaker.success()
         return out
 
-    # -- L3Store ------------------------------------------------------------------------
-    def _contains(self, hashes: list[int]) -> list[bool]:
-        return self._parallel(self._head_one, [(h,) for h in hashes])
+    # -- chunked L3Store backend ---------------------------------------------------------
+    def _stat(self, names: list[str]) -> list[int | None]:
+        return self._map(self._head_one, [(n,) for n in names], None)
 
-    def _head_one(self, h: int) -> bool:
+    def _head_one(self, name: str) -> int | None:
         try:
-            return self._call(self._s3.head_object, Bucket=self.bucket, Key=self._key(h)) is not None
+            resp = self._call(self._s3.head_object, Bucket=self.bucket, Key=self._key(name))
         except (_Unavailable, ClientError, BotoCoreError, OSError):
-            return False
+            return None
+        return None if resp is None else int(resp["ContentLength"])
 
-    def _get(self, ids: list[BlockId], outs: list[memoryview], deadline: float | None) -> list[bool]:
-        return self._parallel(self._get_one, list(zip(ids, outs)), deadline)
-
-    def _get_one(self, bid: BlockId, out: memoryview) -> bool:
-        key = self._key(bid.hash)
+    def _read(self, name: str, offset: int, views: list[memoryview]) -> tuple[int, int] | None:
+        want = sum(len(v) for v in views)
         try:
-            resp = self._call(self._s3.get_object, Bucket=self.bucket, Key=key)
-            if resp is None:
-                return False
+            resp = self._call(self._s3.get_object, Bucket=self.bucket, Key=self._key(name),
+                              Range=f"bytes={offset}-{offset + want - 1}")
+        except (_Unavailable, ClientError, BotoCoreError, OSError):
+            return None
+        if resp is None:  # no such object, or shorter than the records asked for
+            return None
+        try:
             body = self._call(resp["Body"].read)  # the body streams: its read can time out too
         except (_Unavailable, ClientError, BotoCoreError, OSError):
-            return False
-        try:
-            decode_into(self.layout, bid, body, out)
-        except DecodeError as err:
-            log.warning("s3 L3 %s: dropping %s (%s)", self.url, key_hex(bid.hash), err)
-            self._stats.error(err.kind)
-            try:
-                self._s3.delete_object(Bucket=self.bucket, Key=key)  # would fail every reader
-            except (ClientError, BotoCoreError):
-                pass
-            return False
-        return True
+            return None
+        # "bytes 0-99/1234": the object's full size follows the slash.
+        size = int(str(resp.get("ContentRange", "")).rpartition("/")[2] or len(body) + offset)
+        pos = 0
+        for v in views:
+            n = min(len(v), len(body) - pos)
+            if n <= 0:
+                break
+            v[:n] = body[pos : pos + n]
+            pos += n
+        return size, pos
 
-    def _put(self, ids: list[BlockId], payloads: list[memoryview]) -> list[bool]:
-        return self._parallel(self._put_one, list(zip(ids, payloads)))
-
-    def _put_one(self, bid: BlockId, payload: memoryview) -> bool:
+    def _write(self, name: str, parts: list, size: int) -> bool:
         try:
-            self._call(self._s3.put_object, Bucket=self.bucket, Key=self._key(bid.hash),
-                       Body=encode(self.layout, bid, payload))
+            self._call(self._s3.put_object, Bucket=self.bucket, Key=self._key(name), Body=b"".join(parts))
         except (_Unavailable, ClientError, BotoCoreError, OSError) as err:
             if not isinstance(err, _Unavailable):
-                log.warning("s3 L3 %s: put of %s failed: %s", self.url, key_hex(bid.hash), err)
+                log.warning("s3 L3 %s: put of %s failed: %s", self.url, name, err)
             return False
         return True
+
+    def _delete(self, name: str) -> None:
+        self._s3.delete_object(Bucket=self.bucket, Key=self._key(name))
 
     def _close(self) -> None:
         self._s3.close()
