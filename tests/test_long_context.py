@@ -212,3 +212,36 @@ def test_streamed_decode_at_128k_tokens_equals_the_reference():
         rel = ((got.float() - want).norm() / want.norm()).item()
         assert rel < 1e-2, f"layer {layer}: relative error {rel:.2e}"
     cache.free(seq)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run through the device tool)")
+def test_a_long_prompt_in_chunks_takes_the_dense_path_and_gives_transformers_tokens(tmp_path, monkeypatch):
+    # 5000 tokens in 2048-token chunks: chunks at contexts 0 and 2048 are long and aligned (cuDNN,
+    # kernels/dense.py); the last 904 tokens take the Triton kernel. Greedy tokens equal transformers'.
+    import transformers
+    from models import randomize_, tiny_config
+
+    from tierkv.kernels import dense
+
+    config = tiny_config("llama")
+    config.max_position_embeddings = 8192
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    randomize_(model, 0)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    calls = []
+    real = dense.prefill_one
+    monkeypatch.setattr(dense, "prefill_one", lambda *a, **k: calls.append(a[3]) or real(*a, **k))
+    prompt = torch.randint(0, 512, (5000,), generator=torch.Generator().manual_seed(3)).tolist()
+    llm = LLM(str(tmp_path), device="cuda", dtype="bfloat16", l1="256MiB", max_num_batched_tokens=2048,
+              enforce_eager=True)
+    ours = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+                        use_tqdm=False)[0].token_ids
+    assert sorted(set(calls)) == [0, 2048], f"dense path contexts {sorted(set(calls))}"
+    hf = model.to(device="cuda", dtype=torch.bfloat16).eval()
+    ids = torch.tensor([prompt], device="cuda")
+    with torch.inference_mode():
+        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    assert list(ours) == ref
