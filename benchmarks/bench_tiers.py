@@ -2,10 +2,12 @@
 
 Disk: put_many/get_many of N blocks vs raw sequential write(+fsync)/read of the same bytes as one
 file, rounds interleaved (raw, tier, raw, tier...) because shared disks drift; the figure is the
-median of per-round ratios. The page cache is dropped before every read with
-posix_fadvise(DONTNEED) on each file read (raw file and every block file), so reads hit the disk.
-Redis and S3 (SeaweedFS) run on loopback, started here; for them GB/s and the latency of one
-contains_many of a 64-block chain. Writes benchmarks/results/bench_tiers-<machine>.json.
+median of per-round ratios. The store runs with one block per object (the default) and with chunk
+objects of 256 tokens (`?chunk=256`), each also with O_DIRECT. The
+page cache is dropped before every read with posix_fadvise(DONTNEED) on each file read (raw file
+and every object file), so reads hit the disk.
+Redis (one server, and a 3-node Redis Cluster) and S3 (SeaweedFS) run on loopback, started here;
+for them GB/s and the latency of one contains_many of a 64-block chain. Writes benchmarks/results/bench_tiers-<machine>.json.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # the same service launchers the tests use
 
-from services import RedisServer, SeaweedFS, block_chain  # noqa: E402
+from services import RedisClusterNodes, RedisServer, SeaweedFS, block_chain  # noqa: E402
 
 from tierkv.layout import KVLayout  # noqa: E402
 from tierkv.tiers.l3 import open_store  # noqa: E402
@@ -99,6 +101,12 @@ def _tier_round(url: str, layout: KVLayout, ids, pool: torch.Tensor, directory: 
     return t_write, t_read, stats
 
 
+# (tag, URL options): one block per object (the default) and 256-token chunk objects, each with and
+# without O_DIRECT
+DISK_VARIANTS = (("tier", ""), ("tier_direct", "&direct=1"), ("chunked", "&chunk=256"),
+                 ("chunked_direct", "&chunk=256&direct=1"))
+
+
 def bench_disk(layout: KVLayout, nbytes: int, rounds: int, scratch: Path) -> dict:
     n = max(4, nbytes // layout.bytes_per_block)
     ids, _ = block_chain(layout, n, seed=1)
@@ -109,7 +117,7 @@ def bench_disk(layout: KVLayout, nbytes: int, rounds: int, scratch: Path) -> dic
     for r in range(rounds):
         raw_w, raw_r = _raw_round(scratch / "raw.bin", pool)
         row = {"raw_write_GBps": total / raw_w / 1e9, "raw_read_GBps": total / raw_r / 1e9}
-        for tag, opt in (("tier", ""), ("tier_direct", "&direct=1")):
+        for tag, opt in DISK_VARIANTS:
             d = scratch / f"store{r}{tag}"
             tier_w, tier_r, _ = _tier_round(f"file://{d}?size={2 * total}{opt}", layout, ids, pool, d)
             shutil.rmtree(d)
@@ -165,42 +173,56 @@ def main() -> None:
     ap.add_argument("--scratch", default=None, help="directory on the disk to measure (default: system temp)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--no-services", action="store_true", help="disk only")
+    ap.add_argument("--stores", default="disk,redis,redis_cluster,s3",
+                    help="comma-separated subset of disk,redis,redis_cluster,s3 to measure")
     args = ap.parse_args()
+    stores = set(args.stores.split(",")) - ({"redis", "redis_cluster", "s3"} if args.no_services else set())
 
     work = Path(tempfile.mkdtemp(prefix="bench_tiers-", dir=args.scratch))
-    result: dict = {"disk": {}, "redis": {}, "s3": {}}
+    result: dict = {"disk": {}, "redis": {}, "redis_cluster": {}, "s3": {}, "s3_chunked": {}}
     try:
         for name, layout in LAYOUTS.items():
-            result["disk"][name] = bench_disk(layout, args.disk_mib << 20, args.rounds, work)
-        if not args.no_services:
+            if "disk" in stores:
+                result["disk"][name] = bench_disk(layout, args.disk_mib << 20, args.rounds, work)
+        if "redis" in stores:
             redis = RedisServer(work)
             if redis.binary and redis.start():
                 for name, layout in LAYOUTS.items():
                     result["redis"][name] = bench_service(redis.url, layout, args.service_mib << 20, args.rounds)
-                redis.kill()
+            redis.kill()
+        if "redis_cluster" in stores:
+            cluster = RedisClusterNodes(work / "cluster")
+            if cluster.binary and cluster.start():
+                for name, layout in LAYOUTS.items():
+                    result["redis_cluster"][name] = bench_service(cluster.url, layout, args.service_mib << 20,
+                                                                  args.rounds)
+            cluster.kill()
+        if "s3" in stores:
             os.environ.update(AWS_ACCESS_KEY_ID="tierkv-test-key", AWS_SECRET_ACCESS_KEY="tierkv-test-secret")
             sw = SeaweedFS(work / "sw")
             if sw.binary and sw.start():
                 for name, layout in LAYOUTS.items():
-                    result["s3"][name] = bench_service(sw.url(f"bench-{name.replace('.', '-')}"), layout,
-                                                       args.service_mib << 20, args.rounds)
+                    bucket = f"bench-{name.replace('.', '-')}"
+                    result["s3"][name] = bench_service(sw.url(bucket), layout, args.service_mib << 20, args.rounds)
+                    result["s3_chunked"][name] = bench_service(sw.url(bucket + "-c", chunk="256"), layout,
+                                                               args.service_mib << 20, args.rounds)
                 sw.stop()
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
-    print(f"{'store':<7} {'layout':<14} {'write GB/s':>10} {'read GB/s':>10} {'raw w':>7} {'raw r':>7} "
+    print(f"{'store':<9} {'layout':<14} {'write GB/s':>10} {'read GB/s':>10} {'raw w':>7} {'raw r':>7} "
           f"{'w ratio':>8} {'r ratio':>8} {'lookup64 hit/miss ms':>21}")
     for name, d in result["disk"].items():
         m = d["median"]
-        for tag in ("tier", "tier_direct"):
-            label = "disk" if tag == "tier" else "disk+od"
-            print(f"{label:<7} {name:<14} {m[tag + '_write_GBps']:>10.3f} {m[tag + '_read_GBps']:>10.3f} "
+        for tag, _ in DISK_VARIANTS:
+            label = {"tier": "disk", "tier_direct": "disk+od", "chunked": "disk-c", "chunked_direct": "disk-c+od"}[tag]
+            print(f"{label:<9} {name:<14} {m[tag + '_write_GBps']:>10.3f} {m[tag + '_read_GBps']:>10.3f} "
                   f"{m['raw_write_GBps']:>7.3f} {m['raw_read_GBps']:>7.3f} {m[tag + '_write_ratio']:>8.0%} "
                   f"{m[tag + '_read_ratio']:>8.0%}")
-    for store in ("redis", "s3"):
+    for store, label in (("redis", "redis"), ("redis_cluster", "cluster"), ("s3", "s3"), ("s3_chunked", "s3-c")):
         for name, d in result[store].items():
             m = d["median"]
-            print(f"{store:<7} {name:<14} {m['write_GBps']:>10.3f} {m['read_GBps']:>10.3f} {'':>7} {'':>7} {'':>8} {'':>8} "
+            print(f"{label:<9} {name:<14} {m['write_GBps']:>10.3f} {m['read_GBps']:>10.3f} {'':>7} {'':>7} {'':>8} {'':>8} "
                   f"{d['lookup64_hit_ms']:>10.2f}/{d['lookup64_miss_ms']:.2f}")
 
     import boto3
@@ -216,8 +238,10 @@ def main() -> None:
                      "seaweedfs": _version(["weed", "version"])},
         "method": "disk: median over interleaved rounds of raw/tier; page cache dropped before reads with "
                   "posix_fadvise(DONTNEED) per file; raw = one file, 8 MiB write() calls + fsync, 8 MiB preadv; "
-                  "tier = put_many/get_many of all blocks (fdatasync per block file), tier_direct = the same with "
-                  "?direct=1 (O_DIRECT); buffers page-aligned (mmap) like a pinned L2 pool. Redis/S3 on loopback.",
+                  "tier = put_many/get_many of all blocks (one object per block, fdatasync per object file), tier_direct = the same with "
+                  "?direct=1 (O_DIRECT), chunked(_direct) = the same with ?chunk=256 (256-token chunk objects); buffers "
+                  "page-aligned (mmap) like a pinned L2 pool. Redis/S3 on loopback (s3_chunked: ?chunk=256); "
+                  "redis_cluster = 3 primaries, no replicas, on loopback (redis+cluster:// URL).",
         "layouts": {k: {"fingerprint": v.fingerprint, "bytes_per_block": v.bytes_per_block} for k, v in LAYOUTS.items()},
         "args": vars(args),
     }

@@ -1,4 +1,4 @@
-"""Real services for the L3 tests: redis-server and SeaweedFS (`weed mini`) on free loopback ports.
+"""Real services for the L3 tests: redis-server, a 3-node Redis Cluster and SeaweedFS (`weed mini`) on free loopback ports.
 
 Each fixture starts its own process in a temporary directory and stops it after. In CI
 (CI=true) a service that cannot start fails the test; elsewhere the test is skipped with a
@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-__all__ = ["RedisServer", "SeaweedFS", "redis_server", "s3_env", "seaweed", "seaweed_private"]
+__all__ = ["RedisClusterNodes", "RedisServer", "SeaweedFS", "redis_cluster", "redis_server", "s3_env", "seaweed",
+           "seaweed_private"]
 # block_chain, empty_like_blocks and same_bytes are imported by name: `from services import block_chain`
 
 S3_KEY, S3_SECRET = "tierkv-test-key", "tierkv-test-secret"
@@ -80,6 +81,87 @@ class RedisServer:
         import redis
 
         return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5)
+
+
+class RedisClusterNode(RedisServer):
+    """One cluster-enabled redis-server. Its cluster bus gets a free port of its own (the default,
+    port + 10000, may be taken or above 65535). No persistence: a restarted node comes back empty
+    but keeps its identity and slots (nodes.conf in its directory), as after a crash."""
+
+    def __init__(self, workdir: Path) -> None:
+        super().__init__(workdir)
+        self.bus_port = free_port()
+
+    def start(self) -> bool:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen(
+            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", str(self.workdir), "--protected-mode", "no", "--cluster-enabled", "yes",
+             "--cluster-config-file", "nodes.conf", "--cluster-port", str(self.bus_port),
+             # Long enough that a node killed and restarted within a test is never declared failed
+             # (which would stop the whole cluster: there are no replicas to take over).
+             "--cluster-node-timeout", "15000"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+        )
+        return _wait_port(self.port, self.proc, 10.0)
+
+    def cluster_ok(self) -> bool:
+        try:
+            return b"cluster_state:ok" in self.client().execute_command("CLUSTER", "INFO")
+        except Exception:
+            return False
+
+
+class RedisClusterNodes:
+    """A Redis Cluster of `n` primaries and no replicas: `redis-cli --cluster create` over n nodes."""
+
+    def __init__(self, workdir: Path, n: int = 3) -> None:
+        self.cli = shutil.which("redis-cli")
+        self.nodes = [RedisClusterNode(workdir / f"node{i}") for i in range(n)]
+
+    @property
+    def binary(self) -> str | None:
+        return self.nodes[0].binary if self.cli else None
+
+    @property
+    def url(self) -> str:
+        """A redis+cluster:// URL that names every node as a seed."""
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{node.port}" for node in self.nodes) + "/"
+
+    def start(self, timeout: float = 20.0) -> bool:
+        if not all(node.start() for node in self.nodes):
+            return False
+        try:
+            create = subprocess.run(
+                [self.cli, "--cluster", "create", *(f"127.0.0.1:{node.port}" for node in self.nodes),
+                 "--cluster-replicas", "0", "--cluster-yes"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, timeout=timeout,
+            )
+        except subprocess.TimeoutExpired:
+            return False
+        return create.returncode == 0 and self.wait_ok(timeout)
+
+    def wait_ok(self, timeout: float = 20.0) -> bool:
+        """Wait until every node says cluster_state:ok (a restarted primary waits ~2 s before it does)."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if all(node.cluster_ok() for node in self.nodes):
+                return True
+            time.sleep(0.1)
+        return False
+
+    def node_of(self, key: str) -> RedisClusterNode:
+        """The node that serves `key`, as the cluster says (ask while that node is up)."""
+        c = next(node for node in self.nodes if node.cluster_ok()).client()
+        slot = c.execute_command("CLUSTER", "KEYSLOT", key)
+        for start, end, primary, *_replicas in c.execute_command("CLUSTER", "SLOTS"):
+            if start <= slot <= end:
+                return next(node for node in self.nodes if node.port == primary[1])
+        raise LookupError(f"no node serves slot {slot}")
+
+    def kill(self) -> None:
+        for node in self.nodes:
+            node.kill()
 
 
 class SeaweedFS:
@@ -181,6 +263,18 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
     server.kill()
 
 
+@pytest.fixture
+def redis_cluster(tmp_path: Path) -> Iterator[RedisClusterNodes]:
+    cluster = RedisClusterNodes(tmp_path / "cluster")
+    if cluster.binary is None:
+        unavailable("redis-server or redis-cli is not installed", "apt-get install -y redis-server")
+    if not cluster.start():
+        cluster.kill()
+        unavailable("the Redis Cluster did not form", "apt-get install -y redis-server")
+    yield cluster
+    cluster.kill()
+
+
 @pytest.fixture(scope="session")
 def s3_env() -> Iterator[None]:
     """Credentials for boto3's default chain, matching what the SeaweedFS fixtures accept."""
@@ -238,7 +332,7 @@ def block_chain(layout, n: int, seed: int = 0, salt: str | None = None):
     stride = 4 * layout.block_size
     ids, parent = [], 0
     for i, h in enumerate(hash_blocks(tokens, layout.block_size, ns)):
-        ids.append(BlockId(h, parent, ns, tokens[i * stride : (i + 1) * stride]))
+        ids.append(BlockId(h, parent, ns, tokens[i * stride : (i + 1) * stride], i))
         parent = h
     payloads = [
         torch.from_numpy(rng.integers(0, 256, layout.bytes_per_block, dtype=np.uint8)).view(layout.dtype).reshape(layout.block_shape)

@@ -14,7 +14,7 @@ from .errors import ConfigError
 
 EVICTION_POLICIES = ("lru", "lfu", "s3fifo", "priority", "arc")
 WRITE_POLICIES = ("write_through", "write_back", "selective")
-L3_SCHEMES = ("file", "redis", "rediss", "s3")
+L3_SCHEMES = ("file", "redis", "rediss", "s3", "redis+cluster", "rediss+cluster")
 
 _UNITS = {
     "": 1, "b": 1,
@@ -64,12 +64,41 @@ def redact_url(url: str) -> str:
         return "<unparsable url>"
 
 
+def redis_cluster_nodes(url: str, field_name: str = "l3") -> list[tuple[str, int]]:
+    """The (host, port) seeds of a `redis+cluster://[:password@]host:port,host:port/` URL.
+
+    Raises ConfigError for an empty host, a bad port, or a database other than 0 (a cluster has one).
+    """
+    parts = urlsplit(url)
+    hosts = parts.netloc.rsplit("@", 1)[-1]
+    example = "redis+cluster://10.0.0.1:7000,10.0.0.2:7000/"
+    nodes = []
+    for item in hosts.split(","):
+        host = urlsplit("//" + item.strip())
+        try:
+            port = 6379 if host.port is None else host.port
+            if not 0 < port < 65536:
+                raise ValueError(port)
+        except ValueError:
+            raise ConfigError(f"{field_name} entry {redact_url(url)!r}: node {item!r} has a port that is not a "
+                              f"number from 1 to 65535; use {example}") from None
+        if not host.hostname:
+            raise ConfigError(f"{field_name} entry {redact_url(url)!r} needs host:port of one or more cluster "
+                              f"nodes, comma-separated: {example}")
+        nodes.append((host.hostname, port))
+    if parts.path not in ("", "/", "/0"):
+        raise ConfigError(f"{field_name} entry {redact_url(url)!r} names database {parts.path[1:]!r}; "
+                          f"a Redis Cluster has only database 0: {example}")
+    return nodes
+
+
 def validate_l3_url(url: str, field_name: str = "l3") -> str:
     """Check that `url` names a known L3 tier with the parts it needs; return it unchanged."""
     if not isinstance(url, str) or "://" not in url:
         raise ConfigError(
             f"{field_name} entry {url!r} is not a URL; use file:///path?size=100GiB, "
-            "redis://host:port/db, rediss://..., or s3://bucket/prefix?endpoint=http://host:port"
+            "redis://host:port/db, rediss://..., redis+cluster://host:port,host:port/, "
+            "or s3://bucket/prefix?endpoint=http://host:port"
         )
     parts = urlsplit(url)
     if parts.scheme not in L3_SCHEMES:
@@ -82,10 +111,13 @@ def validate_l3_url(url: str, field_name: str = "l3") -> str:
         raise ConfigError(f"{field_name} entry {url!r} needs a host: redis://127.0.0.1:6379/0")
     if parts.scheme == "s3" and not parts.netloc:
         raise ConfigError(f"{field_name} entry {url!r} needs a bucket: s3://bucket/prefix?endpoint=http://127.0.0.1:8333")
-    try:
-        parts.port  # noqa: B018 - raises on a port that is not a number
-    except ValueError:
-        raise ConfigError(f"{field_name} entry {url!r} has a port that is not a number") from None
+    if parts.scheme.endswith("+cluster"):
+        redis_cluster_nodes(url, field_name)  # several host:port, each checked there
+    else:
+        try:
+            parts.port  # noqa: B018 - raises on a port that is not a number
+        except ValueError:
+            raise ConfigError(f"{field_name} entry {url!r} has a port that is not a number") from None
     query = parse_qs(parts.query)
     if "size" in query:
         parse_size(query["size"][0], f"{field_name} entry {url!r} size")

@@ -1,37 +1,147 @@
-"""redis: the Redis L3 store (`redis://[:password@]host:port/db?ttl=3600&timeout=2&prefix=tierkv`).
+"""redis: the Redis L3 store, on one server or on a Redis Cluster.
 
-One key per block, `<prefix>:<32 hex>`, value = codec object. Lookups are one pipelined EXISTS
-round trip, reads MGET and writes pipelined SET in chunks run in parallel on a few
-connections. A dead or slow Redis is a counted miss (socket timeouts, no client-side retries;
-a short back-off skips calls while it is down) and the client reconnects once it is back.
-Objects above the server's proto-max-bulk-len are refused before sending. Never logs the password.
+    redis://[:password@]host:port/db?ttl=3600&timeout=2&prefix=tierkv       one server (rediss:// for TLS)
+    redis+cluster://[:password@]host:port,host:port/?ttl=3600&timeout=2    a cluster (rediss+cluster:// for TLS)
+
+One key per block, value = codec object. On one server the key is `<prefix>:<32 hex>`. In a
+cluster it is `<prefix>:{<tag>}`: Redis Cluster places a key by the part in braces only, so keys
+with one tag share a slot and a node; `slot_tag` is the one place that says what belongs
+together. The hosts of a cluster URL are seeds: the store learns the others from them (redis-py's
+RedisCluster), sends each key to the node that serves its slot, and after a MOVED/ASK reply or a
+failed node asks the cluster for its slot map again.
+
+Bulk traffic (EXISTS lookups, GET reads, SET writes) is pipelined per node, in chunks of at most
+_CHUNK_BYTES, on a few connections in parallel. It is framed here in RESP on redis-py's own
+pooled connections (redis-py connects, authenticates, selects the db, speaks TLS): a read's
+payload is received straight into the caller's buffer and a write sends the caller's buffer as
+it is. redis-py's parsers (hiredis too) first build one bytes object per value, a copy that kept
+reads at a third of what loopback allows; with them out of the bulk path, hiredis would only
+parse handshakes and small replies, so it is not a dependency.
+
+Never raises on a service failure: a dead, slow or resharding node is a counted miss or failed
+put (socket timeouts, no client-side retries, a short back-off per node while it is down) and
+the client reconnects once it is back. Never serves a payload whose header and checksum were not
+checked; never sends an object above the server's proto-max-bulk-len; never logs the password.
 """
 
 from __future__ import annotations
 
 import logging
+import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 import redis
 from redis.backoff import NoBackoff
+from redis.cluster import ClusterNode
+from redis.crc import key_slot
+from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 
+from ..config import redis_cluster_nodes
 from ..layout import KVLayout
-from .codec import BlockId, DecodeError, decode_into, encode, key_hex, payload_offset
+from .codec import (BlockId, DecodeError, check_payload, decode_header, decode_into, encode_header, key_hex,
+                    payload_offset)
 from .l3 import Breaker, L3Store, UrlOptions
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-_CHUNK_BYTES = 32 << 20  # per MGET / SET pipeline: well under client-query-buffer-limit (1 GB)
+_CHUNK_BYTES = 32 << 20  # per pipeline: bounds what the server buffers for one reply batch
 _DEFAULT_BULK_LIMIT = 512 << 20  # Redis' default proto-max-bulk-len, used when CONFIG is not allowed
+_REFRESH_WAIT = 1.0  # seconds between two reloads of a cluster's slot map
+_READ_BUFFER = 64 << 10  # reply framing and small replies; payloads bypass it
+# Error replies after which the slot map may be stale: resharding, failover, cluster down.
+_TOPOLOGY_ERRORS = (b"MOVED", b"ASK", b"CLUSTERDOWN", b"TRYAGAIN")
+
+# What a call to a Redis server may raise when the service, not the caller, is at fault.
+SERVICE_ERRORS = (redis.RedisError, RedisClusterException, OSError)
+
+
+def slot_tag(h: int) -> str:
+    """The hash tag of block `h`'s key: keys with the same tag live on one cluster node.
+
+    Every block is its own object today, so its own hash is its tag (blocks spread evenly over
+    the nodes). When blocks are grouped into chunk objects, this returns the chunk's name, so
+    that a chunk's keys keep to one node and one pipeline.
+    """
+    return key_hex(h)
+
+
+def _command(*args: bytes) -> bytes:
+    """One RESP command of small arguments."""
+    return b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%b\r\n" % (len(a), a) for a in args)
 
 
 class _Unavailable(Exception):
-    """Raised inside the store when the breaker says to skip the call."""
+    """Raised inside the store when a node's breaker says to skip the call."""
+
+
+class _Replies:
+    """Reads RESP replies from a connected socket; a bulk payload can go straight into a buffer.
+
+    Socket errors come out as redis.TimeoutError / redis.ConnectionError, anything that is not
+    RESP as redis.InvalidResponse; after any of them the connection must be dropped.
+    """
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._buf = bytearray(_READ_BUFFER)
+        self._start = self._end = 0
+
+    def _recv_into(self, view: memoryview) -> int:
+        try:
+            n = self._sock.recv_into(view)
+        except socket.timeout:
+            raise redis.TimeoutError("timeout reading from Redis") from None
+        except OSError as err:
+            raise redis.ConnectionError(f"error reading from Redis: {err}") from None
+        if n == 0:
+            raise redis.ConnectionError("Redis closed the connection")
+        return n
+
+    def _fill(self) -> None:
+        if self._start == self._end:
+            self._start = self._end = 0
+        elif self._end == len(self._buf):  # keep the unread tail, make room after it
+            tail = self._end - self._start
+            self._buf[:tail] = self._buf[self._start : self._end]
+            self._start, self._end = 0, tail
+        if self._end == len(self._buf):
+            raise redis.InvalidResponse("reply line longer than the read buffer")
+        self._end += self._recv_into(memoryview(self._buf)[self._end :])
+
+    def line(self) -> tuple[bytes, bytes]:
+        """The next reply's type byte and the rest of its first line."""
+        while True:
+            i = self._buf.find(b"\r\n", self._start, self._end)
+            if i >= 0:
+                line = bytes(self._buf[self._start : i])
+                self._start = i + 2
+                if not line:
+                    raise redis.InvalidResponse("empty reply line")
+                return line[:1], line[1:]
+            self._fill()
+
+    def read_into(self, out: memoryview) -> None:
+        """Fill `out` with the next len(out) bytes: what is buffered, then straight from the socket."""
+        n = min(len(out), self._end - self._start)
+        out[:n] = self._buf[self._start : self._start + n]
+        self._start += n
+        while n < len(out):
+            n += self._recv_into(out[n:])
+
+    def read(self, n: int) -> bytearray:
+        data = bytearray(n)
+        self.read_into(memoryview(data))
+        return data
+
+    def end_of_bulk(self) -> None:
+        if self.read(2) != b"\r\n":
+            raise redis.InvalidResponse("bulk reply not followed by CRLF")
 
 
 class RedisStore(L3Store):
@@ -46,149 +156,319 @@ class RedisStore(L3Store):
         self._max_object = opts.get("max_object", 0, UrlOptions.size) or None
         super().__init__(layout, url, threads)
         parts = urlsplit(url)
-        self._r = redis.Redis.from_url(
-            urlunsplit((parts.scheme, parts.netloc, parts.path, "", "")),
+        self.cluster = parts.scheme.endswith("+cluster")
+        client_opts = dict(
             socket_timeout=timeout,
             socket_connect_timeout=opts.get("connect_timeout", min(timeout, 1.0), float),
-            # No hidden retries: a slow answer must become a miss within `timeout`, and the
-            # breaker below decides when to try again.
-            retry=Retry(NoBackoff(), 0),
-            retry_on_timeout=False,
-            max_connections=threads + 2,
+            # Per node: the workers plus the callers' own threads (engine, L3 reader and writer),
+            # which run single-batch calls inline. Running out would read as a node failure.
+            max_connections=threads + 8,
         )
-        self.object_size = payload_offset(layout) + layout.bytes_per_block
-        self._breaker = Breaker()
-        self._limit_lock = threading.Lock()
-        self._warned_large = False
+        if self.cluster:
+            # Built on first use: a cluster that is down when the store opens is a miss, not an error.
+            self._cluster_args = dict(
+                startup_nodes=[ClusterNode(h, p) for h, p in redis_cluster_nodes(url)],
+                username=unquote(parts.username) if parts.username else None,
+                password=unquote(parts.password) if parts.password is not None else None,
+                ssl=parts.scheme.startswith("rediss"),
+                # Serve the slots that are covered even while others are not (a node is down).
+                require_full_coverage=False,
+                **client_opts,
+            )
+            self._rc: redis.RedisCluster | None = None
+            self._stale = False
+            self._next_refresh = 0.0
+            self._topology_lock = threading.Lock()
+        else:
+            self._r = redis.Redis.from_url(
+                urlunsplit((parts.scheme, parts.netloc, parts.path, "", "")),
+                # No hidden retries: a slow answer must become a miss within `timeout`, and the
+                # breaker decides when to try again.
+                retry=Retry(NoBackoff(), 0),
+                retry_on_timeout=False,
+                **client_opts,
+            )
+            self._node_name = f"{parts.hostname}:{parts.port or 6379}"
+        self.offset = payload_offset(layout)
+        self.object_size = self.offset + layout.bytes_per_block
+        self._breakers: dict[str, Breaker] = {}
+        self._limits: dict[str, int] = {}  # node -> its proto-max-bulk-len
+        self._warned: set[str] = set()
 
-    def _key(self, h: int) -> str:
-        return f"{self.prefix}:{key_hex(h)}"
+    # -- keys and nodes ---------------------------------------------------------------------
+    def _key(self, h: int) -> bytes:
+        if self.cluster:
+            return f"{self.prefix}:{{{slot_tag(h)}}}".encode()
+        return f"{self.prefix}:{key_hex(h)}".encode()
 
-    def _call(self, fn: Callable[[], T]) -> T:
-        """Run one round trip; classify failures for stats and the breaker, then re-raise."""
-        if not self._breaker.allow():
+    def _warn_once(self, what: str, msg: str, *args: Any) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            log.warning(msg, *args)
+
+    def _call(self, node: str, fn: Callable[[], T]) -> T:
+        """Run one round trip to `node`; classify failures for stats and its breaker, then re-raise."""
+        breaker = self._breakers.get(node) or self._breakers.setdefault(node, Breaker())
+        if not breaker.allow():
             self._stats.error("unavailable")
             raise _Unavailable()
         try:
             out = fn()
         except redis.TimeoutError:
             self._stats.error("timeout")
-            self._breaker.failure()
+            breaker.failure()
+            self._node_failed()
             raise
-        except (redis.ConnectionError, OSError):
+        except (redis.ConnectionError, RedisClusterException, OSError):
             self._stats.error("io")
-            self._breaker.failure()
+            breaker.failure()
+            self._node_failed()
             raise
         except redis.RedisError:
             self._stats.error("io")
             raise
-        self._breaker.success()
+        breaker.success()
         return out
 
-    def _bulk_limit(self) -> int:
-        """The largest value this Redis accepts (proto-max-bulk-len), asked once it answers."""
-        if self._max_object is None:
-            with self._limit_lock:
-                if self._max_object is None:
-                    try:
-                        got = self._r.config_get("proto-max-bulk-len")
-                        self._max_object = int(got.get("proto-max-bulk-len", _DEFAULT_BULK_LIMIT))
-                    except redis.ResponseError:  # CONFIG renamed or denied (managed Redis)
-                        self._max_object = _DEFAULT_BULK_LIMIT
-        return self._max_object
+    def _node_failed(self) -> None:
+        """A node failed: in a cluster, another may have taken over its slots."""
+        if self.cluster:
+            self._stale = True
 
-    def _chunks(self, n: int) -> list[range]:
-        per = max(1, _CHUNK_BYTES // self.object_size)
-        return [range(i, min(n, i + per)) for i in range(0, n, per)]
+    def _cluster(self) -> redis.RedisCluster:
+        """The cluster client, made on first use; its slot map reloaded when marked stale."""
+        with self._topology_lock:
+            if self._rc is None:
+                self._rc = self._call("cluster", lambda: redis.RedisCluster(**self._cluster_args))
+            elif self._stale and time.monotonic() >= self._next_refresh:
+                # Not behind a breaker: _REFRESH_WAIT already spaces the attempts.
+                self._stale = False
+                self._next_refresh = time.monotonic() + _REFRESH_WAIT
+                try:
+                    self._rc.nodes_manager.initialize()
+                except SERVICE_ERRORS as err:
+                    self._stats.error("io")
+                    self._stale = True  # keep using the old map; try again later
+                    log.debug("redis L3 %s: reloading the slot map failed: %s", self.url, err)
+            return self._rc
+
+    def _route(self, keys: list[bytes], per: int) -> list[tuple[str, redis.Redis, list[int]]]:
+        """Batches of key indices, each for one node and of at most `per` keys.
+
+        A key whose slot no node serves is in no batch (a miss). Raises when the cluster's slot
+        map cannot be had at all.
+        """
+        if self.cluster:
+            rc = self._cluster()
+            by_node: dict[str, tuple[redis.Redis, list[int]]] = {}
+            for i, k in enumerate(keys):
+                try:
+                    node = rc.nodes_manager.get_node_from_slot(key_slot(k))
+                except RedisClusterException:  # slot not covered (yet): a miss
+                    continue
+                if node.name not in by_node:
+                    by_node[node.name] = (rc.get_redis_connection(node), [])
+                by_node[node.name][1].append(i)
+            groups = [(name, client, idx) for name, (client, idx) in by_node.items()]
+        else:
+            groups = [(self._node_name, self._r, list(range(len(keys))))]
+        return [(name, client, idx[i : i + per]) for name, client, idx in groups for i in range(0, len(idx), per)]
+
+    def _batched(self, keys: list[bytes], per: int, work: Callable[[str, redis.Redis, list[int]], Any],
+                 deadline: float | None = None) -> list[bool]:
+        """work(node, client, indices) -> list[bool] on every batch, in parallel; what failed is False."""
+        ok = [False] * len(keys)
+        try:
+            batches = self._route(keys, per)
+        except (_Unavailable, *SERVICE_ERRORS):
+            return ok
+        for (_, _, idx), got in zip(batches, self._parallel(work, batches, deadline)):
+            if got:
+                for i, hit in zip(idx, got):
+                    ok[i] = hit
+        return ok
+
+    def _exchange(self, client: redis.Redis, frames: list[Any], read: Callable[[_Replies], T]) -> T:
+        """Send `frames` on one of `client`'s pooled connections and read the replies with `read`.
+
+        The connection comes from redis-py (connected, authenticated, db selected); a reply read
+        only in part leaves it unusable, so any failure drops it.
+        """
+        pool = client.connection_pool
+        conn = pool.get_connection()
+        try:
+            conn.send_packed_command(frames, check_health=False)
+            sock = getattr(conn, "_sock", None)  # redis-py's connected socket (private, stable since 2.x)
+            if sock is None:
+                raise redis.ConnectionError("connection has no socket")
+            return read(_Replies(sock))
+        except BaseException:
+            conn.disconnect()
+            raise
+        finally:
+            pool.release(conn)
+
+    def _error_reply(self, node: str, message: bytes, what: str) -> None:
+        """Count and report an error reply to one command; the connection stays usable."""
+        self._stats.error("io")
+        kind = message.split(b" ", 1)[0][:32].decode(errors="replace")  # MOVED, OOM, NOAUTH, ...
+        if message.startswith(_TOPOLOGY_ERRORS) and self.cluster:
+            self._stale = True  # resharding or failover: reload the slot map; this key is a miss
+        elif message.startswith(_TOPOLOGY_ERRORS):
+            kind = "cluster"
+            message = b"the server is a Redis Cluster node; use a redis+cluster:// URL (" + message[:80] + b")"
+        self._warn_once(kind, "redis L3 %s: %s refused by %s: %s", self.url, what, node,
+                        message[:200].decode(errors="replace"))
 
     # -- L3Store ------------------------------------------------------------------------
     def _contains(self, hashes: list[int]) -> list[bool]:
-        def run() -> list[Any]:
-            pipe = self._r.pipeline(transaction=False)
-            for h in hashes:
-                pipe.exists(self._key(h))
-            return pipe.execute()
+        keys = [self._key(h) for h in hashes]
 
-        try:
-            return [bool(x) for x in self._call(run)]
-        except (_Unavailable, redis.RedisError, OSError):
-            return [False] * len(hashes)
+        def batch(node: str, client: redis.Redis, idx: list[int]) -> list[bool]:
+            def read(replies: _Replies) -> list[bool]:
+                found = []
+                for _ in idx:
+                    kind, rest = replies.line()
+                    if kind == b":":
+                        found.append(rest == b"1")
+                    elif kind == b"-":
+                        self._error_reply(node, rest, "EXISTS")
+                        found.append(False)
+                    else:
+                        raise redis.InvalidResponse(f"unexpected reply to EXISTS: {kind!r}")
+                return found
 
-    def _by_chunks(self, n: int, work, deadline: float | None = None) -> list[bool]:
-        """work(range) on each chunk of n items in parallel; a chunk that failed whole is all misses."""
-        chunks = self._chunks(n)
-        done = self._parallel(work, [(r,) for r in chunks], deadline)
-        ok = [False] * n
-        for r, chunk_ok in zip(chunks, done):
-            if chunk_ok:
-                ok[r.start : r.stop] = chunk_ok
-        return ok
+            frames = [b"".join(_command(b"EXISTS", keys[i]) for i in idx)]
+            return self._call(node, lambda: self._exchange(client, frames, read))
+
+        return self._batched(keys, max(1, len(keys)), self._quiet(batch))
 
     def _get(self, ids: list[BlockId], outs: list[memoryview], deadline: float | None) -> list[bool]:
-        return self._by_chunks(len(ids), lambda r: self._get_chunk(ids, outs, r), deadline)
+        keys = [self._key(b.hash) for b in ids]
 
-    def _get_chunk(self, ids: list[BlockId], outs: list[memoryview], r: range) -> list[bool] | bool:
-        try:
-            values = self._call(lambda: self._r.mget([self._key(ids[i].hash) for i in r]))
-        except (_Unavailable, redis.RedisError, OSError):
-            return False
+        def batch(node: str, client: redis.Redis, idx: list[int]) -> list[bool]:
+            bad: list[bytes] = []
+            frames = [b"".join(_command(b"GET", keys[i]) for i in idx)]
+
+            def read(replies: _Replies) -> list[bool]:
+                return self._read_blocks(replies, node, ids, outs, idx, bad)
+
+            ok = self._call(node, lambda: self._exchange(client, frames, read))
+            if bad:
+                try:  # a bad object would fail every reader: remove it once
+                    # One key at a time: in a cluster, keys of several slots cannot share a DEL.
+                    self._call(node, lambda: [client.delete(k) for k in bad])
+                except (_Unavailable, *SERVICE_ERRORS):
+                    pass
+            return ok
+
+        return self._batched(keys, self._per_batch(), self._quiet(batch), deadline)
+
+    def _read_blocks(self, replies: _Replies, node: str, ids: list[BlockId], outs: list[memoryview],
+                     idx: list[int], bad: list[bytes]) -> list[bool]:
+        """The replies to one GET per index: True where the block landed in its buffer and checked out."""
+        head = memoryview(bytearray(self.offset))
         ok = []
-        bad = []
-        for i, value in zip(r, values):
-            if value is None:
+        for i in idx:
+            kind, rest = replies.line()
+            if kind == b"-":
+                self._error_reply(node, rest, "GET")
                 ok.append(False)
                 continue
+            if kind == b"_" or (kind == b"$" and rest == b"-1"):  # no such key (RESP3, RESP2)
+                ok.append(False)
+                continue
+            if kind != b"$" or not rest.isdigit():
+                raise redis.InvalidResponse(f"unexpected reply to GET: {kind!r}")
+            size = int(rest)
             try:
-                decode_into(self.layout, ids[i], value, outs[i])
+                if size == self.object_size:
+                    # Header into a small buffer, payload straight into the caller's; both are
+                    # checked before True is returned (on False the buffer's bytes are undefined).
+                    replies.read_into(head)
+                    replies.read_into(outs[i])
+                    replies.end_of_bulk()
+                    check_payload(outs[i], decode_header(self.layout, ids[i], head))
+                else:
+                    data = replies.read(size)
+                    replies.end_of_bulk()
+                    decode_into(self.layout, ids[i], data, outs[i])  # raises: wrong size for this layout
                 ok.append(True)
             except DecodeError as err:
                 log.warning("redis L3 %s: dropping %s (%s)", self.url, key_hex(ids[i].hash), err)
                 self._stats.error(err.kind)
                 bad.append(self._key(ids[i].hash))
                 ok.append(False)
-        if bad:
-            try:
-                self._r.delete(*bad)  # a bad object would fail every reader: remove it once
-            except redis.RedisError:
-                pass
         return ok
 
     def _put(self, ids: list[BlockId], payloads: list[memoryview]) -> list[bool]:
-        try:
-            limit = self._call(self._bulk_limit)
-        except (_Unavailable, redis.RedisError, OSError):
-            return [False] * len(ids)
-        if self.object_size > limit:
-            # Every block of a layout has the same size: refuse all, before sending any bytes.
-            if not self._warned_large:
-                self._warned_large = True
-                log.warning("redis L3 %s: blocks of %d bytes exceed the server's limit of %d bytes; not storing",
-                            self.url, self.object_size, limit)
-            self._stats.error("too_large", len(ids))
-            return [False] * len(ids)
-        return self._by_chunks(len(ids), lambda r: self._put_chunk(ids, payloads, r))
+        keys = [self._key(b.hash) for b in ids]
+        expire = b"" if self.ttl is None else b"$2\r\nEX\r\n$%d\r\n%d\r\n" % (len(str(self.ttl)), self.ttl)
+        nargs = b"*5\r\n" if self.ttl is not None else b"*3\r\n"
 
-    def _put_chunk(self, ids: list[BlockId], payloads: list[memoryview], r: range) -> list[bool] | bool:
-        def run() -> list[Any]:
-            pipe = self._r.pipeline(transaction=False)
-            for i in r:
-                pipe.set(self._key(ids[i].hash), encode(self.layout, ids[i], payloads[i]), ex=self.ttl)
-            return pipe.execute(raise_on_error=False)
+        def batch(node: str, client: redis.Redis, idx: list[int]) -> list[bool]:
+            limit = self._call(node, lambda: self._bulk_limit(node, client))
+            if self.object_size > limit:
+                # Every block of a layout has the same size: refuse all, before sending any bytes.
+                self._warn_once("too_large", "redis L3 %s: blocks of %d bytes exceed the server's limit of %d bytes; "
+                                "not storing", self.url, self.object_size, limit)
+                self._stats.error("too_large", len(idx))
+                return [False] * len(idx)
+            # SET key value [EX ttl], the value sent as header + the caller's payload buffer.
+            frames: list[Any] = []
+            tail = b""
+            for i in idx:
+                header = encode_header(self.layout, ids[i], payloads[i])
+                frames.append(b"%b%b$3\r\nSET\r\n$%d\r\n%b\r\n$%d\r\n%b"
+                              % (tail, nargs, len(keys[i]), keys[i], self.object_size, header))
+                frames.append(payloads[i])
+                tail = b"\r\n" + expire
+            frames.append(tail)
 
-        try:
-            results = self._call(run)
-        except (_Unavailable, redis.RedisError, OSError):
-            return False
-        ok = []
-        for res in results:
-            if isinstance(res, Exception):  # e.g. OOM: maxmemory reached with noeviction
-                log.warning("redis L3 %s: SET refused: %s", self.url, res)
-                self._stats.error("io")
-                ok.append(False)
-            else:
-                ok.append(bool(res))
-        return ok
+            def read(replies: _Replies) -> list[bool]:
+                stored = []
+                for _ in idx:
+                    kind, rest = replies.line()
+                    if kind == b"-":  # e.g. OOM: maxmemory reached with noeviction
+                        self._error_reply(node, rest, "SET")
+                    elif kind != b"+":
+                        raise redis.InvalidResponse(f"unexpected reply to SET: {kind!r}")
+                    stored.append(kind == b"+")
+                return stored
+
+            return self._call(node, lambda: self._exchange(client, frames, read))
+
+        return self._batched(keys, self._per_batch(), self._quiet(batch))
+
+    def _per_batch(self) -> int:
+        return max(1, _CHUNK_BYTES // self.object_size)
+
+    def _quiet(self, batch: Callable[[str, redis.Redis, list[int]], list[bool]]) -> Callable[..., list[bool] | bool]:
+        """`batch`, answering False (all misses) where the node failed; _call has counted it."""
+
+        def run(node: str, client: redis.Redis, idx: list[int]) -> list[bool] | bool:
+            try:
+                return batch(node, client, idx)
+            except (_Unavailable, *SERVICE_ERRORS):
+                return False
+
+        return run
+
+    def _bulk_limit(self, node: str, client: redis.Redis) -> int:
+        """The largest value `node` accepts (proto-max-bulk-len), asked once it answers."""
+        if self._max_object is not None:
+            return self._max_object
+        if node not in self._limits:
+            try:
+                got = client.config_get("proto-max-bulk-len")
+                self._limits[node] = int(got.get("proto-max-bulk-len", _DEFAULT_BULK_LIMIT))
+            except redis.ResponseError:  # CONFIG renamed or denied (managed Redis)
+                self._limits[node] = _DEFAULT_BULK_LIMIT
+        return self._limits[node]
 
     def _close(self) -> None:
-        self._r.close()
-        self._r.connection_pool.disconnect()
+        if not self.cluster:
+            self._r.close()
+            self._r.connection_pool.disconnect()
+        elif self._rc is not None:
+            self._rc.close()
