@@ -225,16 +225,19 @@ def main() -> None:
             print(f"{label:<9} {name:<14} {m['write_GBps']:>10.3f} {m['read_GBps']:>10.3f} {'':>7} {'':>7} {'':>8} {'':>8} "
                   f"{d['lookup64_hit_ms']:>10.2f}/{d['lookup64_miss_ms']:.2f}")
 
-    import boto3
-    import redis as redis_py
+    def _package(name: str) -> str:  # --no-services runs where the service clients are not installed
+        try:
+            return __import__(name).__version__
+        except ImportError:
+            return "not installed"
 
     machine = platform.node() or "unknown"
     meta = {
         "machine": machine, "cpus": os.cpu_count(), "platform": platform.platform(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "git_commit": _version(["git", "-C", str(ROOT), "rev-parse", "HEAD"]),
-        "versions": {"python": platform.python_version(), "torch": torch.__version__, "boto3": boto3.__version__,
-                     "redis-py": redis_py.__version__, "redis-server": _version(["redis-server", "--version"]),
+        "git_commit": os.environ.get("TIERKV_COMMIT") or _version(["git", "-C", str(ROOT), "rev-parse", "HEAD"]),
+        "versions": {"python": platform.python_version(), "torch": torch.__version__, "boto3": _package("boto3"),
+                     "redis-py": _package("redis"), "redis-server": _version(["redis-server", "--version"]),
                      "seaweedfs": _version(["weed", "version"])},
         "method": "disk: median over interleaved rounds of raw/tier; page cache dropped before reads with "
                   "posix_fadvise(DONTNEED) per file; raw = one file, 8 MiB write() calls + fsync, 8 MiB preadv; "

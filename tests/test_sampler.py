@@ -16,7 +16,8 @@ from tierkv.engine.sampler import (
     make_generator,
     stop_reason,
 )
-from tierkv.errors import ConfigError, ShapeError
+from tierkv.errors import ConfigError
+from tierkv.kernels import ShapeError
 from tierkv.kernels import reference as ref
 
 sample = Sampler()
