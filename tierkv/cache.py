@@ -8,8 +8,11 @@ blocks as they fill, `free` at the end; `block_table` turns sequences into a ker
 sequence larger than L1 `offload`s its oldest blocks to L2 and attention reads them through
 `stream` (streaming.py), one layer at a time.
 
-Here is where tiers meet policies: which block is evicted, demoted or copied down. This file
-never knows about requests, scheduling or HTTP, and never moves bytes itself (transfer.py does).
+This file turns those calls into the index's bookkeeping and the Tiering's moves: which blocks
+a sequence pins, shares or keeps private, and what it hands back. Which block is evicted,
+demoted or copied down is decided in tiering.py (under the policies of policies.py), and block
+bytes move in transfer.py; this file copies only the simple API's own tensors (store/retrieve).
+It never knows about requests, scheduling or HTTP.
 """
 
 from __future__ import annotations
