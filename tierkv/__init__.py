@@ -1,6 +1,7 @@
 """tierkv: a three-tier KV cache for LLM inference (GPU pool, pinned host pool, disk/S3/Redis).
 
-The public names live here, imported on first use; the README's "Layout of the code" maps the layers below them.
+The public names live here, imported on first use. docs/architecture.md maps the layers below
+them, the life of a request and of a block, and where each decision is made.
 """
 
 from . import errors
