@@ -19,7 +19,7 @@ from services import block_chain, get_and_check, empty_like_blocks, same_bytes
 
 from tierkv.layout import KVLayout
 from tierkv.tiers.codec import byte_view, encode_header, key_hex, payload_offset
-from tierkv.tiers.l3 import open_store
+from tierkv.tiers.open import open_store
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16, block_size=16)  # 16 KiB
 TESTS = Path(__file__).parent
@@ -132,6 +132,24 @@ def test_budget_evicts_least_recently_used_and_never_grows(tmp_path):
     assert tiny.put_many(ids[:1], pays[:1]) == [False]
     assert tiny.stats()["errors"]["too_large"] == 1 and not list((tmp_path / "tiny").rglob("*.kv"))
     tiny.close()
+
+
+def test_a_lookup_hit_is_a_use_that_the_next_write_does_not_evict(tmp_path):
+    # The cache looks a prefix up, then makes room in L2 for it (demoting L2 blocks, which under
+    # write-back writes them here) and only then reads it: a full disk must not evict the very
+    # block that was just found (the cache's state machine found match() != retrieve() this way).
+    probe = _store(tmp_path / "probe", size="1KiB", chunk=16)
+    size = probe.record_size
+    probe.close()
+    s = _store(tmp_path, size=str(3 * size), chunk=16)
+    ids, pays = block_chain(LAYOUT, 4)
+    for i in range(3):  # one at a time, so the LRU order is 0, 1, 2
+        assert s.put_many([ids[i]], [pays[i]]) == [True]
+    assert s.contains_many([ids[0].hash]) == [True]  # the oldest, now found
+    assert s.put_many([ids[3]], [pays[3]]) == [True]  # the disk is full: one goes
+    assert _check(s, ids[:1], pays[:1]) == [True]
+    assert s.contains_many([b.hash for b in ids]) == [True, False, True, True]  # block 1 went instead
+    s.close()
 
 
 def test_restart_rebuilds_lru_order_from_mtimes(tmp_path):
@@ -312,7 +330,7 @@ _WRITER = textwrap.dedent(
     import os, sys, torch
     from services import block_chain
     from tierkv.layout import KVLayout
-    from tierkv.tiers.l3 import open_store
+    from tierkv.tiers.open import open_store
     layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16, block_size=16)
     ids, pays = block_chain(layout, 400, seed=3)
     s = open_store("file://" + sys.argv[1] + "?size=64MiB&threads=4", layout)

@@ -179,6 +179,11 @@ class DiskStore(L3Store):
     def _stat(self, names: list[str]) -> list[int | None]:
         with self._lock:
             sizes = [self._lru.get(n) for n in names]
+            for name, size in zip(names, sizes):
+                if size is not None:
+                    # a lookup that finds an object is a use: its read follows, and the writes
+                    # that make room for that read (L2 demoting to here) must not evict it first
+                    self._lru.move_to_end(name)
         for i, name in enumerate(names):
             if sizes[i] is None:
                 # Another process sharing the directory may have written it since our scan.
