@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # the same service launchers the tests 
 from services import RedisClusterNodes, RedisServer, SeaweedFS, block_chain  # noqa: E402
 
 from tierkv.layout import KVLayout  # noqa: E402
-from tierkv.tiers.l3 import open_store  # noqa: E402
+from tierkv.tiers.open import open_store  # noqa: E402
 
 LAYOUTS = {
     # Llama-3.1-8B: 32 layers, 8 KV heads, d=128, bf16, 16 tokens = 2 MiB a block

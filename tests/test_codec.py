@@ -13,7 +13,8 @@ from services import block_chain, same_bytes
 from tierkv.errors import ConfigError
 from tierkv.layout import KVLayout
 from tierkv.tiers.codec import BlockId, DecodeError, byte_view, decode_into, encode, parse_header, payload_offset
-from tierkv.tiers.l3 import open_store, redact_url
+from tierkv.config import redact_url
+from tierkv.tiers.open import open_store
 
 SMALL = KVLayout(num_layers=2, num_kv_heads=1, head_dim=4, dtype=torch.float16, block_size=2)
 

@@ -19,7 +19,7 @@ from tierkv.config import CacheConfig
 from tierkv.errors import ConfigError
 from tierkv.layout import KVLayout
 from tierkv.tiers.codec import key_hex
-from tierkv.tiers.l3 import open_store
+from tierkv.tiers.open import open_store
 from tierkv.tiers.redis import slot_tag
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16, block_size=16)  # 16 KiB
@@ -182,7 +182,7 @@ _WRITER = textwrap.dedent(
     import sys, torch
     from services import block_chain
     from tierkv.layout import KVLayout
-    from tierkv.tiers.l3 import open_store
+    from tierkv.tiers.open import open_store
     layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16, block_size=16)
     ids, pays = block_chain(layout, 16, seed=11)
     s = open_store(sys.argv[1], layout)

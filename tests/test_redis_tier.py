@@ -16,7 +16,7 @@ from services import block_chain, get_and_check, empty_like_blocks
 
 from tierkv.layout import KVLayout
 from tierkv.tiers.codec import key_hex
-from tierkv.tiers.l3 import open_store
+from tierkv.tiers.open import open_store
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16, block_size=16)  # 16 KiB
 TESTS = Path(__file__).parent
@@ -101,7 +101,7 @@ _WRITER = textwrap.dedent(
     import sys, torch
     from services import block_chain
     from tierkv.layout import KVLayout
-    from tierkv.tiers.l3 import open_store
+    from tierkv.tiers.open import open_store
     layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16, block_size=16)
     ids, pays = block_chain(layout, 16, seed=11)
     s = open_store(sys.argv[1], layout)

@@ -12,7 +12,7 @@ from test_redis_tier import run_writer
 
 from tierkv.layout import KVLayout
 from tierkv.tiers.codec import key_hex, payload_offset
-from tierkv.tiers.l3 import open_store
+from tierkv.tiers.open import open_store
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16, block_size=16)  # 16 KiB
 

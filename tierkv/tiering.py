@@ -24,7 +24,7 @@ from .layout import KVLayout
 from .metrics import CacheCounters
 from .tiers import DevicePool, HostPool
 from .tiers.codec import BlockId
-from .tiers.l3 import open_store
+from .tiers.open import open_store
 from .tiers.pool import blocks_for
 from .transfer import DONE, BlockMover, L3Job, L3Mover, Transfer
 

@@ -1,5 +1,5 @@
-"""l3: the interface every L3 store (disk, S3, Redis) offers, their shared bookkeeping, chunk
-objects, and open_store.
+"""l3: the interface every L3 store (disk, S3, Redis) offers, their shared bookkeeping and chunk
+objects. The stores subclass L3Store; open.py picks one by URL (so this file imports no store).
 
     store = open_store("file:///var/cache/tierkv?size=100GiB", layout)   # or s3://..., redis://...
     store.contains_many(hashes: list[int], first_pos=0) -> list[bool]   # one round trip per call
@@ -71,7 +71,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 from urllib.parse import parse_qs, urlsplit
 
-from ..config import parse_size, redact_url, validate_l3_url
+from ..config import parse_size, redact_url
 from ..errors import ConfigError
 from ..layout import KVLayout
 from .codec import (
@@ -87,7 +87,7 @@ from .codec import (
     record_size,
 )
 
-__all__ = ["BlockId", "L3Store", "StoreStats", "key_hex", "open_store", "redact_url"]
+__all__ = ["BlockId", "L3Store", "StoreStats", "key_hex"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -650,28 +650,3 @@ class L3Store(ABC):
 
     def _put(self, ids: list[BlockId], payloads: list[memoryview]) -> list[bool]:
         raise NotImplementedError
-
-
-def open_store(url: str, layout: KVLayout) -> L3Store:
-    """The store a URL names: file:///dir?size=..., s3://bucket/prefix?endpoint=..., redis[s]://host:port/db.
-
-    Raises ConfigError for a URL that cannot work (unknown scheme or option, missing client
-    library); a service that is down at open time is not an error (its calls miss until it is up).
-    """
-    validate_l3_url(url, "L3 URL")
-    scheme = urlsplit(url).scheme
-    try:
-        if scheme == "file":
-            from .disk import DiskStore
-
-            return DiskStore(url, layout)
-        if scheme == "s3":
-            from .s3 import S3Store
-
-            return S3Store(url, layout)
-        from .redis import RedisStore
-
-        return RedisStore(url, layout)
-    except ModuleNotFoundError as err:
-        extra = "s3" if scheme == "s3" else "redis"
-        raise ConfigError(f"L3 URL {redact_url(url)} needs {err.name}: pip install 'tierkv[{extra}]'") from None
