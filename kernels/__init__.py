@@ -13,11 +13,12 @@ from __future__ import annotations
 import importlib
 import os
 from types import ModuleType
+from typing import TYPE_CHECKING
 
-import torch
+from .errors import ShapeError
 
-from . import reference
-from ._checks import ShapeError
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "ShapeError",
@@ -59,9 +60,21 @@ def backend_for(tensor: torch.Tensor) -> str:
     return "triton" if tensor.is_cuda else "reference"
 
 
+def __getattr__(name: str) -> ModuleType:
+    # torch loads with the first kernel call (or `kernels.reference`), not with the package, so
+    # that tierkv.errors, which builds on ShapeError, and config validation stay light to import.
+    if name == "reference":
+        return _reference()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _reference() -> ModuleType:
+    return importlib.import_module(".reference", __name__)
+
+
 def _impl(name: str, tensor: torch.Tensor):
     if backend_for(tensor) == "reference" or name not in _TRITON_HOME:
-        return getattr(reference, name)
+        return getattr(_reference(), name)
     module: ModuleType = importlib.import_module(f".{_TRITON_HOME[name]}", __name__)
     return getattr(module, name)
 
@@ -84,7 +97,7 @@ def paged_prefill(q, kv, block_tables, cu_seqlens_q, seq_lens, scale: float, sli
     chunk may then take a faster path on the GPU (kernels/dense.py). The result is the same.
     """
     if backend_for(q) == "reference":
-        return reference.paged_prefill(q, kv, block_tables, cu_seqlens_q, seq_lens, scale, sliding_window)
+        return _reference().paged_prefill(q, kv, block_tables, cu_seqlens_q, seq_lens, scale, sliding_window)
     return _impl("paged_prefill", q)(q, kv, block_tables, cu_seqlens_q, seq_lens, scale, sliding_window, context)
 
 

@@ -4,17 +4,14 @@ Every public kernel validates its inputs here first so that a wrong shape, dtype
 clear `ShapeError` naming the argument, never a silent out-of-bounds read. This file only inspects
 metadata (shapes, dtypes, devices); it must never read tensor contents, which would force a GPU
 sync on the hot path. Like all of kernels/, it imports nothing from tierkv (tierkv.errors builds
-on the error defined here).
+on kernels/errors.py).
 """
 
 from __future__ import annotations
 
 import torch
 
-
-class ShapeError(ValueError):
-    """A tensor handed to a kernel has the wrong shape, dtype or device (tierkv.errors.ShapeError,
-    which the cache raises, derives from it: catching this catches both)."""
+from .errors import ShapeError
 
 
 ATTN_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

@@ -35,7 +35,7 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 def check_triton_device(*tensors: torch.Tensor) -> None:
     """Triton kernels run on CUDA, or on CPU only under TRITON_INTERPRET=1."""
-    from ._checks import ShapeError
+    from .errors import ShapeError
 
     for t in tensors:
         if t.device.type != "cuda" and not INTERPRETING:

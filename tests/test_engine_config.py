@@ -7,6 +7,10 @@ the server's flags are EngineConfig's fields with EngineConfig's defaults.
 from __future__ import annotations
 
 import dataclasses
+import socket
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -30,6 +34,73 @@ def test_unknown_and_bad_options_fail_before_loading():
         EngineConfig(eviction="fifo")  # the cache's own checks run here too
     with pytest.raises(ConfigError, match="either config= or a model"):
         Engine("/nonexistent/model", config=EngineConfig())
+
+
+# Each bad value, the words its error must contain. tierkv-serve must refuse every one of them
+# before it loads torch, FastAPI or a weight: in well under a second.
+BAD_FLAGS = [
+    (["--l1", "lots"], "CacheConfig.l1 must be a size"),
+    (["--l2", "-5"], "l2"),
+    (["--l3", "ftp://host/x"], "scheme 'ftp'"),
+    (["--eviction", "fifo"], "eviction"),
+    (["--write-policy", "sometimes"], "write_policy"),
+    (["--block-size", "0"], "block_size must be an int >= 1"),
+    (["--max-num-seqs", "0"], "max_num_seqs must be an int >= 1"),
+    (["--max-model-len", "1"], "max_model_len must be an int >= 2"),
+    (["--dtype", "float13"], "dtype 'float13' is not supported"),
+    (["--device", "tpu"], "device 'tpu' is not supported"),
+    (["--model", "/nonexistent/model"], "no such directory"),
+    (["--model", __file__], "is a file"),
+    (["--port", "70000"], "--port must be an int from 0 to 65535"),
+    (["--log-level", "loud"], "--log-level must be one of"),
+    (["--max-waiting", "0"], "--max-waiting must be a positive number"),
+    (["--grace-period", "-1"], "--grace-period must be a number of seconds >= 0"),
+    (["--max-request-bytes", "12"], "--max-request-bytes must be at least 4KiB"),
+]
+
+
+@pytest.mark.parametrize("flags,message", BAD_FLAGS, ids=[" ".join(f) for f, _ in BAD_FLAGS])
+def test_tierkv_serve_refuses_a_bad_value_in_well_under_a_second(flags, message):
+    t0 = time.monotonic()
+    run = subprocess.run([sys.executable, "-m", "tierkv.server.cli", *flags], capture_output=True, text=True,
+                         timeout=60)
+    elapsed = time.monotonic() - t0
+    assert run.returncode == 2, run.stderr
+    assert message in run.stderr and "Traceback" not in run.stderr
+    assert elapsed < 1.0, f"{flags} took {elapsed:.2f} s to be refused"
+
+
+def test_a_busy_port_is_refused_before_the_model_loads():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        t0 = time.monotonic()
+        run = subprocess.run([sys.executable, "-m", "tierkv.server.cli", "--port", str(port)], capture_output=True,
+                             text=True, timeout=60)
+    assert run.returncode == 2 and f"cannot listen on --host 127.0.0.1 --port {port}" in run.stderr
+    assert time.monotonic() - t0 < 1.0
+
+
+def test_checking_every_option_loads_no_torch():
+    # why the refusals above are fast: parsing and checking import neither torch nor FastAPI
+    code = ("import sys, dataclasses; from tierkv.server.cli import load_options, ENGINE_OPTIONS, EngineConfig; "
+            "opts = load_options(['--l1', '2GiB', '--l3', 'file:///tmp/x', '--dtype', 'bf16']); "
+            "EngineConfig(**{n: opts[n] for n in ENGINE_OPTIONS}); "
+            "heavy = sorted(m for m in ('torch', 'fastapi', 'transformers', 'uvicorn') if m in sys.modules); "
+            "print(heavy)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[]"
+
+
+def test_llm_refuses_a_bad_value_before_loading():
+    # in-process, torch is loaded already: what remains must still be a fraction of a second
+    for options, message in [(dict(l1="lots"), "l1"), (dict(dtype="int8"), "dtype"), (dict(device="tpu"), "device")]:
+        t0 = time.monotonic()
+        with pytest.raises(ConfigError, match=message):
+            LLM(**options)
+        assert time.monotonic() - t0 < 0.5
 
 
 def test_device_defaults_are_resolved_in_one_place():

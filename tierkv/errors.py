@@ -4,7 +4,7 @@ Every error a user can cause says what to change. Internal faults of a tier (a d
 corrupt file) are never raised from here: tiers count them and report a miss instead.
 """
 
-from .kernels._checks import ShapeError as KernelShapeError  # kernels/ is the layer below everything
+from .kernels.errors import ShapeError as KernelShapeError  # kernels/ is the layer below everything; no torch
 
 
 class TierKVError(Exception):
@@ -18,6 +18,10 @@ class ConfigError(TierKVError, ValueError):
 class ShapeError(TierKVError, KernelShapeError):
     """A tensor handed to the cache has the wrong shape, dtype or device. The kernels raise their
     own base of this class (tierkv.kernels.ShapeError, a ValueError): catch that to catch both."""
+
+
+class ModelLoadError(ConfigError):
+    """A model path or directory cannot be used; the message says what is wrong and what works."""
 
 
 class OutOfMemoryError(TierKVError, MemoryError):

@@ -10,17 +10,47 @@ allocates memory.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from ..config import CacheConfig
 from ..errors import ConfigError
+from .hub import model_source
+
+if TYPE_CHECKING:
+    import torch
 
 # Tokens one step may compute: on a GPU large enough to keep prefill compute-bound, on CPU small
 # enough that a step stays interactive.
 GPU_BATCHED_TOKENS = 8192
 CPU_BATCHED_TOKENS = 1024
+
+# dtype names a user may pass -> the torch dtype's name (the model runs in one of these three)
+DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
+          "half": "float16", "float32": "float32", "fp32": "float32"}
+_DEVICE = re.compile(r"^(cpu|cuda)(:\d+)?$")
+
+
+def dtype_name(dtype: object) -> str | None:
+    """The torch name of `dtype` (a name above, "auto", None or a torch.dtype); None means "auto".
+    Raises ConfigError for any other. Needs no torch import, so it runs before torch loads."""
+    if dtype is None or dtype == "auto":
+        return None
+    name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+    if isinstance(dtype, str) and name in DTYPES:
+        return DTYPES[name]
+    if not isinstance(dtype, str) and name in DTYPES.values():
+        return name
+    raise ConfigError(f"dtype {dtype!r} is not supported; use one of auto, {', '.join(DTYPES)} "
+                      "(or torch.bfloat16, torch.float16, torch.float32)")
+
+
+def check_device(device: object) -> None:
+    """"cpu", "cuda", "cuda:N", a torch.device of those, or None (the GPU when there is one)."""
+    text = device if isinstance(device, str) else str(device)
+    if device is not None and not _DEVICE.match(text):
+        raise ConfigError(f"device {device!r} is not supported; use cpu, cuda or cuda:N")
 
 
 @dataclass(slots=True)
@@ -74,6 +104,9 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 2):
                 raise ConfigError(f"{name} must be an int >= 2 or None (the default), got {value!r}")
+        check_device(self.device)
+        dtype_name(self.dtype)
+        model_source(self.model)  # a missing directory fails here; a hub id is fetched when loading
         self.cache_config()  # sizes, policies and L3 URLs fail here, before a model is loaded
 
     @classmethod

@@ -15,7 +15,7 @@ import os
 import re
 from pathlib import Path
 
-from .loader import ModelLoadError
+from ..errors import ModelLoadError
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,26 @@ class HubError(ModelLoadError):
 def looks_like_repo_id(model: str) -> bool:
     """'org/name' (not a path that exists: the caller checked that first)."""
     return bool(_REPO_ID.match(model)) and not model.startswith(".")
+
+
+def model_source(model: str | os.PathLike | None) -> str:
+    """Where `model` comes from: "bundled" (None), "local" (a directory) or "hub" (an org/name id).
+    Raises ModelLoadError for anything else. Opens no file and touches no network, so configs
+    check it before any weight is read."""
+    if model is None:
+        return "bundled"
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return "local"
+    if path.is_file():
+        raise ModelLoadError(f"{path} is a file; pass the model directory that holds config.json and *.safetensors")
+    if isinstance(model, str) and looks_like_repo_id(model):
+        return "hub"
+    raise ModelLoadError(
+        f"model {str(model)!r}: no such directory, and not a Hugging Face hub id (org/name); pass a local "
+        "model directory that holds config.json and *.safetensors, a hub id, or model=None for the bundled "
+        "SmolLM2"
+    )
 
 
 def _is_true(value: str | None) -> bool:

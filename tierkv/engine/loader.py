@@ -21,9 +21,11 @@ from pathlib import Path
 import torch
 import xxhash
 
-from tierkv.errors import ConfigError, TierKVError
+from tierkv.errors import ConfigError, ModelLoadError, TierKVError
 from tierkv.layout import KVLayout
 
+from . import hub
+from .config import check_device, dtype_name
 from .model import SUPPORTED_MODEL_TYPES, CausalLM, ModelConfig
 from .tokenizer import Tokenizer
 
@@ -36,10 +38,6 @@ BUNDLED_NAME = "SmolLM2-135M-Instruct"
 
 class MissingDependencyError(TierKVError, ImportError):
     """An optional package the requested feature needs is not installed; the message names it."""
-
-
-class ModelLoadError(ConfigError):
-    """A model path or directory cannot be used; the message says what is wrong and what works."""
 
 
 @dataclass(slots=True)
@@ -69,18 +67,12 @@ def resolve_device_dtype(
     device: str | torch.device | None, dtype: str | torch.dtype | None
 ) -> tuple[torch.device, torch.dtype]:
     """Defaults: the GPU in bf16 when there is one, else the CPU in fp32."""
+    check_device(device)
     dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if dtype is None or dtype == "auto":
+    name = dtype_name(dtype)
+    if name is None:
         return dev, torch.bfloat16 if dev.type == "cuda" else torch.float32
-    if isinstance(dtype, str):
-        names = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
-                 "fp16": torch.float16, "half": torch.float16, "float32": torch.float32, "fp32": torch.float32}
-        if dtype not in names:
-            raise ConfigError(f"dtype {dtype!r} is not supported; use one of auto, {', '.join(names)}")
-        dtype = names[dtype]
-    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ConfigError(f"dtype {dtype} is not supported; use torch.bfloat16, torch.float16 or torch.float32")
-    return dev, dtype
+    return dev, getattr(torch, name)
 
 
 def _require(module: str, package: str, why: str) -> None:
@@ -215,22 +207,10 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
 def resolve_model_dir(model: str | os.PathLike | None, cache_dir: str | Path | None = None) -> Path:
     """A local directory for `model`: the bundled one for None, a local directory as it is, else
     a Hugging Face hub id ("org/name"), fetched into the hub cache unless it is there already."""
-    if model is None:
+    source = hub.model_source(model)
+    if source == "bundled":
         return bundled_model_dir(cache_dir)
-    path = Path(model).expanduser()
-    if path.is_dir():
-        return path
-    if path.is_file():
-        raise ModelLoadError(f"{path} is a file; pass the model directory that holds config.json and *.safetensors")
-    from . import hub  # imported here: hub.py imports this module
-
-    if isinstance(model, str) and hub.looks_like_repo_id(model):
-        return hub.download(model)
-    raise ModelLoadError(
-        f"model {str(model)!r}: no such directory, and not a Hugging Face hub id (org/name); pass a local "
-        "model directory that holds config.json and *.safetensors, a hub id, or model=None for the bundled "
-        "SmolLM2"
-    )
+    return Path(model).expanduser() if source == "local" else hub.download(str(model))
 
 
 def read_config(model_dir: Path) -> dict:

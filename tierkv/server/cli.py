@@ -15,6 +15,7 @@ import logging
 import os
 import re
 import signal
+import socket
 import sys
 import threading
 from pathlib import Path
@@ -39,7 +40,9 @@ SERVER_OPTIONS = {
     "send_buffer_bytes": "256KiB", "keep_alive_timeout": 5.0, "max_connections": 1000, "max_keep_alive_requests": 1000,
 }
 TIMEOUTS = ("header_timeout", "body_timeout", "send_timeout", "keep_alive_timeout")
-COUNTS = ("max_connections", "max_keep_alive_requests")
+COUNTS = ("max_connections", "max_keep_alive_requests", "max_waiting")
+GRACES = ("grace_period", "flush_timeout")  # seconds, 0 allowed
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 FD_SLACK = 256  # file descriptors beyond the connections: model files, L3 files, sockets to Redis/S3
 ENGINE_OPTIONS = {f.name: f.default for f in dataclasses.fields(EngineConfig) if f.name != "cache_dir"}
 OPTIONS = {**ENGINE_OPTIONS, **SERVER_OPTIONS}
@@ -88,7 +91,7 @@ def parser() -> argparse.ArgumentParser:
       "--no-async-scheduling runs each step to completion first")
     a("--grace-period", type=float, help="seconds running requests get to finish after SIGTERM (default 30)")
     a("--flush-timeout", type=float, help="seconds allowed for flushing write-back blocks to L3 on exit (default 60)")
-    a("--log-level", help="debug, info, warning, error (default info)")
+    a("--log-level", help="debug, info, warning, error, critical (default info)")
     g = p.add_argument_group("limits on clients", "what one client may make the server hold "
                              "(docs/serving.md, 'Limits'); the defaults are safe to expose behind a proxy")
     b = g.add_argument
@@ -123,12 +126,13 @@ def load_options(argv: list[str] | None = None) -> dict:
         merged["api_key"] = os.environ[API_KEY_ENV]
     if isinstance(merged["l3"], str):
         merged["l3"] = [merged["l3"]]
-    _check_limits(p, merged)
+    _check_server_options(p, merged)
     return merged
 
 
-def _check_limits(p: argparse.ArgumentParser, opts: dict) -> None:
-    """Numbers for the client limits, whether they came from flags or YAML (which may hold strings)."""
+def _check_server_options(p: argparse.ArgumentParser, opts: dict) -> None:
+    """The server's own options, whether they came from flags or YAML (which may hold strings),
+    before anything is loaded; the engine's are EngineConfig's to check."""
     for name in ("max_request_bytes", "send_buffer_bytes"):
         flag = "--" + name.replace("_", "-")
         if opts[name] is None:
@@ -148,6 +152,30 @@ def _check_limits(p: argparse.ArgumentParser, opts: dict) -> None:
         if not value > 0 or value == float("inf"):
             p.error(f"{flag} must be a positive number, got {opts[name]!r}")
         opts[name] = value
+    for name in GRACES:
+        try:
+            opts[name] = float(opts[name])
+        except (TypeError, ValueError):
+            opts[name] = -1.0
+        if not 0 <= opts[name] < float("inf"):
+            p.error(f"--{name.replace('_', '-')} must be a number of seconds >= 0, got {opts[name]!r}")
+    if str(opts["log_level"]).lower() not in LOG_LEVELS:
+        p.error(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {opts['log_level']!r}")
+    port = opts["port"]
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
+        p.error(f"--port must be an int from 0 to 65535, got {port!r}")
+
+
+def _check_bind(host: str, port: int) -> None:
+    """Bind the address once now, as uvicorn will (SO_REUSEADDR), so that a wrong --host or a busy
+    --port fails before the model loads rather than after."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(addr)
+    except OSError as err:
+        raise ConfigError(f"cannot listen on --host {host} --port {port}: {err.strerror or err}") from None
 
 
 def _raise_fd_limit(max_connections: int, log: logging.Logger) -> None:
@@ -242,6 +270,14 @@ def tier_summary(engine, l3: list[str], opts: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     opts = load_options(argv)
+    # Every option is checked here, before torch, FastAPI or a weight is loaded: a bad value
+    # fails in a fraction of a second (this file and EngineConfig import neither).
+    try:
+        config = EngineConfig(**{name: opts[name] for name in ENGINE_OPTIONS})
+        _check_bind(str(opts["host"]), opts["port"])
+    except ConfigError as err:
+        print(f"tierkv-serve: {Redact([]).scrub(str(err))}", file=sys.stderr)
+        return 2
     _setup_logging(opts["log_level"], [opts["api_key"]] if opts["api_key"] else [])
     log = logging.getLogger("tierkv.serve")
     try:
@@ -259,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..errors import TierKVError
 
     try:
-        engine = Engine(config=EngineConfig(**{name: opts[name] for name in ENGINE_OPTIONS}))
+        engine = Engine(config=config)
     except TierKVError as err:
         print(f"tierkv-serve: {Redact([]).scrub(str(err))}", file=sys.stderr)
         return 2
@@ -279,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
                             timeout_graceful_shutdown=opts["grace_period"] + SHUTDOWN_SLACK_S, log_config=None,
                             http=protocol(limits, lambda reason: metrics.closed.labels(reason).inc()), ws="none",
                             timeout_keep_alive=limits.keep_alive_timeout)
-    server = _Server(config, aengine)
+    server = _draining_server(config, aengine)
     metrics.open_connections.set_function(lambda: len(server.server_state.connections))
     print(f"tierkv-serve: {name} on http://{opts['host']}:{opts['port']}/v1"
           f"{' (API key required)' if opts['api_key'] else ''}", flush=True)
@@ -297,13 +333,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-try:
-    import uvicorn as _uvicorn
+def _draining_server(config, engine):
+    """uvicorn's server, but a signal means drain and exit 0 (uvicorn re-raises the signal after a
+    graceful shutdown, which would end the process with -SIGTERM). Made when the server starts, so
+    that importing this file (to check options) does not import uvicorn."""
+    import uvicorn
 
-    class _Server(_uvicorn.Server):
-        """uvicorn's server, but a signal means drain and exit 0 (uvicorn re-raises the signal after a
-        graceful shutdown, which would end the process with -SIGTERM)."""
-
+    class Server(uvicorn.Server):
         def __init__(self, config, engine) -> None:
             super().__init__(config)
             self.engine = engine
@@ -326,8 +362,8 @@ try:
             if self.should_exit and sig == signal.SIGINT:
                 self.force_exit = True
             self.should_exit = True
-except ImportError:  # the serve extra is missing: main() says so
-    _Server = None  # type: ignore[assignment,misc]
+
+    return Server(config, engine)
 
 
 if __name__ == "__main__":
