@@ -94,6 +94,110 @@ def test_openai_client_chat_and_completions(client):
     assert [m.id for m in client.models.list().data] == [MODEL]
 
 
+def test_n_choices_share_the_prompt_and_each_equals_its_seed(client):
+    # n=3 in one request: choice i is what n=1 with seed 7 + i gives; the prompt counts once
+    msgs = [{"role": "user", "content": f"Tell me a story ({uuid.uuid4().hex[:6]})."}]
+    kw = dict(model=MODEL, messages=msgs, max_tokens=6, temperature=1.0, extra_body={"top_k": 40, "ignore_eos": True})
+    many = client.chat.completions.create(n=3, seed=7, **kw)
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    singles = [client.chat.completions.create(seed=7 + i, **kw) for i in range(3)]
+    assert [c.message.content for c in many.choices] == [s.choices[0].message.content for s in singles]
+    assert len({c.message.content for c in many.choices}) > 1  # distinct seeds, distinct choices
+    assert many.usage.prompt_tokens == singles[0].usage.prompt_tokens
+    assert many.usage.completion_tokens == 18 and many.usage.total_tokens == many.usage.prompt_tokens + 18
+    # streamed: every chunk names its choice; the text per index is the same, usage at the end once
+    parts = list(client.chat.completions.create(n=3, seed=7, stream=True, stream_options={"include_usage": True},
+                                                **kw))
+    texts, roles, reasons = {}, {}, {}
+    for p in parts:
+        for c in p.choices:
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+            roles.setdefault(c.index, c.delta.role)
+            reasons[c.index] = c.finish_reason or reasons.get(c.index)
+    assert texts == {c.index: c.message.content for c in many.choices}
+    assert roles == {0: "assistant", 1: "assistant", 2: "assistant"} and set(reasons.values()) == {"length"}
+    assert [p.usage is not None for p in parts].count(True) == 1 and parts[-1].usage.completion_tokens == 18
+    comp = client.completions.create(model=MODEL, prompt="Once upon a time", n=2, max_tokens=4, temperature=0)
+    assert [c.index for c in comp.choices] == [0, 1] and comp.choices[0].text == comp.choices[1].text  # greedy
+
+
+@pytest.fixture(scope="module")
+def hf_smollm():
+    """transformers' SmolLM2 on the weights the server converted (same directory, fp32 CPU)."""
+    import torch
+    import transformers
+
+    from tierkv.engine.loader import bundled_model_dir
+    from tierkv.engine.tokenizer import Tokenizer
+
+    path = bundled_model_dir(None)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return model, Tokenizer.from_dir(path)  # the server's own tokenizer: the same prompt ids
+
+
+def hf_greedy_logprobs(hf_smollm, ids: list[int], steps: int) -> tuple[list[int], list[list[float]]]:
+    """transformers' greedy tokens after `ids` and the sorted log-probabilities at each step."""
+    import torch
+
+    model, _ = hf_smollm
+    tokens, sorted_lps = [], []
+    with torch.inference_mode():
+        for _ in range(steps):
+            lp = torch.log_softmax(model(torch.tensor([ids + tokens])).logits[0, -1].float(), -1)
+            tokens.append(int(lp.argmax()))
+            sorted_lps.append(lp.sort(descending=True).values[:5].tolist())
+    return tokens, sorted_lps
+
+
+def test_completion_logprobs_match_transformers(client, hf_smollm):
+    _, tok = hf_smollm
+    prompt = "The capital of France is"
+    comp = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0, logprobs=3,
+                                     extra_body={"ignore_eos": True})
+    lp = comp.choices[0].logprobs
+    ids, expected = hf_greedy_logprobs(hf_smollm, tok.encode(prompt), 5)
+    assert lp.tokens == [tok.decode([i], skip_special_tokens=False) for i in ids] and "".join(lp.tokens) == comp.choices[0].text
+    assert lp.token_logprobs == pytest.approx([e[0] for e in expected], abs=1e-3)
+    for top, exp in zip(lp.top_logprobs, expected):
+        assert len(top) <= 3 and sorted(top.values(), reverse=True) == pytest.approx(exp[: len(top)], abs=1e-3)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
+    # streamed: the same entries, offsets continuing across chunks
+    parts = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0, logprobs=3,
+                                           stream=True, extra_body={"ignore_eos": True}))
+    got = [p.choices[0].logprobs for p in parts if p.choices[0].logprobs is not None]
+    assert sum((g.tokens for g in got), []) == lp.tokens
+    assert sum((g.text_offset for g in got), []) == lp.text_offset
+    assert sum((g.token_logprobs for g in got), []) == pytest.approx(lp.token_logprobs, abs=1e-4)
+
+
+def test_chat_logprobs_in_openai_types_streamed_and_not(client, hf_smollm):
+    from openai.types.chat.chat_completion_token_logprob import ChatCompletionTokenLogprob
+
+    _, tok = hf_smollm
+    msgs = [{"role": "user", "content": "Name a fruit."}]
+    chat = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, temperature=0, logprobs=True,
+                                          top_logprobs=2, extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(isinstance(c, ChatCompletionTokenLogprob) for c in content)
+    assert "".join(c.token for c in content) == chat.choices[0].message.content
+    greedy, expected = hf_greedy_logprobs(hf_smollm, tok.apply_chat_template(msgs), 4)
+    assert [c.token for c in content] == [tok.decode([i], skip_special_tokens=False) for i in greedy]
+    assert [c.logprob for c in content] == pytest.approx([e[0] for e in expected], abs=1e-3)
+    for c, exp in zip(content, expected):
+        assert bytes(c.bytes).decode() == c.token
+        assert [t.logprob for t in c.top_logprobs] == pytest.approx(exp[:2], abs=1e-3)
+        assert c.top_logprobs[0].token == c.token  # greedy: the sampled token is the most likely
+    parts = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, temperature=0,
+                                                logprobs=True, top_logprobs=2, stream=True,
+                                                extra_body={"ignore_eos": True}))
+    streamed = [c for p in parts if p.choices and p.choices[0].logprobs for c in p.choices[0].logprobs.content]
+    assert [c.token for c in streamed] == [c.token for c in content]
+    assert [c.logprob for c in streamed] == pytest.approx([c.logprob for c in content], abs=1e-4)
+    # no logprobs asked: none sent
+    plain = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
 def test_cached_tokens_follow_the_prefix_and_the_salt(client):
     # a fresh long prefix (well over one 16-token block), so earlier tests cannot have cached it
     system = f"Session {uuid.uuid4().hex}. " + "You answer questions about tiered caches briefly. " * 12
@@ -153,7 +257,11 @@ BAD = [
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 10**6}, 400, "max_tokens"),
     ("/v1/completions", {"model": MODEL, "prompt": LONG, "max_tokens": 1}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": [10**9], "max_tokens": 1}, 400, None),
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 2}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 0}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 129}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                              "top_logprobs": 3}, 400, "top_logprobs"),
     ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"model": MODEL, "messages": "hello"}, 400, "messages"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"content": "no role"}]}, 400, "messages"),

@@ -23,6 +23,7 @@ import time
 import numpy as np
 import torch
 
+from . import kernels
 from .config import CacheConfig
 from .errors import CacheFullError, ShapeError
 from .hashing import hash_blocks, namespace, token_bytes
@@ -84,6 +85,9 @@ class TieredKVCache:
         # The parts engines and tests look at directly.
         self.l1, self.l2, self.index, self.counters = self.tiers.l1, self.tiers.l2, self.tiers.index, self.tiers.counters
         self.streamer = LayerStreamer(self.l1, self.l2) if self.l2 is not None else None
+        # Private L1 slots that forked sequences share (`fork`): slot -> holders beyond the first.
+        # Such a slot goes back to the free list with its last holder.
+        self._shared: dict[int, int] = {}
 
     def __enter__(self) -> TieredKVCache:
         return self
@@ -527,6 +531,65 @@ class TieredKVCache:
         self.tiers.stored(new)
         return full - start
 
+    def fork(self, seq: SequenceBlocks, n: int, num_tokens: int) -> list[SequenceBlocks]:
+        """Up to `n` new sequences that begin as the first `num_tokens` tokens of `seq` (parallel
+        sampling: n choices of one prompt, computed and stored once).
+
+        Their KV must be written already, or queued on the current stream. Every full block is
+        shared, not copied: an indexed one is pinned once more per new sequence, a private one
+        is counted in `_shared` and goes back to the free list with its last holder. The partial
+        last block is copied on the device into a fresh block of each new sequence (copy on
+        write: each writes its own next tokens there). Fewer than `n` when L1 has no room for
+        those copies; none when `seq` streams from L2 (its siblings then go through `allocate`).
+        """
+        full, partial = divmod(num_tokens, self.block_size)
+        if n <= 0 or seq.freed or seq.offloaded or len(seq.slots) < full + (partial > 0):
+            return []
+        fresh = self.tiers.take_l1(n, partial=True) if partial else []
+        count = len(fresh) if partial else n
+        if fresh:
+            self._copy_l1([seq.slots[full]] * len(fresh), fresh)
+        slots, entries = seq.slots[:full], seq.entries[:full]
+        for _ in range(count):
+            for slot, entry in zip(slots, entries):
+                if entry is None:
+                    self._shared[slot] = self._shared.get(slot, 0) + 1
+                else:
+                    self.index.pin(entry)
+        return [
+            SequenceBlocks(
+                ns=seq.ns, priority=seq.priority, slots=slots + fresh[i : i + 1],
+                entries=entries + [None] * (partial > 0), hashes=seq.hashes[:full],
+                committed=min(seq.committed, full), num_tokens=num_tokens,
+                num_cached_tokens=seq.num_cached_tokens, pending=list(seq.pending),
+            )
+            for i in range(count)
+        ]
+
+    def _copy_l1(self, src: list[int], dst: list[int]) -> None:
+        """L1 block src[i] -> dst[i] in every layer, one kernel launch, queued on the current stream."""
+        kv = self.l1.kv  # [L, N, 2, bs, H, D]: as [L * N, 2, bs, H, D], block s of layer l is l * N + s
+        layers, n = kv.shape[:2]
+        base = torch.arange(layers)[:, None] * n  # [L, 1]
+        rows = [(base + torch.tensor(slots)).flatten().to(self.device) for slots in (src, dst)]
+        flat = kv.view(layers * n, *kv.shape[2:])
+        kernels.copy_blocks(flat, rows[0], flat, rows[1])
+
+    def _give_private(self, slots: list[int]) -> None:
+        """Private L1 slots a sequence lets go of: free unless a forked sibling still holds them."""
+        if self._shared:
+            free = []
+            for s in slots:
+                holders = self._shared.get(s)
+                if holders is None:
+                    free.append(s)
+                elif holders == 1:
+                    del self._shared[s]
+                else:
+                    self._shared[s] = holders - 1
+            slots = free
+        self.tiers.give_l1(slots)
+
     def free(self, seq: SequenceBlocks) -> None:
         """Release everything `seq` holds: shared blocks become evictable (tail first), private ones free."""
         if seq.freed:
@@ -540,7 +603,7 @@ class TieredKVCache:
                 private.append(slot)
             else:
                 self.index.unpin(entry)
-        self.tiers.give_l1(private)
+        self._give_private(private)
         for slot, entry in zip(reversed(seq.l2_slots), reversed(seq.entries[:k])):
             if entry is None:
                 self.tiers.give_l2([slot])
@@ -580,7 +643,7 @@ class TieredKVCache:
                 self.index.hold_l2([e])
                 self.index.unpin(e)
                 seq.l2_slots.append(e.l2)
-        self.tiers.give_l1([seq.slots[i] for i in moved if seq.entries[i] is None])
+        self._give_private([seq.slots[i] for i in moved if seq.entries[i] is None])
         if copies:
             self.tiers.mover.fence()  # the freed L1 slots are reused only after the copies out of them
         for i in moved:

@@ -24,7 +24,7 @@ from .config import EngineConfig
 from .loader import LoadedModel, load_model
 from .request import Request, RequestOutput
 from .runner import LaunchedStep, ModelRunner
-from .sampler import MAX_LOGPROBS, SamplingParams, find_stop_string, make_generator, stop_reason
+from .sampler import MAX_LOGPROBS, SamplingParams, choice_seed, find_stop_string, make_generator, stop_reason
 from .scheduler import Scheduler
 from .tokenizer import IncrementalDetokenizer
 
@@ -68,6 +68,7 @@ class Engine:
         self.runner = ModelRunner(self.lm, self.cache, config)
         self.requests: dict[str, Request] = {}
         self.in_flight: LaunchedStep | None = None  # launched, its tokens not yet taken back
+        self.num_computed_tokens = 0  # tokens the model has run, prompts and decodes together
         log.info("engine: %s; L1 %d blocks, L2 %d blocks, L3 %s", self.lm.model_dir.name, self.cache.l1.num_blocks,
                  self.cache.l2.num_blocks if self.cache.l2 else 0,
                  [redact_url(u) for u in config.l3] or "none")
@@ -98,7 +99,10 @@ class Engine:
         self, prompt_ids: list[int], params: SamplingParams | None = None, *,
         cache_salt: str | None = None, priority: int = 0, request_id: str | None = None,
     ) -> Request:
-        """Validate and queue a request; raises ConfigError (saying what to change) before any work."""
+        """Validate and queue a request; raises ConfigError (saying what to change) before any work.
+
+        With params.n > 1 the request is n choices under one request id (see request.py); the
+        returned Request is choice 0, and `choices` lists them all."""
         params = params if params is not None else SamplingParams()
         prompt_ids = list(prompt_ids)
         if not prompt_ids:
@@ -132,9 +136,18 @@ class Engine:
             req.request_id = request_id
         if req.request_id in self.requests:
             raise ConfigError(f"request id {req.request_id!r} is already in use")
-        req.generator = make_generator(params, self.lm.device)
-        if self.tokenizer is not None:
-            req.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
+        if params.n > 1:
+            req.group = [req] + [
+                Request(prompt_ids, dataclasses.replace(params, seed=choice_seed(params.seed, i)), salt=cache_salt,
+                        priority=priority, request_id=req.request_id, arrival=req.arrival, index=i)
+                for i in range(1, params.n)
+            ]
+            req.forks = req.group[1:]  # they start from choice 0's prompt blocks (Scheduler._fork)
+        for choice in req.choices:
+            choice.group = req.group
+            choice.generator = make_generator(choice.params, self.lm.device)
+            if self.tokenizer is not None:
+                choice.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
         self.requests[req.request_id] = req
         self.scheduler.add(req)
         return req
@@ -142,8 +155,9 @@ class Engine:
     def abort(self, request_id: str) -> None:
         """Stop a request and give back everything it holds (unknown or finished ids are ignored)."""
         req = self.requests.pop(request_id, None)
-        if req is not None and not req.finished:
-            self.scheduler.finish(req, "abort")
+        for choice in req.choices if req is not None else ():
+            if not choice.finished:
+                self.scheduler.finish(choice, "abort")
 
     def has_unfinished(self) -> bool:
         """Whether a request still waits, runs or has a token on its way back."""
@@ -167,6 +181,7 @@ class Engine:
             launched = self.runner.run(step, self.in_flight)
             for req, n in zip(step.requests, step.num_new):
                 self.scheduler.computed(req, n)
+                self.num_computed_tokens += n
             for req in launched.requests:
                 req.pending += 1
         if self.in_flight is not None:
@@ -227,7 +242,7 @@ class Engine:
             req.text += new_text
             if reason is not None:
                 self.scheduler.finish(req, reason)
-                self.requests.pop(req.request_id, None)
+                self._forget(req)
             elif req.num_known % self.cache.block_size == 0:
                 self.scheduler.commit(req)  # the block its token completed can be shared now
             outputs.append(self.output(req, [tok], new_text))
@@ -245,8 +260,13 @@ class Engine:
 
     def _ended(self, req: Request) -> RequestOutput:
         log.warning("request %s stopped at %d tokens: L1 cannot hold more of it", req.request_id, req.num_tokens)
-        self.requests.pop(req.request_id, None)
+        self._forget(req)
         return self.output(req)
+
+    def _forget(self, req: Request) -> None:
+        """Drop a finished request's id once every choice of it has finished."""
+        if all(c.finished for c in req.choices):
+            self.requests.pop(req.request_id, None)
 
     def _eos(self) -> list[int]:
         return self.tokenizer.eos_token_ids if self.tokenizer is not None else []
@@ -257,7 +277,8 @@ class Engine:
             request_id=req.request_id, prompt_token_ids=req.prompt_ids, token_ids=list(req.output_ids),
             text=req.text, cached_tokens=req.cached_tokens or 0, finish_reason=req.finish_reason,
             logprobs=req.logprobs if req.params.logprobs is not None else None,
-            new_token_ids=new_ids or [], new_text=new_text,
+            new_token_ids=new_ids or [], new_text=new_text, index=req.index,
+            request_finished=req.finished and (req.group is None or all(c.finished for c in req.group)),
         )
 
     def close(self) -> None:

@@ -4,12 +4,16 @@
     outs = llm.generate(["The capital of France is"], tierkv.SamplingParams(temperature=0, max_tokens=32))
     outs[0].text, outs[0].token_ids, outs[0].cached_tokens, outs[0].finish_reason
 
+With SamplingParams(n=4), outs[0].outputs holds the 4 choices (each with .index, .text,
+.token_ids, .finish_reason, .logprobs), as in vLLM; the prompt is computed once for all of them.
+
 A thin loop over `Engine`: queue every prompt, step until all are done, with a progress bar.
 Never holds state of its own besides the engine.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from tqdm.auto import tqdm
@@ -49,7 +53,9 @@ class LLM:
         cache_salt: str | None = None,
         priority: int | Sequence[int] = 0,
     ) -> list[RequestOutput]:
-        """Generate for each prompt (text or token ids); outputs come back in prompt order."""
+        """Generate for each prompt (text or token ids); outputs come back in prompt order, one
+        per prompt. With n > 1 choices, an output's `outputs` lists them (its top-level fields are
+        choice 0's)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -68,14 +74,14 @@ class LLM:
                 self.engine.abort(r.request_id)
             raise
         order = {r.request_id: i for i, r in enumerate(reqs)}
-        results: list[RequestOutput | None] = [None] * len(reqs)
+        choices: list[list[RequestOutput | None]] = [[None] * len(r.choices) for r in reqs]
         with tqdm(total=len(reqs), desc="generate", unit="req", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished():
                 for out in self.engine.step():
                     if out.finished and out.request_id in order:
-                        results[order[out.request_id]] = out
-                        bar.update(1)
-        return results
+                        choices[order[out.request_id]][out.index] = out
+                        bar.update(out.request_finished)
+        return [c[0] if len(c) == 1 else dataclasses.replace(c[0], choices=c) for c in choices]
 
     def chat(
         self,

@@ -3,6 +3,10 @@
 A request owns its token ids, sampling state and (while running) its L1 blocks. It holds no
 logic beyond bookkeeping: the scheduler decides what runs, the runner computes, the engine
 applies the results. Never imports the server.
+
+With n > 1 (parallel sampling) one request is n `Request`s, one per choice, sharing a request
+id: choice 0 is queued and computes the prompt; choices 1..n-1 wait in its `forks` until its
+prefill samples, then take its prompt blocks (`TieredKVCache.fork`) and run on their own.
 """
 
 from __future__ import annotations
@@ -55,6 +59,9 @@ class Request:
     admitted: float | None = None  # when it first got L1 blocks (its prefill began)
     first_token_time: float | None = None
     finish_time: float | None = None
+    index: int = 0  # which choice of its request (n > 1)
+    group: list[Request] | None = None  # every choice of its request, in index order (n > 1 only)
+    forks: list[Request] = field(default_factory=list)  # choices waiting for this one's prefill
 
     @property
     def all_ids(self) -> list[int]:
@@ -84,10 +91,22 @@ class Request:
     def finished(self) -> bool:
         return self.status is Status.FINISHED
 
+    @property
+    def choices(self) -> list[Request]:
+        """Every choice of this request (itself alone when n is 1)."""
+        return self.group if self.group is not None else [self]
+
 
 @dataclass(slots=True)
 class RequestOutput:
-    """What `LLM.generate` returns and the server streams: the state of one request."""
+    """What `LLM.generate` returns and the server streams: the state of one request.
+
+    The engine's outputs are per choice (`index`; all of them under one request_id), and
+    `request_finished` says that every choice of the request has finished. `LLM.generate`
+    returns one per prompt: with n > 1 its top-level fields are choice 0's and `outputs` lists
+    all n choices in index order, as vLLM's RequestOutput.outputs does (with n = 1, `outputs`
+    is [itself]).
+    """
 
     request_id: str
     prompt_token_ids: list[int]
@@ -98,7 +117,16 @@ class RequestOutput:
     logprobs: list[dict] | None = None
     new_token_ids: list[int] = field(default_factory=list)  # since the previous step
     new_text: str = ""
+    index: int = 0  # which choice (n > 1)
+    request_finished: bool = False  # every choice of the request has finished
+    choices: list[RequestOutput] | None = field(default=None, repr=False)  # all n, from LLM.generate
 
     @property
     def finished(self) -> bool:
+        """This choice has finished."""
         return self.finish_reason is not None
+
+    @property
+    def outputs(self) -> list[RequestOutput]:
+        """The request's choices in index order (vLLM's shape): [itself] when n is 1."""
+        return self.choices if self.choices is not None else [self]

@@ -2,8 +2,9 @@
 
 Inputs come from `StepInputs` (pinned buffers, numpy, no per-token Python), the model runs on
 the L1 pool (decode steps as CUDA graph replays), and only the rows that finish their prompt or
-decode sample. `run` returns a `LaunchedStep` at once: the tokens come back to the host when
-the engine asks for them, so the host can prepare the next step while the GPU computes this one.
+decode sample (a prompt with n choices samples its last row n times). `run` returns a
+`LaunchedStep` at once: the tokens come back to the host when the engine asks for them, so the
+host can prepare the next step while the GPU computes this one.
 Sequences larger than L1 go last in the batch and read their KV through the cache's per-layer
 stream. Knows nothing of queues, scheduling or HTTP.
 """
@@ -131,6 +132,13 @@ class ModelRunner:
         if logits is None:
             logits = self.lm.model(built.input_ids, built.positions, self.cache.l1.kv, meta)  # [len(sampling), vocab]
         out = None
+        if any(r.forks for r in sampling):
+            # A prompt of n choices is computed once: the choices waiting for it sample their
+            # first tokens from its logits row, each with its own generator (a rare step: n > 1
+            # prefills only).
+            rows = [i for i, r in enumerate(sampling) for _ in range(1 + len(r.forks))]
+            logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+            sampling = [c for r in sampling for c in (r, *r.forks)]
         if sampling:
             batch = SamplingBatch.build(
                 [r.params for r in sampling], self.vocab_size, self.device,

@@ -33,6 +33,10 @@ class SamplingParams:
     tokens and multiplies negative ones; presence/frequency penalties (OpenAI style) subtract
     per output token. max_tokens None means up to the model's maximum length. logprobs None
     returns none; k >= 0 returns the sampled token's log-probability and the top k.
+
+    n > 1 asks for n choices of one prompt (parallel sampling): the prompt is computed and
+    stored once and the choices share its KV. Choice i samples with seed `seed + i` (as vLLM
+    does; see `choice_seed`), so it gives exactly what n=1 with that seed gives.
     """
 
     max_tokens: int | None
@@ -50,6 +54,7 @@ class SamplingParams:
     include_stop_str_in_output: bool
     logprobs: int | None
     skip_special_tokens: bool
+    n: int
 
     def __init__(
         self,
@@ -69,6 +74,7 @@ class SamplingParams:
         include_stop_str_in_output: bool = False,
         logprobs: int | None = None,
         skip_special_tokens: bool = True,
+        n: int = 1,
         **unknown: object,
     ) -> None:
         if unknown:
@@ -92,6 +98,7 @@ class SamplingParams:
         self.include_stop_str_in_output = include_stop_str_in_output
         self.logprobs = logprobs
         self.skip_special_tokens = skip_special_tokens
+        self.n = n
         self._validate()
 
     @classmethod
@@ -144,6 +151,17 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 fail(name, "must be True or False")
+        if not is_int(self.n) or self.n < 1:
+            fail("n", "must be an int >= 1 (the number of choices)")
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed of choice `index` of a request seeded with `seed`: seed + index (mod 2**64, as
+    make_generator takes it), as vLLM derives it. Choice 0 keeps the request's seed, so n=1 is
+    unchanged, and a fixed seed gives reproducible choices that differ from each other."""
+    if seed is None or index == 0:
+        return seed
+    return (seed + index) % 2**64  # the same generator as seed + index, and a valid seed
 
 
 def make_generator(params: SamplingParams, device: torch.device | str) -> torch.Generator | None:

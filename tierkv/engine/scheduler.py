@@ -222,6 +222,23 @@ class Scheduler:
         """`n` more tokens of `req` have their KV written (or being written, in order, on the GPU)."""
         req.num_computed += n
         self.commit(req)
+        if req.forks and req.num_computed == req.num_tokens:
+            self._fork(req)
+
+    def _fork(self, req: Request) -> None:
+        """`req` has computed its prompt, and the other choices of its request sampled their first
+        tokens from its last logits in the same step (see ModelRunner.run): they take its prompt's
+        blocks and run on their own from here. Those that L1 (a partial block each) or the batch
+        cannot take now wait as if preempted: admitted later, they match or recompute the prompt."""
+        forks, req.forks = req.forks, []
+        seats = max(0, self.max_num_seqs - len(self.running))
+        seqs = self.cache.fork(req.seq, min(len(forks), seats), len(req.prompt_ids))
+        for child, seq in zip(forks, seqs):
+            child.seq, child.status = seq, Status.RUNNING
+            child.num_computed = len(child.prompt_ids)
+            child.cached_tokens = req.cached_tokens
+            self.running.append(child)
+        self.waiting += forks[len(seqs) :]
 
     def commit(self, req: Request) -> None:
         """Share `req`'s newly full blocks. A block is hashed by its token ids, so one holding a
@@ -252,9 +269,12 @@ class Scheduler:
         req.finish_time = time.monotonic()
 
     def _give_up(self, req: Request) -> None:
-        """End a request whose tokens outgrew all of L1 (finish reason "length")."""
-        self.finish(req, "length")
-        self.given_up.append(req)
+        """End a request whose tokens outgrew all of L1 (finish reason "length"), with the choices
+        still waiting for its prompt."""
+        for r in (req, *req.forks):
+            self.finish(r, "length")
+            self.given_up.append(r)
+        req.forks = []
 
     def _release(self, req: Request) -> None:
         if req.seq is not None:

@@ -194,24 +194,26 @@ def create_app(engine: AsyncEngine, *, served_model_name: str, max_model_len: in
             return StreamingResponse(gen(stream, body.model, include_usage), media_type="text/event-stream")
         return await _complete(stream, request, body.model, chat)
 
-    def _finish(stream, out, first_at: float | None) -> None:
+    def _finish(stream, out, first_at: float | None, completion_tokens: int) -> None:
         now = time.monotonic()
         metrics.observe(ttft=None if first_at is None else first_at - stream.arrival, e2e=now - stream.arrival,
                         prompt_tokens=stream.prompt_tokens, cached_tokens=out.cached_tokens,
-                        completion_tokens=len(out.token_ids))
+                        completion_tokens=completion_tokens)
 
     async def _complete(stream, request: Request, model: str, chat: bool):
         async def collect():
-            out, first_at = None, None
+            """The final output of each choice, in index order (n of them), once all have finished."""
+            finals, first_at = {}, None
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, Exception):
                     return item, first_at
-                out = item
-                if first_at is None and out.token_ids:
+                if first_at is None and item.token_ids:
                     first_at = time.monotonic()
-                if out.finished:
-                    return out, first_at
+                if item.finished:
+                    finals[item.index] = item
+                if item.request_finished:
+                    return [finals[i] for i in sorted(finals)], first_at
 
         async def client_gone():
             # a blocking receive() returns http.disconnect as soon as the socket closes
@@ -229,25 +231,30 @@ def create_app(engine: AsyncEngine, *, served_model_name: str, max_model_len: in
                 metrics.aborted.inc()
         if not work.done():
             return Response(status_code=499)  # nobody reads it
-        out, first_at = work.result()
-        if isinstance(out, Exception):
-            return _error(_from_exception(out))
-        _finish(stream, out, first_at)
-        lp = out.logprobs
+        outs, first_at = work.result()
+        if isinstance(outs, Exception):
+            return _error(_from_exception(outs))
+        # n choices share the prompt: it counts once, their completions add up
+        completion_tokens = sum(len(out.token_ids) for out in outs)
+        _finish(stream, outs[0], first_at, completion_tokens)
         common = {"id": stream.request_id, "created": int(time.time()), "model": model,
-                  "usage": usage(stream.prompt_tokens, len(out.token_ids), out.cached_tokens)}
-        reason = FINISH.get(out.finish_reason, out.finish_reason)
+                  "usage": usage(stream.prompt_tokens, completion_tokens, outs[0].cached_tokens)}
         if chat:
             return {**common, "object": "chat.completion", "choices": [{
-                "index": 0, "message": {"role": "assistant", "content": out.text},
-                "logprobs": chat_logprobs(lp) if lp is not None else None, "finish_reason": reason}]}
+                "index": out.index, "message": {"role": "assistant", "content": out.text},
+                "logprobs": chat_logprobs(out.logprobs) if out.logprobs is not None else None,
+                "finish_reason": FINISH.get(out.finish_reason, out.finish_reason)} for out in outs]}
         return {**common, "object": "text_completion", "choices": [{
-            "index": 0, "text": out.text, "logprobs": completion_logprobs(lp) if lp is not None else None,
-            "finish_reason": reason}]}
+            "index": out.index, "text": out.text,
+            "logprobs": completion_logprobs(out.logprobs) if out.logprobs is not None else None,
+            "finish_reason": FINISH.get(out.finish_reason, out.finish_reason)} for out in outs]}
 
     async def _events(stream, chunk, include_usage: bool):
-        """SSE for one request: `chunk(text, logprobs, finish_reason)` shapes each event."""
-        done, first_at, seen_lp = False, None, 0
+        """SSE for one request: `chunk(index, text, logprobs, finish_reason)` shapes each event (one
+        choice's, with n > 1 choices)."""
+        done, first_at = False, None
+        seen_lp: dict[int, int] = {}  # per choice: log-probabilities sent so far
+        completion_tokens: dict[int, int] = {}  # per finished choice
         try:
             while True:
                 item = await stream.queue.get()
@@ -259,16 +266,19 @@ def create_app(engine: AsyncEngine, *, served_model_name: str, max_model_len: in
                     first_at = time.monotonic()
                 lp = None
                 if item.logprobs is not None:
-                    lp, seen_lp = item.logprobs[seen_lp:], len(item.logprobs)
+                    lp, seen_lp[item.index] = item.logprobs[seen_lp.get(item.index, 0):], len(item.logprobs)
                 if item.new_text or lp or item.finished:
                     reason = FINISH.get(item.finish_reason, item.finish_reason) if item.finished else None
-                    yield sse(chunk(item.new_text, lp, reason))
+                    yield sse(chunk(item.index, item.new_text, lp, reason))
                 if item.finished:
+                    completion_tokens[item.index] = len(item.token_ids)
+                if item.request_finished:
                     done = True
-                    _finish(stream, item, first_at)
+                    total = sum(completion_tokens.values())  # the prompt counts once for all n choices
+                    _finish(stream, item, first_at, total)
                     if include_usage:
-                        yield sse({**chunk("", None, None), "choices": [], "usage": usage(
-                            stream.prompt_tokens, len(item.token_ids), item.cached_tokens)})
+                        yield sse({**chunk(0, "", None, None), "choices": [], "usage": usage(
+                            stream.prompt_tokens, total, item.cached_tokens)})
                     break
             yield sse("[DONE]")
         finally:
@@ -279,24 +289,29 @@ def create_app(engine: AsyncEngine, *, served_model_name: str, max_model_len: in
 
     def _stream_completion(stream, model: str, include_usage: bool):
         created_at = int(time.time())
+        offsets: dict[int, int] = {}  # per choice: characters of token text sent so far (text_offset)
 
-        def chunk(text, lp, reason):
+        def chunk(index, text, lp, reason):
+            logprobs = None
+            if lp:
+                logprobs = completion_logprobs(lp, offsets.get(index, 0))
+                offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs["tokens"])
             return {"id": stream.request_id, "object": "text_completion", "created": created_at, "model": model,
-                    "choices": [{"index": 0, "text": text, "finish_reason": reason,
-                                 "logprobs": completion_logprobs(lp) if lp else None}]}
+                    "choices": [{"index": index, "text": text, "finish_reason": reason, "logprobs": logprobs}]}
 
         return _events(stream, chunk, include_usage)
 
     def _stream_chat(stream, model: str, include_usage: bool):
         created_at = int(time.time())
-        first = [True]
+        started: set[int] = set()  # choices whose first delta (the one with the role) went out
 
-        def chunk(text, lp, reason):
+        def chunk(index, text, lp, reason):
             delta = {"content": text}
-            if first[0]:
-                delta["role"], first[0] = "assistant", False
+            if index not in started:
+                delta["role"] = "assistant"
+                started.add(index)
             return {"id": stream.request_id, "object": "chat.completion.chunk", "created": created_at,
-                    "model": model, "choices": [{"index": 0, "delta": delta, "finish_reason": reason,
+                    "model": model, "choices": [{"index": index, "delta": delta, "finish_reason": reason,
                                                  "logprobs": chat_logprobs(lp) if lp else None}]}
 
         return _events(stream, chunk, include_usage)

@@ -158,7 +158,7 @@ class AsyncEngine:
                     # a snapshot: the event loop reads it while the next step appends (unnamed)
                     # entries to the request's own list
                     out.logprobs = out.logprobs[:]
-                self._deliver(out.request_id, out, finished=out.finished)
+                self._deliver(out.request_id, out, finished=out.request_finished)
             self._count()
             self._refresh_stats()
 

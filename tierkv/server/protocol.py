@@ -63,7 +63,8 @@ class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str = Field(description="the served model name (GET /v1/models lists it)")
-    n: int = Field(1, ge=1, le=128, description="choices per request; only 1 is supported")
+    n: int = Field(1, ge=1, le=128, description="choices per request; they share the prompt's KV (computed once), "
+                   "choice i samples with seed + i")
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float = Field(1.0, ge=0, le=2, description="0 is greedy")

@@ -1,6 +1,6 @@
 """From an OpenAI request to engine input, and from engine outputs to OpenAI responses.
 
-`prepare_*` check what the schema cannot (model name, n, context length) and return the
+`prepare_*` check what the schema cannot (model name, context length) and return the
 function the engine thread runs to tokenize and build SamplingParams. `format_*` turn a
 RequestOutput into response bodies and SSE chunks. Pure functions of their inputs: no I/O,
 no engine state, nothing HTTP beyond the JSON shapes.
@@ -22,9 +22,6 @@ def check_common(req: _Sampling, served_names: list[str]) -> None:
     if req.model not in served_names:
         raise APIError(404, f"the model {req.model!r} does not exist; this server serves {served_names[0]!r}",
                        param="model", code="model_not_found")
-    if req.n != 1:
-        raise APIError(400, "n > 1 is not supported: this server returns one choice per request; "
-                       "send n requests instead", param="n")
 
 
 def _params(req: _Sampling, max_tokens: int | None, logprobs: int | None) -> dict:
@@ -34,7 +31,7 @@ def _params(req: _Sampling, max_tokens: int | None, logprobs: int | None) -> dic
         frequency_penalty=req.frequency_penalty, seed=req.seed, stop=req.stop,
         stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
         include_stop_str_in_output=req.include_stop_str_in_output, logprobs=logprobs,
-        skip_special_tokens=req.skip_special_tokens,
+        skip_special_tokens=req.skip_special_tokens, n=req.n,
     )
 
 
@@ -107,12 +104,18 @@ def prepare_chat(req: ChatCompletionRequest, served_names: list[str], max_model_
 # ---------------------------------------------------------------------------- responses
 
 
-def completion_logprobs(entries: list[dict]) -> dict:
+def completion_logprobs(entries: list[dict], offset: int = 0) -> dict:
+    """OpenAI's legacy shape. text_offset: where each token's text starts in the completion
+    (`offset` is the length of the text sent before these entries, when streaming)."""
+    starts = []
+    for e in entries:
+        starts.append(offset)
+        offset += len(e["token"])
     return {
         "tokens": [e["token"] for e in entries],
         "token_logprobs": [e["logprob"] for e in entries],
         "top_logprobs": [dict(zip(e["top_tokens"], (lp for _, lp in e["top"]))) for e in entries],
-        "text_offset": [],
+        "text_offset": starts,
     }
 
 
