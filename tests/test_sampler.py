@@ -13,6 +13,7 @@ from tierkv.engine.sampler import (
     SamplingBatch,
     SamplingParams,
     find_stop_string,
+    greedy_tokens,
     make_generator,
     stop_reason,
 )
@@ -67,8 +68,11 @@ def test_unknown_option_is_named_with_a_suggestion():
     with pytest.raises(ConfigError) as err:
         SamplingParams(temprature=0.5)
     assert "temprature" in str(err.value) and "temperature" in str(err.value)
-    with pytest.raises(ConfigError, match="'n'"):
-        SamplingParams.from_dict({"max_tokens": 4, "n": 2})
+    with pytest.raises(ConfigError, match="'beam_width'"):
+        SamplingParams.from_dict({"max_tokens": 4, "beam_width": 2})
+    assert SamplingParams.from_dict({"max_tokens": 4, "n": 2}).n == 2  # n > 1 is served (forked choices)
+    with pytest.raises(ConfigError, match="n must be an int >= 1"):
+        SamplingParams.from_dict({"n": 0})
 
 
 def test_defaults_and_normalisation():
@@ -87,6 +91,23 @@ def test_greedy_takes_the_argmax_whatever_the_seed():
     params = [SamplingParams(temperature=0, seed=s) for s in range(3)] + [SamplingParams(top_k=1)] * 3
     gens = [make_generator(p, "cpu") for p in params]
     assert torch.equal(run(logits, params, gens).token_ids, logits.argmax(-1))
+
+
+@pytest.mark.parametrize("rows, vocab", [(1, 128256), (3, 49152), (2, 151936), (2, 1000), (1, 129 * 128)])
+def test_greedy_tokens_is_torch_argmax_with_ties_infinities_and_nan(rows, vocab):
+    """The two-stage argmax picks the first of tied maxima, as torch.argmax does, in every case."""
+    g = torch.Generator().manual_seed(vocab)
+    cases = [torch.randn(rows, vocab, generator=g), torch.full((rows, vocab), -math.inf)]
+    tied = torch.zeros(rows, vocab)
+    tied[:, [vocab // 3, vocab // 2, vocab - 1]] = 5.0  # the max in three slices: the first must win
+    tied[-1, 7] = 5.0  # and earlier still within the first slice, on the last row only
+    cases.append(tied)
+    nan = torch.randn(rows, vocab, generator=g)
+    nan[0, vocab - 2] = math.nan  # torch.argmax treats NaN as the largest value
+    cases.append(nan)
+    for logits in cases:
+        assert torch.equal(greedy_tokens(logits), logits.argmax(-1))
+    assert greedy_tokens(tied).tolist()[-1] == 7
 
 
 def test_temperature_one_follows_the_distribution_and_lower_sharpens_it():

@@ -179,8 +179,8 @@ class SamplingBatch:
 
     params: list[SamplingParams]
     generators: list[torch.Generator | None]
-    temperature: torch.Tensor  # [B] fp32, 1 on greedy rows (they take the argmax instead)
-    greedy: torch.Tensor  # [B] bool
+    temperature: torch.Tensor | None  # [B] fp32, 1 on greedy rows (they take the argmax); None if all greedy
+    greedy: torch.Tensor | None  # [B] bool; None if all greedy
     top_k: torch.Tensor | None  # [B] int64, vocab size where off
     top_p: torch.Tensor | None  # [B] fp32
     min_p: torch.Tensor | None  # [B] fp32
@@ -229,11 +229,15 @@ class SamplingBatch:
             presence = col([[p.presence_penalty] for p in params], torch.float32)
             frequency = col([[p.frequency_penalty] for p in params], torch.float32)
         wanted = [p.logprobs for p in params if p.logprobs is not None]
+        # an all-greedy batch (the usual decode step) builds no per-row columns: each is a host
+        # tensor and a copy every step, which the argmax never reads
+        all_greedy = all(greedy)
         return cls(
             params=params,
             generators=generators or [None] * b,
-            temperature=col([1.0 if g else p.temperature for p, g in zip(params, greedy)], torch.float32),
-            greedy=col(greedy, torch.bool),
+            temperature=None if all_greedy else col([1.0 if g else p.temperature for p, g in zip(params, greedy)],
+                                                    torch.float32),
+            greedy=None if all_greedy else col(greedy, torch.bool),
             top_k=col([p.top_k if p.top_k > 0 else vocab_size for p in params], torch.int64)
             if any(p.top_k > 0 for p in params) else None,
             top_p=col([p.top_p for p in params], torch.float32) if any(p.top_p < 1 for p in params) else None,
@@ -243,7 +247,7 @@ class SamplingBatch:
             counts=counts,
             presence_penalty=presence,
             frequency_penalty=frequency,
-            all_greedy=all(greedy),
+            all_greedy=all_greedy,
             max_logprobs=max(wanted) if wanted else None,
         )
 
@@ -256,6 +260,22 @@ class SamplerOutput:
     top_logprobs: torch.Tensor | None = None  # [B, k] fp32
 
 
+# The argmax runs in two stages over this many slices of a row: torch reduces a single row of a
+# 128K vocabulary in one thread block (28 us on the H200, against ~2 us to read it), and a
+# batch-1 decode step pays that every token.
+_ARGMAX_SLICES = 128
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] -> [B] int64, the first index of each row's largest value (as torch.argmax)."""
+    b, v = logits.shape
+    if v % _ARGMAX_SLICES or v < 8 * _ARGMAX_SLICES:
+        return logits.argmax(dim=-1)  # a vocabulary that does not slice evenly, or too small to gain
+    best, where = logits.view(b, _ARGMAX_SLICES, v // _ARGMAX_SLICES).max(dim=-1)  # [B, S]: first max per slice
+    piece = best.argmax(dim=-1, keepdim=True)  # [B, 1]: the first slice that holds the row's max
+    return (piece * (v // _ARGMAX_SLICES) + where.gather(1, piece))[:, 0]
+
+
 class Sampler:
     """logits [B, V] -> next token per row, per its SamplingParams."""
 
@@ -264,7 +284,7 @@ class Sampler:
         # log-probabilities of the model's own distribution, before any penalty or filter
         logprobs = torch.log_softmax(logits, dim=-1) if batch.max_logprobs is not None else None
         logits = self._penalize(logits, batch)
-        tokens = logits.argmax(dim=-1)  # [B]
+        tokens = greedy_tokens(logits)  # [B]
         if not batch.all_greedy:
             sampled = self._sample(logits, batch)
             tokens = torch.where(batch.greedy, tokens, sampled)
