@@ -25,6 +25,7 @@ __all__ = [
     "backend_for",
     "kv_write",
     "paged_decode",
+    "decode_launch",
     "paged_prefill",
     "gather_blocks",
     "scatter_blocks",
@@ -87,6 +88,17 @@ def kv_write(k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, slot_mapping: t
 def paged_decode(q, kv, block_tables, seq_lens, scale: float, sliding_window: int | None = None):
     """q [B, Hq, D] over the paged kv through block_tables [B, max_blocks]; see reference.paged_decode."""
     return _impl("paged_decode", q)(q, kv, block_tables, seq_lens, scale, sliding_window)
+
+
+def decode_launch(kv: torch.Tensor, batch: int, max_tokens: int) -> tuple[int, int] | None:
+    """(splits per sequence, tokens per tile) paged_decode launches with for `batch` sequences
+    over the layer pool kv [num_blocks, 2, bs, Hkv, D] through block tables max_tokens wide; None
+    where the reference serves kv (it has no launch). Callers that fix the table's width ahead of
+    time (CUDA graphs) ask it which widths launch alike."""
+    if backend_for(kv) == "reference":
+        return None
+    decode = importlib.import_module(".decode", __name__)
+    return decode.decode_launch(batch, kv.shape[3], max_tokens, kv.shape[4], kv.device)
 
 
 def paged_prefill(q, kv, block_tables, cu_seqlens_q, seq_lens, scale: float, sliding_window: int | None = None,

@@ -120,6 +120,16 @@ def choose_launch(batch: int, kv_heads: int, max_tokens: int, head_dim: int, dev
     return max(1, min(slots // programs, most, 256)), block_n
 
 
+def decode_launch(batch: int, kv_heads: int, max_tokens: int, head_dim: int, device: torch.device,
+                  num_splits: int | None = None, block_n: int | None = None) -> tuple[int, int]:
+    """(splits per sequence, tokens per tile) of a paged_decode launch: choose_launch's, or the
+    caller's where given, with no more splits than whole tiles of the longest possible sequence."""
+    auto_splits, auto_block_n = choose_launch(batch, kv_heads, max_tokens, head_dim, device)
+    block_n = block_n or auto_block_n
+    splits = num_splits or auto_splits
+    return max(1, min(splits, triton.cdiv(max(max_tokens, 1), block_n))), block_n
+
+
 def _paged_decode(q, kv, block_tables, seq_lens, scale, sliding_window=None, *,
                   num_splits=None, block_n=None, num_warps=None, num_stages=None):
     """paged_decode with its launch choices exposed (tests and benchmarks sweep them)."""
@@ -133,12 +143,7 @@ def _paged_decode(q, kv, block_tables, seq_lens, scale, sliding_window=None, *,
     out = torch.empty_like(q)
     if batch == 0:
         return out
-    max_tokens = block_tables.shape[1] * page
-    auto_splits, auto_block_n = choose_launch(batch, hkv, max_tokens, d, q.device)
-    block_n = block_n or auto_block_n
-    splits = num_splits or auto_splits
-    # no more splits than whole tiles of the longest possible sequence (each split gets at least one)
-    splits = max(1, min(splits, triton.cdiv(max(max_tokens, 1), block_n)))
+    splits, block_n = decode_launch(batch, hkv, block_tables.shape[1] * page, d, q.device, num_splits, block_n)
     direct = splits == 1
     if direct:
         part, lse = out, out  # unused placeholders

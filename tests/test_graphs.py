@@ -12,7 +12,7 @@ import pytest
 import torch
 from models import make_pool, save_tiny_checkpoint
 
-from tierkv import LLM, SamplingParams
+from tierkv import LLM, SamplingParams, kernels
 from tierkv.engine import graphs as graphs_module
 from tierkv.engine.attention import AttentionMetadata
 from tierkv.engine.graphs import DecodeGraphs, capture_sizes
@@ -62,11 +62,13 @@ class Rerun:
     """Stands in for a CUDA graph on CPU: "replay" runs the captured work again on the static
     buffers, so the buffer handling (padding, stale rows, row selection) is checked in CI."""
 
-    def __init__(self, graphs: DecodeGraphs, bs: int) -> None:
-        self.graphs, self.bs, self.meta = graphs, bs, graphs._meta(bs)
+    def __init__(self, graphs: DecodeGraphs, bs: int, width: int) -> None:
+        self.graphs, self.bs, self.meta = graphs, bs, graphs._meta(bs, width)
+        self.replays = 0
 
     def replay(self) -> None:
         self.graphs._forward(self.bs, self.meta)
+        self.replays += 1
 
 
 def decode_meta(lens: list[int], table: torch.Tensor, sample: list[int], block_size: int, device) -> AttentionMetadata:
@@ -85,12 +87,14 @@ def decode_meta(lens: list[int], table: torch.Tensor, sample: list[int], block_s
 @torch.inference_mode()
 def check_replays(graphs: DecodeGraphs, model, pool: torch.Tensor, block_size: int, max_len: int) -> None:
     """Batches go up and down, so padding rows hold stale inputs of an earlier, larger batch and
-    must still write nothing; each replay must give the eager forward's logits and pool writes."""
+    must still write nothing; each replay must give the eager forward's logits and pool writes.
+    The last two batches are short, so graphs of a narrower block table replay where captured."""
     dev, num_blocks, vocab = pool.device, pool.shape[1], model.config.vocab_size
     bs = block_size
     g = torch.Generator().manual_seed(0)
-    for b in (8, 3, 5, 1, 3, 2, 7):
-        lens = torch.randint(1, max_len + 1, (b,), generator=g).tolist()
+    for b, longest in ((8, max_len), (3, max_len), (5, max_len), (1, max_len), (3, max_len), (2, max_len),
+                       (7, max_len), (1, 40), (2, 40)):
+        lens = torch.randint(1, longest + 1, (b,), generator=g).tolist()
         need = [-(-n // bs) for n in lens]
         table = torch.randperm(num_blocks, generator=g)[: b * max(need)].view(b, max(need)).int()  # distinct blocks
         for row, n in enumerate(need):
@@ -111,7 +115,7 @@ def check_replays(graphs: DecodeGraphs, model, pool: torch.Tensor, block_size: i
         slots = meta.slot_mapping.cpu()
         expected[slots // bs, slots % bs] = True
         assert torch.equal(written, expected), f"batch {b}: the graph wrote outside the live slots"
-    assert graphs.replays == 7
+    assert graphs.replays == 9
 
     # what a graph cannot serve runs eagerly (run returns None)
     def runs(meta: AttentionMetadata, kv=pool) -> bool:
@@ -126,7 +130,7 @@ def check_replays(graphs: DecodeGraphs, model, pool: torch.Tensor, block_size: i
     assert not runs(meta)
     meta.is_decode = True
     assert not runs(meta, kv=pool.clone())  # not the pool the graphs captured
-    assert graphs.replays == 7
+    assert graphs.replays == 9
 
 
 def test_static_buffers_on_cpu(tmp_path):
@@ -139,8 +143,26 @@ def test_static_buffers_on_cpu(tmp_path):
     assert not graphs.graphs
     graphs.disabled_reason, graphs.sizes = None, capture_sizes(8)
     graphs._allocate()
-    graphs.graphs = {n: Rerun(graphs, n) for n in graphs.sizes}
+    graphs.graphs = {(n, graphs.width): Rerun(graphs, n, graphs.width) for n in graphs.sizes}
     check_replays(graphs, lm.model, pool, bs, max_len)
+    assert all(r.replays for r in graphs.graphs.values() if r.bs in (1, 2, 4, 8))
+
+
+def test_a_short_context_replays_the_narrowest_graph_that_holds_it(tmp_path, monkeypatch):
+    """Widths for short contexts: each step replays the narrowest captured width that holds its
+    block tables, and a size captured only at the full width uses that one (CPU, `Rerun`)."""
+    monkeypatch.setattr(graphs_module, "SHORT_CONTEXTS", (48, 1024))  # 1024 >= max_model_len: not a width
+    bs, max_len = 16, 256
+    lm = load_model(save_tiny_checkpoint("qwen3", tmp_path / "qwen3"), device="cpu", dtype=torch.float32)
+    pool = make_pool(lm.model, 160, bs).normal_()
+    graphs = DecodeGraphs(lm.model, pool, block_size=bs, max_model_len=max_len, max_batch_size=8)
+    assert graphs.widths == [3, 16]
+    graphs.disabled_reason, graphs.sizes = None, capture_sizes(8)
+    graphs._allocate()
+    graphs.graphs = {(n, w): Rerun(graphs, n, w) for n in graphs.sizes for w in graphs.widths if w == 16 or n < 4}
+    check_replays(graphs, lm.model, pool, bs, max_len)
+    assert graphs.graphs[1, 3].replays == 1 and graphs.graphs[2, 3].replays == 1  # the two short batches
+    assert graphs.width_for(1, 3) == 3 and graphs.width_for(1, 4) == 16 and graphs.width_for(4, 1) == 16
 
 
 # ---------------------------------------------------------------------------------------- GPU
@@ -156,7 +178,23 @@ def test_replay_matches_eager_and_writes_only_live_slots(tmp_path):
     graphs = DecodeGraphs(lm.model, pool, block_size=bs, max_model_len=max_len, max_batch_size=8)
     graphs.capture()
     assert graphs.enabled, graphs.disabled_reason
-    assert sorted(graphs.graphs) == [1, 2, 4, 8] and graphs.width == max_len // bs
+    assert sorted(graphs.graphs) == [(n, max_len // bs) for n in (1, 2, 4, 8)] and graphs.width == max_len // bs
+    check_replays(graphs, lm.model, pool, bs, max_len)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_short_contexts_replay_graphs_of_their_own_width(tmp_path):
+    """max_model_len 2048: sizes whose decode launch differs at 512 tokens get a 32-block graph
+    (one split, no merge), which the short batches of check_replays replay."""
+    bs, max_len = 16, 2048
+    lm = load_model(save_tiny_checkpoint("qwen3", tmp_path / "qwen3"), device="cuda", dtype=torch.float32)
+    pool = make_pool(lm.model, 1100, bs).normal_()  # [layers, blocks, 2, bs, Hkv, D]
+    graphs = DecodeGraphs(lm.model, pool, block_size=bs, max_model_len=max_len, max_batch_size=8)
+    graphs.capture()
+    assert graphs.enabled, graphs.disabled_reason
+    assert (1, 32) in graphs.graphs and (1, 128) in graphs.graphs
+    assert kernels.decode_launch(pool[0], 1, 512)[0] == 1 < kernels.decode_launch(pool[0], 1, max_len)[0]
     check_replays(graphs, lm.model, pool, bs, max_len)
 
 

@@ -1,8 +1,10 @@
-"""DecodeGraphs: the decode step's forward pass as CUDA graphs, one per padded batch size.
+"""DecodeGraphs: the decode step's forward pass as CUDA graphs, one per padded batch size and
+block-table width.
 
 A decode step of B sequences copies its inputs into static buffers, replays the graph captured
-for the smallest size >= B (rows past B are padding: KV slot -1, length 0), and computes the
-logits of the rows that sample eagerly from the graph's hidden states. Anything else (prefill,
+for the smallest size >= B and the narrowest width that holds its block tables (rows past B are
+padding: KV slot -1, length 0), and computes the logits of the rows that sample eagerly from the
+graph's hidden states. Anything else (prefill,
 streamed steps, CPU, enforce_eager, too large a batch or block table) runs eagerly: `run`
 returns None. This file must never sync the host, allocate with data-dependent shapes on the
 replay path, or write the KV pool anywhere but the live rows' slots.
@@ -26,6 +28,13 @@ log = logging.getLogger(__name__)
 # Largest batch captured, whatever max_num_seqs says: beyond it the launch overhead a graph
 # saves is small next to the step's own work, and each size costs capture time.
 MAX_CAPTURE_BATCH = 256
+
+# Context lengths (tokens) below max_model_len whose block-table widths get graphs of their own.
+# The decode kernel splits each sequence by the table's width, a shape fixed at capture: replayed
+# in a graph as wide as max_model_len, a short context runs dozens of near-empty splits and a
+# merge (batch-1 decode of a 256-token context on the H200: 7.7 us a layer where one split takes
+# ~3). A width is captured only for the batch sizes where the kernel would launch differently.
+SHORT_CONTEXTS = (512, 4096)
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -68,10 +77,12 @@ class DecodeGraphs:
             # the torch reference kernels read lengths on the host (.tolist()): not capturable
             self.disabled_reason = "the reference kernels are forced (TIERKV_KERNELS)"
         self.sizes = capture_sizes(min(max_batch_size, MAX_CAPTURE_BATCH)) if self.enabled else []
-        # Every sequence fits max_model_len tokens, so its block-table row fits this width. The
-        # decode kernel picks its split count from the width (a shape), so one width per graph.
+        # Every sequence fits max_model_len tokens, so its block-table row fits this width; the
+        # narrower widths serve short contexts (SHORT_CONTEXTS)
         self.width = -(-max_model_len // block_size)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.widths = sorted({-(-t // block_size) for t in SHORT_CONTEXTS if t < max_model_len} | {self.width})
+        self.block_size = block_size
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (batch size, table width) -> graph
         self.replays = 0  # decode steps served by a graph (tests and stats read it)
         self._warned_pool = False
 
@@ -95,11 +106,12 @@ class DecodeGraphs:
         self.logits_indices = torch.arange(n, dtype=torch.int64, device=dev)    # [max_bs]
         self.hidden = torch.zeros(n, hidden, dtype=dtype, device=dev)           # [max_bs, hidden] graph output
 
-    def _meta(self, bs: int) -> AttentionMetadata:
-        """Metadata over the first `bs` rows of the static buffers (views: the graph reads them live)."""
+    def _meta(self, bs: int, width: int) -> AttentionMetadata:
+        """Metadata over the first `bs` rows and `width` table columns of the static buffers (views:
+        the graph reads them live)."""
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:bs],
-            block_tables=self.block_tables[:bs],
+            block_tables=self.block_tables[:bs, :width],
             seq_lens=self.seq_lens[:bs],
             cu_seqlens_q=self.cu_seqlens_q[: bs + 1],
             logits_indices=self.logits_indices[:bs],
@@ -126,8 +138,8 @@ class DecodeGraphs:
                 self._allocate()
                 pool = torch.cuda.graph_pool_handle()
                 side = torch.cuda.Stream()
-                for bs in reversed(self.sizes):
-                    meta = self._meta(bs)
+                for bs, width in self._shapes():
+                    meta = self._meta(bs, width)
                     # Warm up on a side stream first (PyTorch's recipe): Triton compiles, cuBLAS
                     # picks its kernels and workspaces, none of which may happen while capturing.
                     side.wait_stream(torch.cuda.current_stream())
@@ -137,7 +149,7 @@ class DecodeGraphs:
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=pool):
                         self._forward(bs, meta)
-                    self.graphs[bs] = graph
+                    self.graphs[bs, width] = graph
                 torch.cuda.synchronize()
         except Exception as exc:  # an op that cannot be captured: serve eagerly, say so
             log.warning("CUDA graph capture failed (%s: %s); decoding eagerly. Pass enforce_eager=True to "
@@ -145,8 +157,22 @@ class DecodeGraphs:
             self.graphs.clear()
             self.disabled_reason = f"capture failed: {exc}"
             return
-        log.info("captured %d decode CUDA graphs (batch sizes %d..%d, block-table width %d) in %.2f s",
-                 len(self.graphs), self.sizes[0], self.sizes[-1], self.width, time.perf_counter() - start)
+        log.info("captured %d decode CUDA graphs (batch sizes %d..%d, block-table widths %s) in %.2f s",
+                 len(self.graphs), self.sizes[0], self.sizes[-1], sorted({w for _, w in self.graphs}),
+                 time.perf_counter() - start)
+
+    def _shapes(self) -> list[tuple[int, int]]:
+        """(batch size, width) pairs to capture, largest first: every size at the full width, and a
+        narrower width where the decode kernel launches differently than at the next wider one."""
+        shapes = []
+        for bs in reversed(self.sizes):
+            wider = None
+            for width in reversed(self.widths):
+                launch = kernels.decode_launch(self.kv[0], bs, width * self.block_size)
+                if launch != wider:
+                    shapes.append((bs, width))
+                wider = launch
+        return shapes
 
     # ------------------------------------------------------------------ replay
 
@@ -154,6 +180,10 @@ class DecodeGraphs:
         """The smallest captured size >= batch, or None when the batch is larger than all."""
         i = bisect.bisect_left(self.sizes, batch)
         return self.sizes[i] if i < len(self.sizes) and self.graphs else None
+
+    def width_for(self, bs: int, columns: int) -> int:
+        """The narrowest width captured for size `bs` that holds `columns` block-table columns."""
+        return next(w for w in self.widths if w >= columns and (bs, w) in self.graphs)
 
     @torch.inference_mode()
     def run(
@@ -187,7 +217,7 @@ class DecodeGraphs:
         if b < bs:
             self.slot_mapping[b:bs].fill_(-1)
             self.seq_lens[b:bs].zero_()
-        self.graphs[bs].replay()
+        self.graphs[bs, self.width_for(bs, table.shape[1])].replay()
         self.replays += 1
         # As CausalLM.forward: final norm and LM head only on the rows that sample.
         return self.model.compute_logits(self.hidden[:b].index_select(0, meta.logits_indices))
