@@ -150,12 +150,15 @@ def bench_service(url: str, layout: KVLayout, nbytes: int, rounds: int) -> dict:
         rows.append({"write_GBps": total / t_w / 1e9, "read_GBps": total / t_r / 1e9})
     store = open_store(url, layout)
     hit = _lookup_latency(store, ids)
-    miss_ids, _ = block_chain(layout, 64, seed=99)
+    miss_ids, miss_pays = block_chain(layout, 64, seed=99)
     miss = _lookup_latency(store, miss_ids)
+    # a run that ends inside the 64 (S3 probes for its end in more than one round)
+    store.put_many(miss_ids[:37], miss_pays[:37])
+    partial = _lookup_latency(store, miss_ids)
     store.close()
     med = {k: statistics.median(row[k] for row in rows) for k in rows[0]}
     return {"blocks": n, "bytes": total, "rounds": rows, "median": med,
-            "lookup64_hit_ms": hit * 1e3, "lookup64_miss_ms": miss * 1e3}
+            "lookup64_hit_ms": hit * 1e3, "lookup64_miss_ms": miss * 1e3, "lookup64_37_ms": partial * 1e3}
 
 
 def _version(cmd: list[str]) -> str:
@@ -211,7 +214,7 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
 
     print(f"{'store':<9} {'layout':<14} {'write GB/s':>10} {'read GB/s':>10} {'raw w':>7} {'raw r':>7} "
-          f"{'w ratio':>8} {'r ratio':>8} {'lookup64 hit/miss ms':>21}")
+          f"{'w ratio':>8} {'r ratio':>8} {'lookup64 hit/miss/37 ms':>24}")
     for name, d in result["disk"].items():
         m = d["median"]
         for tag, _ in DISK_VARIANTS:
@@ -223,7 +226,7 @@ def main() -> None:
         for name, d in result[store].items():
             m = d["median"]
             print(f"{label:<9} {name:<14} {m['write_GBps']:>10.3f} {m['read_GBps']:>10.3f} {'':>7} {'':>7} {'':>8} {'':>8} "
-                  f"{d['lookup64_hit_ms']:>10.2f}/{d['lookup64_miss_ms']:.2f}")
+                  f"{d['lookup64_hit_ms']:>10.2f}/{d['lookup64_miss_ms']:.2f}/{d['lookup64_37_ms']:.2f}")
 
     def _package(name: str) -> str:  # --no-services runs where the service clients are not installed
         try:

@@ -234,3 +234,31 @@ def test_a_second_process_hits_what_the_first_stored(service, request, tmp_path)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["12", "12", "True"]
+
+
+def test_a_block_l3_reported_but_cannot_read_is_recomputed_from_there(tmp_path):
+    # An S3 lookup answers by prefix (l3.probe_prefix), so it may report a block that a read then
+    # misses (evicted, deleted, never landed). The plan must then load what it can up to that
+    # block and recompute the rest, with the bytes of every loaded block right.
+    from tierkv.hashing import hash_blocks, namespace, token_bytes
+    from tierkv.tiers.codec import key_hex
+
+    cache = make([f"file://{tmp_path}"], l1=5, l2=6)
+    doc = list(range(13))
+    store(cache, doc)
+    push_out(cache)
+    assert cache.flush(timeout=30)
+    m = cache.match(doc + [1, 2])
+    assert m.by_tier["l3"] == 12
+    ns = namespace("l3-test", LAYOUT.fingerprint, 0, None)
+    second = hash_blocks(token_bytes(doc), LAYOUT.block_size, ns)[1]
+    victims = list(tmp_path.rglob(f"{key_hex(second)}*"))
+    assert len(victims) == 1
+    victims[0].unlink()  # after the lookup, before the read
+    p = cache.prefetch(m, deadline_s=30)
+    assert p.wait(30)
+    seq = cache.allocate(doc + [1, 2])
+    assert seq.num_cached_tokens == 4  # block 0 loaded; blocks 1.. are computed
+    cache.free(seq)
+    check_retrieve(cache, doc, 4)
+    cache.close()

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from tierkv import LLM
-from tierkv.engine.config import EngineConfig
+from tierkv.engine.config import L2_CAP, EngineConfig, default_l2, host_available_bytes
 from tierkv.engine.engine import Engine
 from tierkv.errors import ConfigError
 from tierkv.server.cli import load_options
@@ -106,10 +106,42 @@ def test_llm_refuses_a_bad_value_before_loading():
 def test_device_defaults_are_resolved_in_one_place():
     import torch
 
-    cfg = EngineConfig().for_device(torch.device("cpu"), 4096)
-    assert (cfg.max_model_len, cfg.max_num_batched_tokens) == (4096, 1024)
-    gpu = EngineConfig(max_model_len=100).for_device(torch.device("cuda"), 4096)
-    assert (gpu.max_model_len, gpu.max_num_batched_tokens) == (100, 8192)
+    cfg = EngineConfig().for_device(torch.device("cpu"), 4096, 1000, available=64 * GiB)
+    assert (cfg.max_model_len, cfg.max_num_batched_tokens, cfg.l2) == (4096, 1024, 0)
+    gpu = EngineConfig(max_model_len=100).for_device(torch.device("cuda"), 4096, 1000, available=64 * GiB)
+    assert (gpu.max_model_len, gpu.max_num_batched_tokens, gpu.l2) == (100, 8192, 16 * GiB // 1000 * 1000)
+
+
+GiB = 2**30
+
+
+def test_default_l2_is_a_capped_share_of_host_memory_on_a_gpu_only():
+    bb = 3 * 2**20 + 17  # an odd block size: the default must still be whole blocks
+    assert default_l2("cuda", 64 * GiB, bb) == 16 * GiB // bb * bb  # 25%
+    assert default_l2("cuda", 1024 * GiB, bb) == L2_CAP // bb * bb == 32 * GiB // bb * bb  # capped
+    assert default_l2("cuda", 64 * GiB, bb) % bb == 0 and default_l2("cuda", 1024 * GiB, bb) <= L2_CAP
+    assert default_l2("cuda", 10 * bb, bb) == 2 * bb  # 2.5 blocks' worth rounds down
+    assert default_l2("cuda", 2 * bb, bb) == 0  # less than a block: off
+    assert default_l2("cpu", 64 * GiB, bb) == 0  # CPU: host memory is the model's memory
+    assert default_l2("cuda", None, bb) == 0  # unknown memory: off rather than a guess
+
+
+def test_l2_zero_disables_and_an_explicit_size_is_used_as_given():
+    import torch
+
+    cuda = torch.device("cuda")
+    assert EngineConfig(l2=0).for_device(cuda, 4096, 1000, available=64 * GiB).cache_config().l2 == 0
+    assert EngineConfig(l2="1GiB").for_device(cuda, 4096, 1000, available=64 * GiB).cache_config().l2 == GiB
+    assert EngineConfig(l2=7).for_device(cuda, 4096, 1000, available=64 * GiB).l2 == 7  # not rounded, not capped
+    assert EngineConfig(l2="100GiB").for_device(cuda, 4096, 1000, available=GiB).cache_config().l2 == 100 * GiB
+
+
+def test_available_host_memory_reads_meminfo_without_psutil(monkeypatch):
+    with open("/proc/meminfo") as f:
+        kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+    monkeypatch.setitem(sys.modules, "psutil", None)  # an import of psutil now fails
+    got = host_available_bytes()
+    assert got is not None and abs(got - kib * 1024) < 2 * GiB  # another process may allocate meanwhile
 
 
 def test_server_flags_are_the_engine_options():
@@ -146,3 +178,27 @@ def test_a_context_the_tiers_cannot_hold_is_lowered_or_refused(tiny_llama, caplo
     with pytest.raises(ConfigError, match="max_model_len 100 needs 7 KV blocks.*L1 holds 4 and L2 0.*64 or less"):
         LLM(tiny_llama, device="cpu", l1=4 * bb, max_model_len=100)
     assert LLM(tiny_llama, device="cpu", l1=4 * bb, max_model_len=64).engine.max_model_len == 64
+
+
+def test_startup_lines_say_when_l2_is_the_default_share(tiny_llama, caplog, monkeypatch):
+    # A CPU stands in for the GPU: only the rule is replaced (8 blocks, as if the host had room),
+    # the engine, its cache and the lines it prints are real.
+    from tierkv.engine import config as config_module
+    from tierkv.server.cli import tier_summary
+
+    bb = LLM(tiny_llama, device="cpu", l1=1 << 20).cache.layout.bytes_per_block
+    with caplog.at_level("INFO", logger="tierkv.engine.engine"):
+        off = LLM(tiny_llama, device="cpu", l1=8 * bb)
+    assert off.cache.l2 is None and "L2 0 blocks (off: the default on CPU)" in caplog.text
+    monkeypatch.setattr(config_module, "default_l2", lambda device_type, available, block_bytes: 8 * block_bytes)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="tierkv.engine.engine"):
+        llm = LLM(tiny_llama, device="cpu", l1=8 * bb)
+    assert llm.cache.l2.num_blocks == 8
+    assert "L2 8 blocks (the default share: 25% of available host memory, at most 32 GiB)" in caplog.text
+    opts = dict(enable_prefix_caching=True, eviction="lru", write_policy="write_through")
+    assert "(the default share: 25% of available host memory, at most 32 GiB)" in tier_summary(llm.engine, [], opts)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="tierkv.engine.engine"):
+        given = LLM(tiny_llama, device="cpu", l1=8 * bb, l2=4 * bb)  # explicit: no default note
+    assert given.cache.l2.num_blocks == 4 and "L2 4 blocks, L3" in caplog.text and "default" not in caplog.text

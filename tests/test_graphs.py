@@ -192,7 +192,7 @@ def test_replay_matches_eager_and_writes_only_live_slots(tmp_path, max_len):
 
 def generate_both(path: str, prompts, params, **options):
     """(tokens with graphs, tokens eager, the graphs object) for the same prompts."""
-    common = dict(device="cuda", l1="64MiB", **options)
+    common = dict(device="cuda", l1="64MiB", l2=0, **options)  # l2=0: not the default 32 GiB pinned per LLM
     llm = LLM(path, **common)
     graphs = llm.engine.runner.graphs
     assert graphs.enabled, graphs.disabled_reason
@@ -236,7 +236,7 @@ def test_bf16_graph_logits_are_close_to_eager(tmp_path, monkeypatch):
     """In bf16 the padded GEMMs and the wider block table (another split count) may round a
     little differently from eager, so compare logits of every decode step rather than tokens."""
     path = str(save_tiny_checkpoint("qwen3", tmp_path / "qwen3", seed=2))
-    llm = LLM(path, device="cuda", dtype="bfloat16", l1="64MiB", max_num_seqs=8)
+    llm = LLM(path, device="cuda", dtype="bfloat16", l1="64MiB", l2=0, max_num_seqs=8)
     graphs, model = llm.engine.runner.graphs, llm.engine.lm.model
     replay = graphs.run
     rows, agree, worst = 0, 0, 0.0

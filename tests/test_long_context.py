@@ -236,7 +236,7 @@ def test_a_long_prompt_in_chunks_takes_the_dense_path_as_accurately_as_the_trito
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=20)
 
     def first_token_logprobs() -> dict[int, float]:
-        llm = LLM(str(tmp_path), device="cuda", dtype="bfloat16", l1="256MiB", max_num_batched_tokens=2048,
+        llm = LLM(str(tmp_path), device="cuda", dtype="bfloat16", l1="256MiB", l2=0, max_num_batched_tokens=2048,
                   enforce_eager=True)
         top = dict(llm.generate([prompt], params, use_tqdm=False)[0].logprobs[0]["top"])
         del llm

@@ -167,7 +167,7 @@ def test_overlap_gives_the_same_tokens_on_a_gpu(tiny_llama, options):
     params.append(SamplingParams(temperature=0.9, top_p=0.8, top_k=50, seed=2, max_tokens=19, logprobs=2))
 
     def tokens(**extra):
-        llm = LLM(tiny_llama, device="cuda", dtype="float32", l1="64MiB", max_num_seqs=8, **options, **extra)
+        llm = LLM(tiny_llama, device="cuda", dtype="float32", l1="64MiB", l2=0, max_num_seqs=8, **options, **extra)
         outs = llm.generate(ps, params, use_tqdm=False)
         replays = llm.engine.runner.graphs.replays
         llm.close()

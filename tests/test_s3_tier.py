@@ -133,3 +133,93 @@ def test_a_request_that_times_out_is_a_miss_then_service_resumes(seaweed_private
         sw.thaw()
     assert _wait_for_hits(s, ids, pays) == [True] * 4
     s.close()
+
+
+def _branch(ids, at: int, n: int, seed: int):
+    """`n` blocks of new random tokens chained after ids[at - 1] (chain positions at, at+1, ...)."""
+    import numpy as np
+
+    from tierkv.hashing import hash_blocks, token_bytes
+    from tierkv.tiers.codec import BlockId
+
+    rng = np.random.default_rng(seed)
+    ns, stride = ids[0].ns, 4 * LAYOUT.block_size
+    tokens = token_bytes(rng.integers(0, 50_000, n * LAYOUT.block_size, dtype=np.int64))
+    out, parent = [], ids[at - 1].hash
+    for i, h in enumerate(hash_blocks(tokens, LAYOUT.block_size, ns, parent=parent)):
+        out.append(BlockId(h, parent, ns, tokens[i * stride : (i + 1) * stride], at + i))
+        parent = h
+    pays = [torch.randint(0, 256, (LAYOUT.bytes_per_block,), dtype=torch.uint8).view(LAYOUT.dtype).reshape(LAYOUT.block_shape)
+            for _ in range(n)]
+    return out, pays
+
+
+class _Requests:
+    """Counts the S3 requests a store sends, by operation, through botocore's event hooks."""
+
+    def __init__(self, store) -> None:
+        self.ops: list[str] = []
+        store._s3.meta.events.register("before-call.s3", self._count)
+
+    def _count(self, model, **_) -> None:
+        self.ops.append(model.name)
+
+    def take(self) -> list[str]:
+        ops, self.ops = self.ops, []
+        return ops
+
+
+def test_a_64_block_lookup_is_one_round_of_two_heads_for_a_hit_or_a_miss(seaweed):
+    ids, pays = block_chain(LAYOUT, 64, seed=5)
+    cold, _ = block_chain(LAYOUT, 64, seed=6)
+    s = open_store(seaweed.url("lookup64"), LAYOUT)
+    assert s.put_many(ids, pays) == [True] * 64
+    sent = _Requests(s)
+    assert s.contains_many([b.hash for b in ids]) == [True] * 64
+    assert sent.take() == ["HeadObject"] * 2  # the first and the last block
+    assert s.contains_many([b.hash for b in cold]) == [False] * 64
+    assert sent.take() == ["HeadObject"] * 2
+    # a run that ends inside: found exactly, in at most 18 HEADs (not 64)
+    for stored in (1, 2, 37, 63):
+        part = open_store(seaweed.url(f"lookup-part{stored}"), LAYOUT)
+        assert part.put_many(ids[:stored], pays[:stored]) == [True] * stored
+        sent = _Requests(part)
+        assert part.contains_many([b.hash for b in ids]) == [True] * stored + [False] * (64 - stored)
+        assert 2 <= len(sent.take()) <= 18
+        part.close()
+    # from a chain position on (the cache asks past what L1 and L2 hold)
+    assert s.contains_many([b.hash for b in ids[40:]], first_pos=40) == [True] * 24
+    s.close()
+
+
+def test_a_hole_in_a_stored_run_is_a_read_miss_never_wrong_data(seaweed):
+    ids, pays = block_chain(LAYOUT, 64, seed=7)
+    s = open_store(seaweed.url("holes"), LAYOUT)
+    assert s.put_many(ids, pays) == [True] * 64
+    raw = boto3.client("s3", endpoint_url=seaweed.endpoint, region_name="us-east-1")
+    raw.delete_object(Bucket="holes", Key=f"kv/{key_hex(ids[20].hash)}.c1")  # evicted, or never landed
+    found = s.contains_many([b.hash for b in ids])
+    n = found.index(False) if False in found else len(found)
+    assert found == [True] * n + [False] * (64 - n) and n >= 20  # prefix-closed, at least up to the hole
+    ok = _check(s, ids[:n], pays[:n])  # every hit checked byte for byte against what was stored
+    assert ok == [True] * 20 + [False] + [True] * (n - 21) if n > 20 else ok == [True] * n
+    s.close()
+
+
+def test_two_processes_writing_one_bucket_branch_and_overlap(seaweed):
+    url = seaweed.url("two-writers", prefix="team/b")
+    run_writer(url)  # another process: blocks 0..15 of chain seed=11
+    longer, pays = block_chain(LAYOUT, 16, seed=11)
+    s = open_store(url, LAYOUT)
+    # this process writes some of the same blocks again (same names, same bytes) and a branch
+    # off block 7 (another question after one shared system prompt), 4 blocks long
+    assert s.put_many(longer[:8], pays[:8]) == [True] * 8
+    branch, bpays = _branch(longer, 8, 12, seed=12)
+    assert s.put_many(branch[:4], bpays[:4]) == [True] * 4
+    reader = open_store(url, LAYOUT)
+    assert reader.contains_many([b.hash for b in longer]) == [True] * 16
+    assert reader.contains_many([b.hash for b in longer[:8] + branch]) == [True] * 12 + [False] * 8
+    assert reader.contains_many([b.hash for b in branch], first_pos=8) == [True] * 4 + [False] * 8
+    assert _check(reader, longer, pays) == [True] * 16 and _check(reader, branch[:4], bpays[:4]) == [True] * 4
+    s.close()
+    reader.close()

@@ -26,6 +26,14 @@ if TYPE_CHECKING:
 GPU_BATCHED_TOKENS = 8192
 CPU_BATCHED_TOKENS = 1024
 
+# L2 when `l2` is None and the model runs on a GPU: this share of the host memory available at
+# startup, capped (pinning is paid at startup, ~1 s per 10 GiB, and pinned pages leave the OS's
+# other users short). On CPU the default stays off: host memory is where the model and L1 live
+# already, so an L2 there would only copy blocks from one part of it to another.
+L2_SHARE = 0.25
+L2_CAP = 32 * 2**30
+L2_DEFAULT_RULE = f"{L2_SHARE:.0%} of available host memory, at most {L2_CAP // 2**30} GiB"
+
 # dtype names a user may pass -> the torch dtype's name (the model runs in one of these three)
 DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
           "half": "float16", "float32": "float32", "fp32": "float32"}
@@ -46,6 +54,33 @@ def dtype_name(dtype: object) -> str | None:
                       "(or torch.bfloat16, torch.float16, torch.float32)")
 
 
+def host_available_bytes() -> int | None:
+    """Host memory available to new allocations without swapping (psutil, or Linux's
+    MemAvailable); None where neither can tell."""
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:
+        pass
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # the kernel writes kB (KiB)
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def default_l2(device_type: str, available: int | None, bytes_per_block: int) -> int:
+    """Bytes of L2 when none is given: on a GPU, min(L2_SHARE of `available`, L2_CAP) in whole
+    blocks; 0 on CPU or when the available memory is unknown."""
+    if device_type != "cuda" or not available:
+        return 0
+    return min(int(available * L2_SHARE), L2_CAP) // bytes_per_block * bytes_per_block
+
+
 def check_device(device: object) -> None:
     """"cpu", "cuda", "cuda:N", a torch.device of those, or None (the GPU when there is one)."""
     text = device if isinstance(device, str) else str(device)
@@ -60,7 +95,8 @@ class EngineConfig:
     model: a Hugging Face model directory or a hub id ("org/name", fetched into the HF cache,
         safetensors only); None is the bundled SmolLM2-135M-Instruct.
     l1, l2, l3, eviction, write_policy: the cache tiers (see CacheConfig); l1 None sizes L1
-        from the memory the weights left free.
+        from the memory the weights left free; l2 None is, on a GPU, L2_SHARE of the available
+        host memory up to L2_CAP (`default_l2`) and off on CPU; l2=0 turns L2 off.
     block_size: tokens per KV block.
     enable_prefix_caching: False computes every prompt from scratch (and shares nothing).
     max_model_len: longest sequence (prompt + output); None is the model's own maximum.
@@ -122,10 +158,16 @@ class EngineConfig:
         return CacheConfig(l1=self.l1, l2=self.l2 or 0, l3=list(self.l3), eviction=self.eviction,
                            write_policy=self.write_policy)
 
-    def for_device(self, device: torch.device, max_position_embeddings: int) -> EngineConfig:
-        """A copy with every device- and model-dependent default filled in."""
+    def for_device(self, device: torch.device, max_position_embeddings: int, bytes_per_block: int,
+                   available: int | None = None) -> EngineConfig:
+        """A copy with every device- and model-dependent default filled in. `available`: the
+        host memory free for L2 (read from the system when None)."""
+        l2 = self.l2
+        if l2 is None:
+            l2 = default_l2(device.type, host_available_bytes() if available is None else available, bytes_per_block)
         return dataclasses.replace(
             self,
+            l2=l2,
             max_model_len=self.max_model_len or max_position_embeddings,
             max_num_batched_tokens=self.max_num_batched_tokens
             or (GPU_BATCHED_TOKENS if device.type == "cuda" else CPU_BATCHED_TOKENS),

@@ -20,7 +20,7 @@ import numpy as np
 from ..cache import TieredKVCache
 from ..config import redact_url
 from ..errors import ConfigError
-from .config import EngineConfig
+from .config import L2_DEFAULT_RULE, EngineConfig
 from .loader import LoadedModel, load_model
 from .request import Request, RequestOutput
 from .runner import LaunchedStep, ModelRunner
@@ -52,9 +52,10 @@ class Engine:
         self.tokenizer = self.lm.tokenizer
         dev = self.lm.device
         explicit_len = config.max_model_len is not None
-        self.config = config = config.for_device(dev, self.lm.config.max_position_embeddings)
-        # made after the weights: with l1 None the cache sizes L1 from the memory they left
+        l2_default = config.l2 is None
         layout = self.lm.kv_layout(config.block_size)
+        self.config = config = config.for_device(dev, self.lm.config.max_position_embeddings, layout.bytes_per_block)
+        # made after the weights: with l1 None the cache sizes L1 from the memory they left
         self.cache = TieredKVCache(layout, config.cache_config(), device=dev, model=self.lm.fingerprint)
         self.config = config = self._fit_context(config, explicit=explicit_len)
         self.max_model_len = config.max_model_len
@@ -69,8 +70,12 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.in_flight: LaunchedStep | None = None  # launched, its tokens not yet taken back
         self.num_computed_tokens = 0  # tokens the model has run, prompts and decodes together
-        log.info("engine: %s; L1 %d blocks, L2 %d blocks, L3 %s", self.lm.model_dir.name, self.cache.l1.num_blocks,
-                 self.cache.l2.num_blocks if self.cache.l2 else 0,
+        self.l2_note = ""  # what the startup lines say of an L2 the user did not size
+        if l2_default:
+            self.l2_note = (f" (the default share: {L2_DEFAULT_RULE})" if self.cache.l2
+                            else " (off: the default on CPU)" if dev.type != "cuda" else " (off: host memory unknown)")
+        log.info("engine: %s; L1 %d blocks, L2 %d blocks%s, L3 %s", self.lm.model_dir.name, self.cache.l1.num_blocks,
+                 self.cache.l2.num_blocks if self.cache.l2 else 0, self.l2_note,
                  [redact_url(u) for u in config.l3] or "none")
 
     def _fit_context(self, config: EngineConfig, explicit: bool) -> EngineConfig:

@@ -21,7 +21,7 @@ import threading
 from pathlib import Path
 
 from ..config import parse_size, redact_url
-from ..engine.config import EngineConfig
+from ..engine.config import L2_DEFAULT_RULE, EngineConfig
 from ..errors import ConfigError
 
 DEFAULT_HOST = "127.0.0.1"
@@ -68,7 +68,8 @@ def parser() -> argparse.ArgumentParser:
     a("--api-key", help=f"require 'Authorization: Bearer KEY' on every /v1 route (also read from ${API_KEY_ENV}); "
       "/health and /metrics stay open")
     a("--l1", help="bytes of the L1 pool on the device, e.g. 8GiB (default: 80%% of free GPU memory, 1GiB on CPU)")
-    a("--l2", help="bytes of the pinned host L2 pool, e.g. 64GiB; 0 disables L2 (default 0)")
+    a("--l2", help="bytes of the pinned host L2 pool, e.g. 64GiB; 0 disables L2 (default: on a GPU "
+      f"{L2_DEFAULT_RULE.replace('%', '%%')}; off on CPU)")
     a("--l3", action="append", metavar="URL", help="an L3 store, repeatable: file:///path?size=500GiB, "
       "redis://host:port/db, s3://bucket/prefix?endpoint=...")
     a("--eviction", help="eviction policy: lru, lfu, s3fifo, arc, priority (default lru)")
@@ -260,7 +261,7 @@ def tier_summary(engine, l3: list[str], opts: dict) -> str:
     c, layout = engine.cache, engine.cache.layout
     l1 = f"L1 {c.l1.num_blocks} blocks ({_fmt_bytes(c.l1.num_blocks * layout.bytes_per_block)}, {engine.lm.device})"
     l2 = (f"L2 {c.l2.num_blocks} blocks ({_fmt_bytes(c.l2.num_blocks * layout.bytes_per_block)} "
-          f"{'pinned' if c.l2.pinned else 'pageable'} host)"
+          f"{'pinned' if c.l2.pinned else 'pageable'} host){engine.l2_note}"
           if c.l2 is not None else "L2 off")
     l3s = "L3 " + (", ".join(redact_url(u) for u in l3) if l3 else "off")
     caching = "" if opts["enable_prefix_caching"] else ", prefix caching off"

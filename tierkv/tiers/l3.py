@@ -2,7 +2,7 @@
 objects. The stores subclass L3Store; open.py picks one by URL (so this file imports no store).
 
     store = open_store("file:///var/cache/tierkv?size=100GiB", layout)   # or s3://..., redis://...
-    store.contains_many(hashes: list[int], first_pos=0) -> list[bool]   # one round trip per call
+    store.contains_many(hashes: list[int], first_pos=0) -> list[bool]   # a prefix-closed hint
     store.get_many(ids: list[BlockId], outs: list[buffer], deadline: float | None = None) -> list[bool]
     store.put_many(ids: list[BlockId], payloads: list[buffer]) -> list[bool]
     store.estimate_load_seconds(num_blocks: int) -> float       # for load-or-recompute
@@ -23,8 +23,8 @@ hash of block e, its last block: `<32 hex>.c<K>`. Callers pass chain positions (
 contains_many's first_pos): the cache and tiering know them (a match walks the chain from block
 0; every index entry records its position).
 Why the last block's hash and not a manifest: a name is then a pure function of the chain, so
-a lookup of N blocks is one existence check per chunk (N/K parallel requests, all in one round
-trip), with no manifest to fetch first, to keep in step with its chunks, or to race on between
+a lookup of N blocks needs at most one existence check per chunk (and S3 far fewer, see
+below), with no manifest to fetch first, to keep in step with its chunks, or to race on between
 two writers; and a chunk's name says exactly which blocks it holds, so two branches of one
 prefix never overwrite each other. The cost is at the end of a sequence: a partial chunk
 c*K..e is named after block e, and
@@ -40,9 +40,23 @@ c*K..e is named after block e, and
   - worse, a reader that shares only part of a chunk with the writer (a system prompt shorter
     than K, then different questions) cannot name the writer's object at all: it finds none of
     that chunk. So chunks are opt-in (`?chunk=256`, fewer and larger reads: disk and S3 run
-    faster, S3 lookups take one request per K tokens) and the default keeps one block per object,
+    faster) and the default keeps one block per object,
     where every shared block is found. Naming a chunk after its FIRST block, with a small index
     of its block hashes read first, would serve partial sharers too; that is the next step.
+Lookups by probing (S3). The cache wants the longest stored prefix, and a match stops at the
+first miss, so a store may answer by prefix: S3 sets `probe_lookup` and probe_prefix checks the
+first and the last chunk name in one round (a full hit or a full miss: 2 HEADs, 3.5 ms for 64
+blocks on loopback SeaweedFS, against 64 HEADs and ~130 ms before), then narrows a run that ends
+inside in rounds of PROBES (64 blocks: at most 3 rounds, 18 HEADs). Nothing here assumes more
+than what a HEAD sees at that moment: two writers of one chain write the same names and bytes,
+branches differ in name, a write is atomic, and a hole (a deleted or evicted object, a writer
+that died mid-run) is reported present, then misses on its read and is recomputed (the plan
+loads what it read, up to the first block it did not: tests/test_cache_l3.py). Time, never data.
+Why not a LIST over chain-ordered names or a manifest per chain: a name must then carry an
+anchor earlier in the chain than the blocks a lookup or a write is given (the cache asks from
+the first block L1 and L2 lack), a listing under an anchor shared by thousands of branches off
+one system prompt grows with them, and a manifest is read-modify-written by racing writers.
+Disk keeps one stat per chunk: exact, at microseconds each.
 A record is checked on its own (header and checksum), so a damaged block k of a chunk is a
 miss from k on and the blocks before it still hit. Objects of format 1 (one object per block,
 named `<32 hex>`) are never read: their names differ, and the disk store evicts them first.
@@ -144,6 +158,30 @@ _WHERE_MAX = 1 << 16  # block hashes whose object name a lookup found, kept for 
 UNMEASURED_READ_BPS = 1e9  # bytes/s assumed of a store nothing has been read from yet
 
 
+PROBES = 8  # existence checks per round after the first, when a store probes (probe_prefix)
+
+
+def probe_prefix(n: int, present: Callable[[list[int]], list[bool]]) -> int:
+    """How many leading items of `n` are present, taking presence to be prefix-closed (a chain
+    is written from its start, and a lookup stops at the first miss anyway). `present(indices)`
+    is one round of parallel checks. Round one asks for the first and the last item, so a full
+    hit or a full miss costs one round of two; each later round asks for up to PROBES evenly
+    spaced items between the last one known present and the first known absent (64 items: at
+    most 3 rounds and 18 checks). A hole inside the run is reported present: its read misses
+    and the cache recomputes from there, which costs time, never data."""
+    lo, hi = 0, n  # items before lo are taken as present; item hi is absent (or hi == n)
+    ask = sorted({0, n - 1})
+    while lo < hi:
+        for j, ok in zip(ask, present(ask)):
+            if not ok:
+                hi = j
+                break
+            lo = j + 1
+        span = hi - lo
+        ask = list(range(lo, hi)) if span <= PROBES else sorted({lo + span * i // PROBES for i in range(PROBES)})
+    return lo
+
+
 class StoreStats:
     """Counters and running estimates of one store; every method is thread-safe.
 
@@ -230,6 +268,9 @@ class L3Store(ABC):
 
     name: str = "l3"
     align: int = 1  # records in an object start at multiples of this (disk: the page size)
+    # Lookups by probe_prefix instead of one check per chunk: for stores whose checks are network
+    # round trips (S3), not local stat calls (disk, exact at a few microseconds each).
+    probe_lookup: bool = False
 
     def __init__(self, layout: KVLayout, url: str, threads: int, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> None:
         self.layout = layout
@@ -257,7 +298,8 @@ class L3Store(ABC):
     def contains_many(self, hashes: Sequence[int], first_pos: int = 0) -> list[bool]:
         """Which of `hashes` (a chain's blocks from position `first_pos` on) the store holds.
 
-        A hint: a later get may still miss."""
+        A hint: a later get may still miss. A probing store (S3) answers True for a leading run
+        and False after it, and may report a hole inside the run (see the module docstring)."""
         if not hashes or self._closed:
             return [False] * len(hashes)
         t0 = time.monotonic()
@@ -366,18 +408,29 @@ class L3Store(ABC):
                 self._where.popitem(last=False)
 
     def _lookup(self, hashes: list[int], first: int) -> list[bool]:
-        """contains_many for chunk objects: one batched existence check of each chunk's name, and
-        for the first chunk that misses, one more of its shorter (partial) names."""
+        """contains_many for chunk objects: an existence check of each chunk's name (all at once,
+        or by probing when the store sets `probe_lookup`), and for the first chunk that misses,
+        one more of its shorter (partial) names."""
         K = self.chunk_blocks
         groups, i = [], 0  # [start, end) in hashes of each chunk touched
         while i < len(hashes):
             end = min(len(hashes), i + K - (first + i) % K)
             groups.append((i, end))
             i = end
+
+        def present(js: list[int]) -> list[bool]:
+            sizes = self._stat([self.object_name(hashes[groups[j][1] - 1]) for j in js])
+            return [self._holds(size, first + groups[j][1] - 1) for j, size in zip(js, sizes)]
+
+        if self.probe_lookup:
+            n = probe_prefix(len(groups), present)
+            held = [j < n for j in range(len(groups))]
+        else:
+            held = present(list(range(len(groups))))
         found = [False] * len(hashes)
         missed = None
-        for (s, e), size in zip(groups, self._stat([self.object_name(hashes[e - 1]) for s, e in groups])):
-            if self._holds(size, first + e - 1):
+        for (s, e), ok in zip(groups, held):
+            if ok:
                 found[s:e] = [True] * (e - s)
                 self._remember(hashes[s:e], hashes[e - 1])
             elif missed is None:

@@ -1,8 +1,9 @@
 """s3: the S3 L3 store (`s3://bucket/prefix?endpoint=http://127.0.0.1:8333&region=us-east-1`).
 
-One object per chunk (l3.py), `<prefix>/<32 hex>.c<K>`, body = its codec records. A lookup is
-one HEAD per chunk touched, all in parallel (one round trip: 4 HEADs for 64 blocks); a read is
-one ranged GET per chunk, a write one PUT; they run in parallel on a thread pool. boto3's standard retry mode adds backoff; connect/read timeouts bound every call
+One object per chunk (l3.py), `<prefix>/<32 hex>.c<K>`, body = its codec records. A lookup
+probes (l3.probe_prefix): HEADs of the first and the last chunk in parallel, so a whole hit or
+miss is one round trip, and a run that ends inside a few more; a read is one ranged GET per
+chunk, a write one PUT; they run in parallel on a thread pool. boto3's standard retry mode adds backoff; connect/read timeouts bound every call
 and a short back-off skips calls while the service is down. Credentials come from boto3's usual
 chain (env vars, ~/.aws files, instance roles) and are never logged; logged URLs are redacted.
 Options: create_bucket=1, threads, timeout, connect_timeout, retries, addressing=path|virtual,
@@ -33,6 +34,7 @@ class _Unavailable(Exception):
 
 class S3Store(L3Store):
     name = "s3"
+    probe_lookup = True  # a HEAD costs a round trip: probe for the end of the run (l3.probe_prefix)
 
     def __init__(self, url: str, layout: KVLayout) -> None:
         opts = UrlOptions(url, ("endpoint", "region", "create_bucket", "threads", "timeout",
