@@ -173,8 +173,8 @@ def test_a_short_context_replays_the_narrowest_graph_that_holds_it(tmp_path, mon
 @pytest.mark.parametrize("max_len", [256, 2048])
 def test_replay_matches_eager_and_writes_only_live_slots(tmp_path, max_len):
     """fp32 Qwen3 (q/k norm) with random KV everywhere in the pool. At max_model_len 2048 the
-    sizes whose decode launch differs at 512 tokens also get a 32-block graph (one split, no
-    merge), which the short batches of check_replays replay."""
+    sizes whose decode launch differs at 512 tokens also get a 32-block graph (more, shorter
+    splits), which the short batches of check_replays replay."""
     bs = 16
     lm = load_model(save_tiny_checkpoint("qwen3", tmp_path / "qwen3"), device="cuda", dtype=torch.float32)
     pool = make_pool(lm.model, 8 * max_len // bs + 64, bs).normal_()  # [layers, blocks, 2, bs, Hkv, D]
@@ -186,7 +186,7 @@ def test_replay_matches_eager_and_writes_only_live_slots(tmp_path, max_len):
         assert sorted(graphs.graphs) == [(n, max_len // bs) for n in (1, 2, 4, 8)]
     else:
         assert (1, 32) in graphs.graphs and (1, 128) in graphs.graphs
-        assert kernels.decode_launch(pool[0], 1, 512)[0] == 1 < kernels.decode_launch(pool[0], 1, max_len)[0]
+        assert kernels.decode_launch(pool[0], 1, 512) != kernels.decode_launch(pool[0], 1, max_len)
     check_replays(graphs, lm.model, pool, bs, max_len)
 
 

@@ -122,6 +122,20 @@ def test_prefill_splits_across_pages_and_tiles(tk, bs, bm, bn, window):
                   num_splits=2, pack=True, block_m=bm, block_n=bn)
 
 
+def test_decode_automatic_launch(tk, monkeypatch):
+    """The measured rule (kernels/decode.py choose_launch) on the Llama-3.1-8B layer of an H200."""
+    monkeypatch.setattr(tk.decode, "sm_count", lambda device: 132)
+    cpu, launch = torch.device("cpu"), tk.decode.decode_launch
+    assert launch(1, 8, 128, 128, cpu) == (1, 128)            # one tile: not split
+    assert launch(1, 8, 512, 128, cpu) == (8, 64)             # short: one 64-token tile a split
+    assert launch(1, 8, 131072, 128, cpu) == (33, 128)        # long: ~2 programs per SM, 128-token tiles
+    assert launch(8, 8, 32768, 128, cpu) == (4, 128)
+    assert launch(128, 8, 2048, 128, cpu) == (1, 64)          # the batch alone fills the GPU
+    assert launch(1, 8, 131072, 256, cpu) == (33, 32)         # wide heads keep small tiles
+    assert launch(1, 8, 512, 128, cpu, num_splits=3, block_n=16) == (3, 16)  # the caller's, where given
+    assert launch(1, 8, 32, 128, cpu, num_splits=8, block_n=16) == (2, 16)   # never more splits than tiles
+
+
 def test_prefill_automatic_launch_splits_only_short_extends(tk, monkeypatch):
     monkeypatch.setattr(tk.prefill, "sm_count", lambda device: 132)     # an H200
     cpu = torch.device("cpu")

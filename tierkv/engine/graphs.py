@@ -31,10 +31,11 @@ MAX_CAPTURE_BATCH = 256
 
 # Context lengths (tokens) below max_model_len whose block-table widths get graphs of their own.
 # The decode kernel splits each sequence by the table's width, a shape fixed at capture: replayed
-# in a graph as wide as max_model_len, a short context runs dozens of near-empty splits and a
-# merge (batch-1 decode of a 256-token context on the H200: 7.7 us a layer where one split takes
-# ~3). A width is captured only for the batch sizes where the kernel would launch differently.
-SHORT_CONTEXTS = (512, 4096)
+# in a graph as wide as max_model_len, a short context is read by two 128-token splits among
+# dozens of empty ones (batch-1 decode of 256 tokens on the H200: 5.8 us a layer, 4.9 us in the
+# 512-token graph's 64-token splits). A width is captured only for the batch sizes where the
+# kernel would launch differently than at the next wider one.
+SHORT_CONTEXTS = (512, 2048)
 
 
 def capture_sizes(max_batch: int) -> list[int]:
