@@ -127,7 +127,8 @@ def release_memory() -> None:
 def run_tierkv(model_dir: Path, device, dtype, prompts, out_lens, warm, a, sizes: dict, bw: float,
                prefix_caching: bool) -> dict:
     llm = tierkv.LLM(model=str(model_dir), device=str(device), dtype=dtype, enable_prefix_caching=prefix_caching,
-                     max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens, l2=a.l2)
+                     max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens, l2=a.l2,
+                     write_policy=a.write_policy)
     params = [tierkv.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in out_lens]
     llm.generate(warm, tierkv.SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
 
@@ -278,6 +279,7 @@ def main() -> None:
                    help="also time tierkv with prefix caching off (random prompts: its cost when it cannot help)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--l2", default=None, help="tierkv's L2 size (0: off); default: tierkv's own default")
+    p.add_argument("--write-policy", default="write_through", help="tierkv's write policy (write_through: its default)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--warmup-prompts", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
@@ -308,7 +310,7 @@ def main() -> None:
         workload=dict(model="Qwen3-0.6B shape, random weights" if not a.smoke else "tiny Qwen3 (smoke)",
                       dtype=str(dtype), num_prompts=a.num_prompts, len_range=[a.min_len, a.max_len], seed=a.seed,
                       input_tokens=sum(in_lens), output_tokens=sum(out_lens), greedy=True, ignore_eos=True,
-                      l2=a.l2 if a.l2 is not None else "tierkv's default"),
+                      l2=a.l2 if a.l2 is not None else "tierkv's default", write_policy=a.write_policy),
         hbm_bandwidth_gbps=bw / 1e9,
         roofline_formula="step bytes = weight_bytes + kv_bytes_per_token * sum(context read by each sequence); "
                          "roofline_s = sum(step bytes) / hbm_bw (d2d copy, read+write); fraction = roofline_s / wall_s",

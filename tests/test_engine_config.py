@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from tierkv import LLM
+from tierkv import LLM, SamplingParams
 from tierkv.engine.config import L2_CAP, EngineConfig, default_l2, host_available_bytes
 from tierkv.engine.engine import Engine
 from tierkv.errors import ConfigError
@@ -178,6 +178,29 @@ def test_a_context_the_tiers_cannot_hold_is_lowered_or_refused(tiny_llama, caplo
     with pytest.raises(ConfigError, match="max_model_len 100 needs 7 KV blocks.*L1 holds 4 and L2 0.*64 or less"):
         LLM(tiny_llama, device="cpu", l1=4 * bb, max_model_len=100)
     assert LLM(tiny_llama, device="cpu", l1=4 * bb, max_model_len=64).engine.max_model_len == 64
+
+
+def test_write_policy_defaults_to_write_back_without_an_l3(tiny_llama, tmp_path):
+    """Unset, the policy writes through only where another process reads (an L3); with L2 alone
+    a finished request's blocks stay in L1 until L1 evicts them, and then move to L2."""
+    from tierkv.server.cli import tier_summary
+
+    bb = LLM(tiny_llama, device="cpu", l1=1 << 20).cache.layout.bytes_per_block
+    own = LLM(tiny_llama, device="cpu", l1=8 * bb, l2=16 * bb)
+    assert own.engine.config.write_policy == own.cache.config.write_policy == "write_back"
+    assert "write_back" in tier_summary(own.engine, [], {"eviction": "lru", "enable_prefix_caching": True})
+    prompt = list(range(1, 50))  # 3 full blocks
+    own.generate([prompt], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    assert own.cache.stats()["tiers"]["l2"]["used_blocks"] == 0  # nothing copied while L1 had room
+    own.generate([list(range(100, 100 + 16 * 7))], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    again = own.generate([prompt], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0]
+    assert again.cached_tokens == 48 and own.cache.stats()["tiers"]["l2"]["hit_tokens"] >= 48  # evicted to L2, found there
+    shared = LLM(tiny_llama, device="cpu", l1=8 * bb, l2=16 * bb, l3=[f"file://{tmp_path}/l3?size=16MiB"])
+    assert shared.engine.config.write_policy == "write_through"
+    given = LLM(tiny_llama, device="cpu", l1=8 * bb, l2=16 * bb, write_policy="selective")
+    assert given.engine.config.write_policy == "selective"
+    for llm in (own, shared, given):
+        llm.close()
 
 
 def test_startup_lines_say_when_l2_is_the_default_share(tiny_llama, caplog, monkeypatch):

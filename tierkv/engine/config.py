@@ -34,6 +34,19 @@ L2_SHARE = 0.25
 L2_CAP = 32 * 2**30
 L2_DEFAULT_RULE = f"{L2_SHARE:.0%} of available host memory, at most {L2_CAP // 2**30} GiB"
 
+
+def default_write_policy(l3: tuple[str, ...] | list[str]) -> str:
+    """The write policy when none is given: write_through with an L3, write_back without.
+
+    Writing through publishes a block to the shared tiers as soon as it is full, which is what
+    other processes reading L3 need. Without an L3 the tiers are this process's own, and write_back
+    moves the same blocks to L2 only when L1 evicts them, so a workload that fits L1 copies
+    nothing. Measured on the H200 (bench_throughput, 256 prompts, the default L2): write_through
+    23,577 -> 19,858 output tok/s, 16% of the run spent on copies no request read back;
+    write_back 23,577, as fast as no L2 (23,612).
+    """
+    return "write_through" if l3 else "write_back"
+
 # dtype names a user may pass -> the torch dtype's name (the model runs in one of these three)
 DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
           "half": "float16", "float32": "float32", "fp32": "float32"}
@@ -94,7 +107,8 @@ class EngineConfig:
 
     model: a Hugging Face model directory or a hub id ("org/name", fetched into the HF cache,
         safetensors only); None is the bundled SmolLM2-135M-Instruct.
-    l1, l2, l3, eviction, write_policy: the cache tiers (see CacheConfig); l1 None sizes L1
+    l1, l2, l3, eviction, write_policy: the cache tiers (see CacheConfig); write_policy None is
+        write_through with an L3 and write_back without (`default_write_policy`); l1 None sizes L1
         from the memory the weights left free; l2 None is, on a GPU, L2_SHARE of the available
         host memory up to L2_CAP (`default_l2`) and off on CPU; l2=0 turns L2 off.
     block_size: tokens per KV block.
@@ -115,7 +129,7 @@ class EngineConfig:
     l2: int | str | None = None
     l3: tuple[str, ...] = ()
     eviction: str = "lru"
-    write_policy: str = "write_through"
+    write_policy: str | None = None
     block_size: int = 16
     enable_prefix_caching: bool = True
     max_model_len: int | None = None
@@ -156,7 +170,7 @@ class EngineConfig:
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(l1=self.l1, l2=self.l2 or 0, l3=list(self.l3), eviction=self.eviction,
-                           write_policy=self.write_policy)
+                           write_policy=self.write_policy or default_write_policy(self.l3))
 
     def for_device(self, device: torch.device, max_position_embeddings: int, bytes_per_block: int,
                    available: int | None = None) -> EngineConfig:
@@ -168,6 +182,7 @@ class EngineConfig:
         return dataclasses.replace(
             self,
             l2=l2,
+            write_policy=self.write_policy or default_write_policy(self.l3),
             max_model_len=self.max_model_len or max_position_embeddings,
             max_num_batched_tokens=self.max_num_batched_tokens
             or (GPU_BATCHED_TOKENS if device.type == "cuda" else CPU_BATCHED_TOKENS),

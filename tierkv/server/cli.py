@@ -74,7 +74,7 @@ def parser() -> argparse.ArgumentParser:
       "redis://host:port/db, s3://bucket/prefix?endpoint=...")
     a("--eviction", help="eviction policy: lru, lfu, s3fifo, arc, priority (default lru)")
     a("--write-policy", help="when blocks are copied down a tier: write_through, write_back, selective "
-      "(default write_through; write_back blocks are flushed to L3 on shutdown)")
+      "(default: write_through with an --l3, write_back without; write_back blocks are flushed to L3 on shutdown)")
     a("--block-size", type=int, help="tokens per KV block (default 16)")
     a("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
       help="reuse cached KV across requests (default on); --no-enable-prefix-caching makes every lookup a miss "
@@ -265,7 +265,7 @@ def tier_summary(engine, l3: list[str], opts: dict) -> str:
           if c.l2 is not None else "L2 off")
     l3s = "L3 " + (", ".join(redact_url(u) for u in l3) if l3 else "off")
     caching = "" if opts["enable_prefix_caching"] else ", prefix caching off"
-    return (f"tiers: {l1} | {l2} | {l3s} | {opts['eviction']}, {opts['write_policy']}, "
+    return (f"tiers: {l1} | {l2} | {l3s} | {opts['eviction']}, {engine.config.write_policy}, "
             f"block {layout.block_size} tokens, context {engine.max_model_len}{caching}")
 
 
