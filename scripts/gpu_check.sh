@@ -4,7 +4,8 @@
 # own time limit, so one failure never costs the others. Everything lands in $OUT (log, JSON, PNG).
 #   parts: tests (pytest -m gpu, or the files in GPU_TESTS), kernels, throughput, latency,
 #          long_context, serving
-# Usage (device tool, carry [".whl"]): bash scripts/gpu_check.sh tests kernels throughput
+# Usage (device tool, carry [".whl"]): TIERKV_COMMIT=<sha sent> bash scripts/gpu_check.sh tests kernels throughput
+# (the device's copy of .git can lag the tree it runs: without TIERKV_COMMIT the JSONs may name an older commit)
 # Extra arguments per benchmark: KERNELS_ARGS, THROUGHPUT_ARGS, LATENCY_ARGS, LONG_ARGS, SERVING_ARGS.
 # throughput with its HF peer on all 256 prompts takes ~6 min: give it a call of its own.
 set -uo pipefail
