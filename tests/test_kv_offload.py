@@ -25,6 +25,9 @@ from tierkv.tiers.codec import BlockId
 from tierkv.tiers.open import open_store
 
 FP8 = "fp8_e4m3"
+CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (run through the device tool)")])
+DEVICES = ["cpu", CUDA]  # on CUDA the conversions run on the copy and streaming side streams
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype=torch.bfloat16, block_size=16)
 
 
@@ -110,10 +113,11 @@ def test_offload_layout_halves_the_block_and_names_its_format():
 # ------------------------------------------------------------------ cache
 
 
-def fp8_cache(l1_blocks: int, l2_blocks: int, l3=(), layout: KVLayout = LAYOUT, offload: str | None = FP8, **kw):
+def fp8_cache(l1_blocks: int, l2_blocks: int, l3=(), layout: KVLayout = LAYOUT, offload: str | None = FP8,
+              device: str = "cpu", **kw):
     bb = layout.bytes_per_block
     return TieredKVCache(layout, CacheConfig(l1=l1_blocks * bb, l2=l2_blocks * bb, l3=list(l3),
-                                             kv_offload_dtype=offload, **kw), device="cpu", model="fp8-test")
+                                             kv_offload_dtype=offload, **kw), device=device, model="fp8-test")
 
 
 def test_l2_of_the_same_bytes_holds_twice_the_blocks():
@@ -126,17 +130,25 @@ def test_l2_of_the_same_bytes_holds_twice_the_blocks():
     assert fp8.l1.kv.dtype == torch.bfloat16  # L1 keeps the model's dtype
 
 
-def test_blocks_served_from_l2_are_within_the_bound():
-    cache = fp8_cache(l1_blocks=4, l2_blocks=16)
-    tokens = list(range(160))  # 10 blocks: 4 fit L1, the rest spill straight into L2
-    kv = cache_kv(160)
+@pytest.mark.parametrize("device", DEVICES)
+def test_blocks_served_from_l2_are_within_the_bound(device):
+    cache = fp8_cache(l1_blocks=4, l2_blocks=16, device=device)
+    tokens = list(range(160))  # 10 blocks: 4 fit L1 (and are written through), the rest spill into L2
+    kv = cache_kv(160).to(device)
     assert cache.store(tokens, kv) == 160
-    cache.evict("l1")  # everything now comes from L2: dequantised into L1 or read out
-    n, got = cache.retrieve(tokens, limit=160)
+    cache.evict("l1")  # everything now comes from L2
+    n, got = cache.retrieve(tokens, limit=160)  # read out of L2, dequantised on the device
     assert n == 160
-    check_close(got, kv)
+    check_close(got.cpu(), kv.cpu())
     st = cache.stats()["tiers"]["l2"]
     assert st["bytes_out"] == st["blocks_out"] * OffloadLayout(LAYOUT).bytes_per_block
+    # loaded into L1 slots as the engine does (the mover's H2D path): the same values
+    entries = [cache.index.entries[h] for h in cache.match(tokens, limit=160).hashes[:4]]
+    slots = cache.tiers.take_l1(4)
+    cache.tiers.mover.l2_to_l1([e.l2 for e in entries], slots).synchronize()
+    loaded = cache.l1.kv[:, torch.tensor(slots, device=device)]  # [L, 4, 2, bs, h, d]
+    check_close(loaded.transpose(1, 2).reshape(LAYOUT.kv_shape(64)).cpu(), kv[:, :, :64].cpu())
+    cache.tiers.give_l1(slots)
     cache.close()
 
 
@@ -211,10 +223,10 @@ def test_unknown_offload_dtype_is_refused_with_the_accepted_values():
 BOUNDS = {"llama": (10, 5.0, 2.0), "qwen3": (12, 1.6, 0.7)}  # agree of 16, max error, mean error
 
 
-def served_from_l2(path: str, offload: str | None, prompts: list[list[int]]):
+def served_from_l2(path: str, offload: str | None, prompts: list[list[int]], device: str = "cpu"):
     """First-token logits [n, vocab] for `prompts` served from L2 (computed once, then evicted from L1)."""
-    bb = LLM(path, device="cpu", l1=1 << 20).cache.layout.bytes_per_block
-    llm = LLM(path, device="cpu", l1=64 * bb, l2=256 * bb, kv_offload_dtype=offload)
+    bb = LLM(path, device=device, dtype="float32", l1=1 << 20, l2=0).cache.layout.bytes_per_block
+    llm = LLM(path, device=device, dtype="float32", l1=64 * bb, l2=256 * bb, kv_offload_dtype=offload)
     params = SamplingParams(temperature=0, max_tokens=1)
     llm.generate(prompts, params, use_tqdm=False)
     llm.cache.evict("l1")
@@ -231,16 +243,17 @@ def served_from_l2(path: str, offload: str | None, prompts: list[list[int]]):
     model.forward = forward
     assert all(o.cached_tokens >= len(p) - 16 for o, p in zip(outs, prompts))
     assert llm.cache.stats()["tiers"]["l2"]["blocks_out"] > 0
-    return torch.cat(logits)
+    return torch.cat(logits).cpu()
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
-def test_prompts_served_from_fp8_l2_agree_with_unquantised_kv(kind, tmp_path):
+def test_prompts_served_from_fp8_l2_agree_with_unquantised_kv(kind, device, tmp_path):
     path = str(save_tiny_checkpoint(kind, tmp_path / kind, seed=0))
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 512, (40 + 10 * i,), generator=g).tolist() for i in range(16)]
-    ref = served_from_l2(path, None, prompts)
-    got = served_from_l2(path, FP8, prompts)
+    ref = served_from_l2(path, None, prompts, device)
+    got = served_from_l2(path, FP8, prompts, device)
     assert ref.shape == got.shape == (16, 512)
     err = (ref - got).abs().amax(dim=-1)  # [16]
     agree = int((ref.argmax(-1) == got.argmax(-1)).sum())
@@ -250,18 +263,23 @@ def test_prompts_served_from_fp8_l2_agree_with_unquantised_kv(kind, tmp_path):
     assert err.max() > 0  # the KV really was quantised
 
 
-def test_a_sequence_streamed_from_fp8_l2_matches_within_the_bound(tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_sequence_streamed_from_fp8_l2_matches_within_the_bound(device, tmp_path):
     # A context four times L1: its oldest blocks live in fp8 L2 and attention streams them back
     # layer by layer, dequantised on the way. Tokens follow the unquantised run on most steps.
     path = str(save_tiny_checkpoint("qwen3", tmp_path / "q", seed=0))
     g = torch.Generator().manual_seed(1)
     long = torch.randint(0, 512, (440,), generator=g).tolist()
     params = SamplingParams(temperature=0, max_tokens=8)
-    bb = LLM(path, device="cpu", l1=1 << 20).cache.layout.bytes_per_block
+    bb = LLM(path, device=device, dtype="float32", l1=1 << 20, l2=0).cache.layout.bytes_per_block
     runs = []
     for offload in (None, FP8):
-        llm = LLM(path, device="cpu", l1=8 * bb, l2=64 * bb, kv_offload_dtype=offload, max_num_batched_tokens=256)
+        llm = LLM(path, device=device, dtype="float32", l1=8 * bb, l2=64 * bb, kv_offload_dtype=offload,
+                  max_num_batched_tokens=256, enforce_eager=True)
         runs.append(llm.generate([long], params, use_tqdm=False)[0].token_ids)
         assert llm.cache.streamer.bytes_read > 0
         assert not llm.engine.has_unfinished()
-    assert len(runs[1]) == 8 and runs[1][0] == runs[0][0]
+    # measured on CPU: all 8 tokens equal (tiny llama, more chaotic: the first 2); the bound
+    # leaves room for one rounding-level flip late in the run
+    same = next((i for i, (a, b) in enumerate(zip(*runs)) if a != b), 8)
+    assert len(runs[1]) == 8 and same >= 4, runs
