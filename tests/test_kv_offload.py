@@ -10,6 +10,9 @@ Bad values are refused with the accepted ones named.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import xxhash
@@ -23,6 +26,9 @@ from tierkv.layout import OffloadLayout
 from tierkv.server.cli import load_options
 from tierkv.tiers.codec import BlockId
 from tierkv.tiers.open import open_store
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from accuracy_kv_offload import first_tokens_from_l2  # noqa: E402  (the measurement the bounds come from)
 
 FP8 = "fp8_e4m3"
 CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
@@ -88,6 +94,25 @@ def test_quantise_round_trip_is_within_the_fp8_bound(dtype):
     assert fmt.payload(rows).float().abs().amax() == 448
     rel = ((out.float() - x.float()).abs().amax(dim=(3, 5)) / x.float().abs().amax(dim=(3, 5)).clamp_min(1e-30))
     assert rel.max() < 1 / 14  # measured: max 0.036-0.038, mean 0.034 (half an fp8 step at the top of the range)
+
+
+def test_quantise_in_pieces_equals_quantise_at_once(monkeypatch):
+    # A staging buffer is converted a piece of blocks at a time (bounded fp32 temporaries): the
+    # pieces give the same bytes as one pass, and a block without a leading dim works too.
+    from tierkv.kernels import reference
+
+    x = blocks(7)
+    fmt = OffloadLayout(LAYOUT)
+    whole, pieces = (torch.zeros((7, fmt.bytes_per_block), dtype=torch.uint8) for _ in range(2))
+    kernels.quantize_fp8(x, fmt.payload(whole), fmt.scales(whole))
+    monkeypatch.setattr(reference, "_PIECE_ELEMENTS", 3 * x[0].numel())
+    kernels.quantize_fp8(x, fmt.payload(pieces), fmt.scales(pieces))
+    assert torch.equal(whole, pieces)
+    out = torch.empty_like(x)
+    kernels.dequantize_fp8(fmt.payload(pieces), fmt.scales(pieces), out)
+    one = torch.empty_like(x[0, 0, 0])  # [bs, h, d], scales [h]
+    kernels.dequantize_fp8(fmt.payload(pieces)[0, 0, 0], fmt.scales(pieces)[0, 0, 0], one)
+    assert torch.equal(one, out[0, 0, 0])
 
 
 def test_quantise_refuses_wrong_shapes():
@@ -227,23 +252,8 @@ def served_from_l2(path: str, offload: str | None, prompts: list[list[int]], dev
     """First-token logits [n, vocab] for `prompts` served from L2 (computed once, then evicted from L1)."""
     bb = LLM(path, device=device, dtype="float32", l1=1 << 20, l2=0).cache.layout.bytes_per_block
     llm = LLM(path, device=device, dtype="float32", l1=64 * bb, l2=256 * bb, kv_offload_dtype=offload)
-    params = SamplingParams(temperature=0, max_tokens=1)
-    llm.generate(prompts, params, use_tqdm=False)
-    llm.cache.evict("l1")
-    model, logits = llm.engine.lm.model, []
-    forward = model.forward
-
-    def recording(*args, **kwargs):  # the real forward; its logits are kept
-        out = forward(*args, **kwargs)
-        logits.append(out.detach().float().clone())
-        return out
-
-    model.forward = recording
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    model.forward = forward
-    assert all(o.cached_tokens >= len(p) - 16 for o, p in zip(outs, prompts))
-    assert llm.cache.stats()["tiers"]["l2"]["blocks_out"] > 0
-    return torch.cat(logits).cpu()
+    _, logits = first_tokens_from_l2(llm, prompts, SamplingParams(temperature=0, max_tokens=1))
+    return logits
 
 
 @pytest.mark.parametrize("device", DEVICES)
