@@ -139,7 +139,8 @@ def main() -> None:
     print(f"{name}: first-token logits max-abs error {r['first_token_logits_max_abs_err']:.3f} "
           f"(mean {r['first_token_logits_mean_max_abs_err']:.3f}; logits std {r['logits_std']:.2f}, "
           f"largest {r['logits_abs_max']:.2f}); first tokens agree {r['first_token_agree']}/{r['prompts']}; "
-          f"greedy tokens equal {r['greedy_tokens_equal']}/{r['greedy_tokens']}; first differences {r['first_difference']}")
+          f"greedy tokens equal {r['greedy_tokens_equal']}/{r['greedy_tokens']}; "
+          f"first differences {r['first_difference']}")
     print(f"wrote {path}")
 
 

@@ -1,5 +1,6 @@
-"""tierkv.kernels: the GPU kernels (paged attention, KV writes, block copies, fp8 KV (de)quantisation, the decoder's fused
-RMSNorm / RoPE / SiLU-mul, the sampler's top-k/top-p filter), dispatched by device.
+"""tierkv.kernels: the GPU kernels (paged attention, KV writes, block copies, fp8 KV
+(de)quantisation, the decoder's fused RMSNorm / RoPE / SiLU-mul, the sampler's top-k/top-p
+filter), dispatched by device.
 
 Triton kernels run on CUDA tensors and the torch reference everywhere else. The environment
 variable TIERKV_KERNELS=reference|triton forces one implementation (triton on CPU means the

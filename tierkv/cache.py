@@ -264,7 +264,8 @@ class TieredKVCache:
                 break  # no tier has room for the rest
             chunk, blocks = blocks[: len(slots)], blocks[len(slots) :]
             # in L2's format, converted on kv's device (fp8 there when L2 holds fp8)
-            self.l2.kv[torch.tensor(slots)] = self.tiers.mover.to_host(by_block[torch.tensor(chunk, device=by_block.device)])
+            picked = by_block[torch.tensor(chunk, device=by_block.device)]
+            self.l2.kv[torch.tensor(slots)] = self.tiers.mover.to_host(picked)
             new = self._enter(hashes, tb, ns, chunk, "l2", slots, priority)
             self.index.hold_l2(new)  # later chunks must not push these out
             held += new
