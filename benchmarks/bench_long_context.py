@@ -25,7 +25,13 @@ One run, bf16, random weights saved as safetensors (the model of bench_latency):
    ids), checking the answer arrives.
 Writes bench_long_context-<gpu>.json and a PNG of TTFT by tier.
 
-    python benchmarks/bench_long_context.py [--tokens 100000] [--serve] [--out DIR]
+With --kv-offload-dtype fp8_e4m3, L2 and the disk tier hold fp8 blocks (half the bytes; L1 stays
+bf16) and the results go to bench_long_context_fp8_e4m3-<gpu>.json: the floors count the bytes
+that really move. The fp8 speed-up of an L2 or disk hit is its TTFT against the same hit of a
+run without the flag; run both at --tokens 100000 and at --tokens 12000 (the disk hit is timed at
+--tokens only).
+
+    python benchmarks/bench_long_context.py [--tokens 100000] [--kv-offload-dtype fp8_e4m3] [--serve] [--out DIR]
     python benchmarks/bench_long_context.py --smoke --out /tmp/x      # tiny Llama on CPU
 """
 
@@ -77,14 +83,15 @@ def ttft(llm: tierkv.LLM, prompt: list[int]) -> dict:
 
 def l2_hit(llm: tierkv.LLM, prompt: list[int], h2d: float | None, profile_to: Path | None = None) -> dict:
     """Cold, L1 hit and L2 hit of `prompt`, and the L2 hit against its physical floor: its bytes
-    over the pinned host -> device bandwidth plus the compute of what is not cached (measured as
-    the L1 hit's TTFT: the same new tokens attending over the same prefix, nothing to load)."""
+    (in L2's format: fp8 with --kv-offload-dtype) over the pinned host -> device bandwidth plus the
+    compute of what is not cached (measured as the L1 hit's TTFT: the same new tokens attending
+    over the same prefix, nothing to load)."""
     runs = dict(cold=ttft(llm, prompt))
     runs["l1"] = ttft(llm, prompt)
     llm.cache.evict("l1")
     runs["l2"] = ttft(llm, prompt)
     if h2d:
-        l2_bytes = runs["l2"]["hit_tokens_by_tier"]["l2"] * llm.cache.layout.bytes_per_block / llm.cache.block_size
+        l2_bytes = runs["l2"]["hit_tokens_by_tier"]["l2"] * llm.cache.l2.layout.bytes_per_block / llm.cache.block_size
         runs["l2"]["floor_s"] = l2_bytes / h2d + runs["l1"]["ttft_s"]
         runs["l2"]["over_floor"] = runs["l2"]["ttft_s"] / runs["l2"]["floor_s"]
     if profile_to is not None and torch.cuda.is_available():  # the same hit again, under the profiler
@@ -106,11 +113,12 @@ def disk_floor(runs: dict, disk_bps: float, bytes_per_token: float, tokens: int)
 
 
 def tier_runs(model_dir: str, prompt: list[int], short: list[int], disk: Path, device, dtype, kv_bytes: int,
-              h2d: float | None, profile_to: Path | None) -> dict:
+              h2d: float | None, profile_to: Path | None, offload: str | None = None) -> dict:
     """Cold, then L1, L2 and disk hits of the same prompt, in one engine; and an L2 hit of a
-    shorter prompt (the multi-round serving case), profiled when asked."""
+    shorter prompt (the multi-round serving case), profiled when asked. `offload`: the
+    kv_offload_dtype of L2 and the disk tier (None: bf16 like L1)."""
     l2 = 2 * kv_bytes + 2**30
-    llm = tierkv.LLM(model_dir, device=str(device), dtype=dtype, l2=l2,
+    llm = tierkv.LLM(model_dir, device=str(device), dtype=dtype, l2=l2, kv_offload_dtype=offload,
                      l3=[f"file://{disk}?size={3 * kv_bytes + 2**30}"], write_policy="write_through")
     # warm-up on another prefix, long enough for every kernel configuration a 100K prefill uses
     # (chunks of the step budget, attention over a long prefix) to compile outside the timings
@@ -135,15 +143,17 @@ def tier_runs(model_dir: str, prompt: list[int], short: list[int], disk: Path, d
         runs[name]["recompute_seconds_per_token"] = estimate
         scheduler.recompute_seconds_per_token, scheduler.prefetch_deadline_s = estimate, deadline
     runs["disk_store"] = llm.cache.stats()["l3_stores"]
+    runs["stored_block_bytes_over_l1"] = llm.cache.l2.layout.bytes_per_block / llm.cache.layout.bytes_per_block
     llm.close()
     return runs
 
 
 def streamed_run(model_dir: str, prompt: list[int], device, dtype, kv_bytes: int, decode_tokens: int,
-                 h2d: float | None) -> dict:
+                 h2d: float | None, offload: str | None = None) -> dict:
     """L1 = a quarter of the prompt's KV: prefill and decode stream the rest from L2."""
     l1 = kv_bytes // 4
-    llm = tierkv.LLM(model_dir, device=str(device), dtype=dtype, l1=l1, l2=2 * kv_bytes + 2**30)
+    llm = tierkv.LLM(model_dir, device=str(device), dtype=dtype, l1=l1, l2=2 * kv_bytes + 2**30,
+                     kv_offload_dtype=offload)
     engine, cache = llm.engine, llm.cache
     params = tierkv.SamplingParams(temperature=0, max_tokens=decode_tokens, ignore_eos=True)
     t0 = time.perf_counter()
@@ -168,10 +178,11 @@ def streamed_run(model_dir: str, prompt: list[int], device, dtype, kv_bytes: int
     return out
 
 
-def serve_run(model_dir: str, prompt: list[int], l1: int, l2: int, port: int = 8123) -> dict:
+def serve_run(model_dir: str, prompt: list[int], l1: int, l2: int, port: int = 8123,
+              offload: str | None = None) -> dict:
     """The prompt through tierkv-serve (small L1, so it streams): HTTP status, tokens, seconds."""
     cmd = ["tierkv-serve", "--model", model_dir, "--port", str(port), "--l1", str(l1), "--l2", str(l2),
-           "--log-level", "warning"]
+           "--log-level", "warning"] + (["--kv-offload-dtype", offload] if offload else [])
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         base = f"http://127.0.0.1:{port}"
@@ -229,6 +240,9 @@ def main() -> None:
     p.add_argument("--disk", type=Path, default=None, help="directory for the disk tier (default: a temp dir)")
     p.add_argument("--no-peer", action="store_true")
     p.add_argument("--serve", action="store_true", help="also send the prompt through tierkv-serve")
+    p.add_argument("--kv-offload-dtype", default=None, metavar="fp8_e4m3",
+                   help="hold L2 and disk blocks in this format (L1 stays bf16; tierkv checks the value); "
+                   "default: bf16 everywhere")
     p.add_argument("--smoke", action="store_true", help="tiny Llama on CPU: checks the script")
     p.add_argument("--out", type=Path, default=None, help="results directory (benchmarks/results)")
     a = p.parse_args()
@@ -239,7 +253,8 @@ def main() -> None:
     rng = random.Random(0)
     prompt = [rng.randrange(config.vocab_size) for _ in range(a.tokens)]
     figures = dict(workload=dict(model="Llama-3.1-8B shape, random weights" if not a.smoke else "tiny Llama (smoke)",
-                                 dtype=str(dtype), tokens=a.tokens, decode_tokens=a.decode_tokens),
+                                 dtype=str(dtype), tokens=a.tokens, decode_tokens=a.decode_tokens,
+                                 kv_offload_dtype=a.kv_offload_dtype),
                    targets=dict(cold_vs_peer="<= 1.0", l2_speedup=">= 30", l2_over_floor="<= 1.5 (12K and 100K)",
                                 every_tier_vs_cold="<= 1.0", disk_over_floor="<= 1.3",
                                 streamed_decode_fraction_of_pcie_bound=">= 0.8"))
@@ -264,11 +279,14 @@ def main() -> None:
         release_memory()
 
         profile_to = (a.out or Path(tmp)) / "l2_hit_trace.json" if a.profile else None
-        runs = tier_runs(str(model_dir), prompt, short, disk, device, dtype, kv_bytes, h2d, profile_to)
+        runs = tier_runs(str(model_dir), prompt, short, disk, device, dtype, kv_bytes, h2d, profile_to,
+                         a.kv_offload_dtype)
         cold = runs["cold"]["ttft_s"]
         for name in ("l1", "l2", "disk", "disk_measured", "disk_forced_load"):
             runs[name]["speedup_vs_cold"] = cold / runs[name]["ttft_s"]
-        floor = disk_floor(runs, disk_bps, sizes["kv_bytes_per_token"], a.tokens - 1)
+        # the disk holds the bytes of L2's format: fp8 blocks are about half of bf16's
+        stored_ratio = figures["stored_block_bytes_over_l1"] = runs.pop("stored_block_bytes_over_l1")
+        floor = disk_floor(runs, disk_bps, sizes["kv_bytes_per_token"] * stored_ratio, a.tokens - 1)
         for name in ("disk", "disk_measured", "disk_forced_load"):
             runs[name]["floor_s"] = floor
             runs[name]["over_floor"] = runs[name]["ttft_s"] / floor
@@ -277,11 +295,14 @@ def main() -> None:
             figures["cold_vs_peer"] = cold / figures["peer"]["prefill_s"]
         figures["slowest_tier_vs_cold"] = max(runs[n]["ttft_s"] for n in ("l1", "l2", "disk", "disk_measured")) / cold
         release_memory()
-        figures["streamed"] = streamed_run(str(model_dir), prompt, device, dtype, kv_bytes, a.decode_tokens, h2d)
+        figures["streamed"] = streamed_run(str(model_dir), prompt, device, dtype, kv_bytes, a.decode_tokens, h2d,
+                                           a.kv_offload_dtype)
         if a.serve:
-            figures["serve"] = serve_run(str(model_dir), prompt, kv_bytes // 4, 2 * kv_bytes + 2**30)
+            figures["serve"] = serve_run(str(model_dir), prompt, kv_bytes // 4, 2 * kv_bytes + 2**30,
+                                         offload=a.kv_offload_dtype)
 
-    path = write_results("bench_long_context", figures, a.out)
+    name = "bench_long_context" + (f"_{a.kv_offload_dtype}" if a.kv_offload_dtype else "")
+    path = write_results(name, figures, a.out)
     plot(figures, path.with_suffix(".png"))
     print(f"\n{'prompt of ' + format(a.tokens, ','):<22} {'TTFT s':>9} {'vs cold':>9}  served from")
     for name, r in runs.items():

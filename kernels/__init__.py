@@ -1,5 +1,6 @@
-"""tierkv.kernels: the GPU kernels (paged attention, KV writes, block copies, the decoder's fused
-RMSNorm / RoPE / SiLU-mul, the sampler's top-k/top-p filter), dispatched by device.
+"""tierkv.kernels: the GPU kernels (paged attention, KV writes, block copies, fp8 KV
+(de)quantisation, the decoder's fused RMSNorm / RoPE / SiLU-mul, the sampler's top-k/top-p
+filter), dispatched by device.
 
 Triton kernels run on CUDA tensors and the torch reference everywhere else. The environment
 variable TIERKV_KERNELS=reference|triton forces one implementation (triton on CPU means the
@@ -30,6 +31,8 @@ __all__ = [
     "gather_blocks",
     "scatter_blocks",
     "copy_blocks",
+    "quantize_fp8",
+    "dequantize_fp8",
     "compile_variants",
     "rms_norm",
     "rope_kv_write",
@@ -126,6 +129,17 @@ def scatter_blocks(src: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor) -
 def copy_blocks(src: torch.Tensor, src_slots: torch.Tensor, dst: torch.Tensor, dst_slots: torch.Tensor) -> torch.Tensor:
     """dst[dst_slots[i]] = src[src_slots[i]] along dim 0; src may be pinned host (see reference.copy_blocks)."""
     return _impl("copy_blocks", dst)(src, src_slots, dst, dst_slots)
+
+
+def quantize_fp8(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> None:
+    """x [..., T, H, D] -> q (fp8, same shape) and scales [..., H] fp32, one per head over T x D
+    (see reference.quantize_fp8; torch ops on every device)."""
+    return _impl("quantize_fp8", x)(x, q, scales)
+
+
+def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
+    """q [..., T, H, D] fp8 with scales [..., H] -> out in its own dtype (see reference.dequantize_fp8)."""
+    return _impl("dequantize_fp8", out)(q, scales, out)
 
 
 def compile_variants(kv: torch.Tensor, num_heads: int, scale: float, windows=(None,)) -> int:

@@ -210,3 +210,21 @@ def check_top_k_top_p(logits, top_k, top_p) -> None:
             _fail(f"{name} has {t.shape[0]} entries for {logits.shape[0]} rows of logits")
         tensors[name] = t
     check_same_device(**tensors)
+
+
+FP8_DTYPES = (torch.float8_e4m3fn,)
+
+
+def check_quantize(x, q, scales, x_name: str, q_name: str) -> None:
+    """x [..., T, H, D] in an attention dtype, q the same shape in fp8, scales [..., H] fp32."""
+    if not isinstance(x, torch.Tensor) or x.dim() < 3:
+        _fail(f"{x_name} must be a tensor [..., tokens, kv_heads, head_dim], got {getattr(x, 'shape', type(x))}")
+    check_tensor(x_name, x, x.dim(), ATTN_DTYPES)
+    check_tensor(q_name, q, x.dim(), FP8_DTYPES)
+    check_tensor("scales", scales, x.dim() - 2, (torch.float32,))
+    if q.shape != x.shape:
+        _fail(f"{q_name} must have {x_name}'s shape {tuple(x.shape)}, got {tuple(q.shape)}")
+    if scales.shape != x.shape[:-3] + x.shape[-2:-1]:
+        _fail(f"scales must be [..., kv_heads] = {tuple(x.shape[:-3] + x.shape[-2:-1])}, got {tuple(scales.shape)}")
+    check_same_device(**{x_name: x, q_name: q, "scales": scales})
+

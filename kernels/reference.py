@@ -165,6 +165,48 @@ def copy_blocks(src: torch.Tensor, src_slots: torch.Tensor, dst: torch.Tensor, d
     return dst
 
 
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def quantize_fp8(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> None:
+    """Quantise KV to fp8 with one scale per (leading index, kv head), in place into q and scales.
+
+    x:      [..., T, H, D] bf16/fp16/fp32, e.g. blocks [n, layers, 2, block_size, H, D]
+    q:      [..., T, H, D] float8_e4m3fn (may be a strided view into packed bytes)
+    scales: [..., H] float32: amax over the head's T x D values / 448, 1 where the head is all 0
+    q = clamp(x / scale, +-448) rounded to nearest fp8. Math in fp32. Also the torch version the
+    GPU runs (no Triton version): one pass of elementwise ops over a staging buffer.
+    """
+    _checks.check_quantize(x, q, scales, "x", "q")
+    for part in _pieces(x):
+        xf = x[part].float()
+        amax = xf.abs().amax(dim=(-3, -1))                           # [k, ..., H]
+        scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        scales[part].copy_(scale)
+        # clamp: x / (amax / 448) may round a hair above 448, which e4m3fn (no inf) cannot hold
+        q[part].copy_((xf / scale[..., None, :, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn))
+
+
+def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
+    """The inverse of quantize_fp8: out [..., T, H, D] = q * scales[..., None, :, None], in out's dtype."""
+    _checks.check_quantize(out, q, scales, "out", "q")
+    for part in _pieces(out):
+        out[part].copy_(q[part].float() * scales[part][..., None, :, None])
+
+
+_PIECE_ELEMENTS = 1 << 23  # fp32 temporaries of one piece: 32 MiB each
+
+
+def _pieces(x: torch.Tensor) -> list[slice]:
+    """Slices of dim 0 (a leading dim, shared by the scales) of about _PIECE_ELEMENTS each, so a
+    256 MiB staging buffer is converted without fp32 temporaries twice its size (GPU memory next
+    to L1 is tight); the whole of x when it has no leading dim."""
+    if x.dim() <= 3 or x.shape[0] == 0:
+        return [slice(None)]
+    step = max(1, _PIECE_ELEMENTS // max(1, x[0].numel()))
+    return [slice(i, i + step) for i in range(0, x.shape[0], step)]
+
+
 # Fused decoder ops. These must round exactly as transformers does (each torch op in the model's
 # dtype, in HF's order), since the CPU engine is held token-for-token equal to transformers.
 

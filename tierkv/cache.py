@@ -96,7 +96,8 @@ class TieredKVCache:
         self.close()
 
     def namespace(self, salt: str | None = None) -> bytes:
-        return namespace(self.model, self.layout.fingerprint, self.tp_rank, salt)
+        # the stored format's fingerprint: an fp8 cache and a bf16 one name their L3 objects apart
+        return namespace(self.model, self.tiers.offload.fingerprint, self.tp_rank, salt)
 
     # ------------------------------------------------------------------ lookups
 
@@ -262,7 +263,9 @@ class TieredKVCache:
                     continue
                 break  # no tier has room for the rest
             chunk, blocks = blocks[: len(slots)], blocks[len(slots) :]
-            self.l2.kv[torch.tensor(slots)] = by_block[torch.tensor(chunk, device=by_block.device)].cpu()
+            # in L2's format, converted on kv's device (fp8 there when L2 holds fp8)
+            picked = by_block[torch.tensor(chunk, device=by_block.device)]
+            self.l2.kv[torch.tensor(slots)] = self.tiers.mover.to_host(picked)
             new = self._enter(hashes, tb, ns, chunk, "l2", slots, priority)
             self.index.hold_l2(new)  # later chunks must not push these out
             held += new
@@ -275,7 +278,7 @@ class TieredKVCache:
         holds each block; L3 blocks are read first (waiting up to DEFAULT_L3_DEADLINE_S).
         """
         m = self.match(tokens, salt, limit=limit)
-        direct = None  # [k, L, 2, bs, H, D] on the host: L3 blocks that L2 had no room for
+        direct = None  # [k, L, 2, bs, H, D] on the device: L3 blocks that L2 had no room for
         if m.by_tier["l3"]:
             self.prefetch(m, DEFAULT_L3_DEADLINE_S).wait()
             m = self.match(tokens, salt, limit=limit)
@@ -708,8 +711,8 @@ class TieredKVCache:
                 capacity_blocks=cap,
                 used_blocks=used,
                 evictable_blocks=self.index.evictable(tier),
-                capacity_bytes=cap * self.layout.bytes_per_block,
-                used_bytes=used * self.layout.bytes_per_block,
+                capacity_bytes=cap * (pool.layout.bytes_per_block if pool is not None else 0),
+                used_bytes=used * (pool.layout.bytes_per_block if pool is not None else 0),
             )
         out["l3_stores"] = self.tiers.l3.stats() if self.tiers.l3 is not None else []
         return out

@@ -3,6 +3,9 @@
 A block is `block_size` tokens of K and V for all layers. In L2/L3 a block is stored with all
 its layers contiguous: `[num_layers, 2, block_size, num_kv_heads, head_dim]`. This file only
 describes shapes; it never allocates memory.
+
+With `CacheConfig.kv_offload_dtype` set, L2 and L3 hold blocks in another format than L1's:
+`OffloadLayout` describes it (fp8 values plus per-head scales, packed into one run of bytes).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .config import check_offload_dtype
 from .errors import ConfigError
 
 _DTYPE_NAMES = {
@@ -72,3 +76,93 @@ class KVLayout:
     def kv_shape(self, num_tokens: int) -> tuple[int, int, int, int, int]:
         """Shape of the KV of `num_tokens` consecutive tokens, as `store` takes and `retrieve` returns."""
         return (self.num_layers, 2, num_tokens, self.num_kv_heads, self.head_dim)
+
+    @property
+    def block_storage(self) -> tuple[tuple[int, ...], torch.dtype]:
+        """(shape, dtype) of one block in an L2 pool of this layout: the block itself."""
+        return self.block_shape, self.dtype
+
+
+# config.KV_OFFLOAD_DTYPES names -> the torch dtype L2/L3 hold the values in
+OFFLOAD_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn}
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadLayout:
+    """One block as L2 and L3 hold it when they store fp8: `kv` (the L1 layout) quantised.
+
+    A block is one run of `bytes_per_block` bytes, each part starting 16-byte aligned:
+
+        payload  [layers, 2, block_size, kv_heads, head_dim] float8_e4m3fn
+        scales   [layers, 2, kv_heads] float32
+
+    "Per block, per head": one scale for each (layer, K or V, kv head) of the block, over its
+    block_size tokens x head_dim values (scale = amax / 448, so the largest value maps to fp8's
+    largest). Finer (per token) would cost block_size times the scale bytes for little gain at
+    16 tokens; coarser (per layer) lets one outlier head flatten the others. The scales add
+    4 / (block_size * head_dim) to the payload: 0.2% at 16 x 128, so L2 holds ~2x the blocks of
+    a bf16 one (4x of fp32). Stores and L2 see only bytes_per_block, block_size and the
+    fingerprint, which names the format, so a bf16 reader never takes an fp8 object, or back.
+    """
+
+    kv: KVLayout
+    offload_dtype: str = "fp8_e4m3"
+
+    def __post_init__(self) -> None:
+        check_offload_dtype(self.offload_dtype)
+        if self.offload_dtype is None:
+            raise ConfigError("OffloadLayout needs a kv_offload_dtype; for the model's dtype use the KVLayout itself")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return OFFLOAD_DTYPES[self.offload_dtype]
+
+    @property
+    def block_size(self) -> int:
+        return self.kv.block_size
+
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes of the fp8 values of one block, rounded up to 16 (where the scales start)."""
+        k = self.kv
+        n = k.num_layers * 2 * k.block_size * k.num_kv_heads * k.head_dim * self.dtype.itemsize
+        return -(-n // 16) * 16
+
+    @property
+    def scales_shape(self) -> tuple[int, int, int]:
+        return (self.kv.num_layers, 2, self.kv.num_kv_heads)
+
+    @property
+    def bytes_per_block(self) -> int:
+        scale_bytes = self.kv.num_layers * 2 * self.kv.num_kv_heads * 4
+        return self.payload_bytes + -(-scale_bytes // 16) * 16
+
+    @property
+    def fingerprint(self) -> str:
+        """The L1 layout's fingerprint and the stored format: `...-B16-fp8_e4m3-sLKH` (scales per
+        layer, K/V and head)."""
+        return f"{self.kv.fingerprint}-{self.offload_dtype}-sLKH"
+
+    @property
+    def block_storage(self) -> tuple[tuple[int, ...], torch.dtype]:
+        """(shape, dtype) of one block in an L2 pool of this layout: its bytes."""
+        return (self.bytes_per_block,), torch.uint8
+
+    def payload(self, rows: torch.Tensor) -> torch.Tensor:
+        """The fp8 values in packed blocks rows [n, bytes_per_block] uint8: a view
+        [n, layers, 2, block_size, kv_heads, head_dim] (rows may be pinned host or device)."""
+        n = rows.shape[0]
+        used = self.kv.num_layers * 2 * self.kv.block_size * self.kv.num_kv_heads * self.kv.head_dim
+        return rows[:, :used].view(self.dtype).view(n, *self.kv.block_shape)
+
+    def scales(self, rows: torch.Tensor) -> torch.Tensor:
+        """The scales in packed blocks rows [n, bytes_per_block] uint8: a view [n, layers, 2, kv_heads] fp32."""
+        n, start = rows.shape[0], self.payload_bytes
+        return rows[:, start : start + 4 * self.kv.num_layers * 2 * self.kv.num_kv_heads].view(torch.float32).view(
+            n, *self.scales_shape)
+
+
+def stored_layout(kv: KVLayout, offload_dtype: str | None) -> KVLayout | OffloadLayout:
+    """How L2 and L3 hold blocks of `kv`: as L1 does (None), or in the offload format named."""
+    return kv if offload_dtype is None else OffloadLayout(kv, offload_dtype)
+

@@ -5,8 +5,9 @@ For each step and layer, `LayerStream` builds that layer's KV of every streamed 
 device staging buffer: the L2 blocks are read by the GPU over PCIe on a side stream, one layer
 ahead of the compute (two buffers, events per layer), and the L1 blocks are copied in once the
 layer's new K/V are written. Attention then reads the staging buffer through ordinary block
-tables, so the kernels do not know streaming exists. This file moves bytes only: which blocks
-live where is decided in cache.py.
+tables, so the kernels do not know streaming exists. With fp8 in L2 (an OffloadLayout) the
+layer's fp8 values and scales cross PCIe and are dequantised into the buffer on the side stream.
+This file moves bytes only: which blocks live where is decided in cache.py.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from . import kernels
+from .layout import OffloadLayout
 from .sequence import SequenceBlocks
 from .tiers import DevicePool, HostPool
 from .transfer import Transfer
@@ -74,6 +76,7 @@ class LayerStreamer:
         self.cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.buffers: list[torch.Tensor] = []  # 2 x [rows, 2, bs, h, d], grown on demand, never shrunk
+        self.fmt = l2.layout if isinstance(l2.layout, OffloadLayout) else None  # L2 holds fp8 + scales
         self.bytes_read = 0  # bytes streamed out of L2 so far (all layers)
 
     def start(self, plan: StreamPlan, after: Transfer) -> LayerStream:
@@ -84,7 +87,7 @@ class LayerStreamer:
             self.synchronize()  # the old buffers may still be read by the previous step
             shape = (rows, *self.l1.kv.shape[2:])
             self.buffers = [torch.empty(shape, dtype=self.l1.kv.dtype, device=self.device) for _ in range(2)]
-        self.bytes_read += plan.l2_blocks * self.l1.layout.bytes_per_block
+        self.bytes_read += plan.l2_blocks * self.l2.layout.bytes_per_block
         return LayerStream(self, plan, after)
 
     def synchronize(self) -> None:
@@ -113,15 +116,37 @@ class LayerStream:
 
     def _load(self, layer: int) -> None:
         """Copy layer `layer` of the plan's L2 blocks into its buffer (on the side stream on CUDA)."""
-        src = self.s.l2.kv[:, layer]  # [N, 2, bs, h, d], rows strided by the layer count
         if not self.s.cuda:
-            kernels.copy_blocks(src, self.plan.l2_slots, self._buffer(layer), self.plan.l2_rows)
+            self._copy_layer(layer)
             return
         with torch.cuda.stream(self.s.stream):
-            kernels.copy_blocks(src, self.plan.l2_slots, self._buffer(layer), self.plan.l2_rows)
+            self._copy_layer(layer)
             event = torch.cuda.Event()
             event.record(self.s.stream)
         self.loaded[layer] = event
+
+    def _copy_layer(self, layer: int) -> None:
+        """The plan's L2 blocks' layer `layer` into their buffer rows, on the current stream."""
+        buf, plan, fmt = self._buffer(layer), self.plan, self.s.fmt
+        if fmt is None:
+            src = self.s.l2.kv[:, layer]  # [N, 2, bs, h, d], rows strided by the layer count
+            kernels.copy_blocks(src, plan.l2_slots, buf, plan.l2_rows)
+            return
+        # fp8: the layer's values (as bytes) and scales come over into scratch rows 0..m-1, are
+        # dequantised there, then go to their buffer rows. Scratch is allocated on this stream,
+        # which alone uses it, so the allocator reuses it safely.
+        rows = self.s.l2.kv  # [N, bytes_per_block] uint8
+        values = fmt.payload(rows)[:, layer].view(torch.uint8)  # [N, 2, bs, h, d]
+        scales = fmt.scales(rows)[:, layer]  # [N, 2, h] fp32
+        m = plan.l2_blocks
+        at = torch.arange(m, device=buf.device)
+        q = kernels.copy_blocks(values, plan.l2_slots, torch.empty((m, *values.shape[1:]), dtype=torch.uint8,
+                                                                   device=buf.device), at)
+        sc = kernels.copy_blocks(scales, plan.l2_slots, torch.empty((m, *scales.shape[1:]), dtype=torch.float32,
+                                                                   device=buf.device), at)
+        deq = torch.empty((m, *buf.shape[1:]), dtype=buf.dtype, device=buf.device)
+        kernels.dequantize_fp8(q.view(fmt.dtype), sc, deq)
+        kernels.copy_blocks(deq, at, buf, plan.l2_rows)
 
     def layer_kv(self, layer: int, pool: torch.Tensor) -> torch.Tensor:
         """Layer `layer`'s staged KV [rows, 2, bs, h, d]; `pool` is that layer's L1 view, whose new

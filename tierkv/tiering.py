@@ -20,7 +20,7 @@ import torch
 from .config import CacheConfig
 from .errors import ConfigError, CacheFullError
 from .index import BlockEntry, BlockIndex
-from .layout import KVLayout
+from .layout import KVLayout, stored_layout
 from .metrics import CacheCounters
 from .tiers import DevicePool, HostPool
 from .tiers.codec import BlockId
@@ -67,17 +67,19 @@ class Prefetch:
 class Tiering:
     def __init__(self, layout: KVLayout, config: CacheConfig, device: torch.device) -> None:
         self.layout, self.config, self.device = layout, config, device
+        # how L2 and L3 hold a block: L1's layout, or fp8 + scales (config.kv_offload_dtype)
+        self.offload = stored_layout(layout, config.kv_offload_dtype)
         l1_bytes = config.l1 if config.l1 is not None else self._default_l1()
         l1_blocks = blocks_for(l1_bytes, layout.bytes_per_block, "CacheConfig.l1")
         if l1_blocks == 0:
             raise ConfigError(f"CacheConfig.l1 must hold at least one block of {layout.bytes_per_block} bytes, got 0")
-        l2_blocks = blocks_for(config.l2, layout.bytes_per_block, "CacheConfig.l2")
+        l2_blocks = blocks_for(config.l2, self.offload.bytes_per_block, "CacheConfig.l2")
         if config.l3 and not l2_blocks:
             raise ConfigError("CacheConfig.l3 needs an L2 pool to stage blocks through: set CacheConfig.l2 > 0")
         self.l1 = DevicePool(layout, l1_blocks, device)
-        self.l2 = HostPool(layout, l2_blocks) if l2_blocks else None
+        self.l2 = HostPool(self.offload, l2_blocks) if l2_blocks else None
         self.mover = BlockMover(self.l1, self.l2) if self.l2 else None
-        self.l3 = L3Mover([open_store(url, layout) for url in config.l3], self.l2) if config.l3 else None
+        self.l3 = L3Mover([open_store(url, self.offload) for url in config.l3], self.l2) if config.l3 else None
         self.index = BlockIndex(config.eviction)
         self.counters = CacheCounters()
         self._fetching: dict[int, L3Job] = {}  # block hash -> the L3 read bringing it into L2
@@ -244,9 +246,8 @@ class Tiering:
         self.l3.put([block_id(e) for e in entries], bufs, after, entries).held = held
 
     def _host_copy(self, e: BlockEntry) -> torch.Tensor:
-        out = torch.empty(self.layout.block_shape, dtype=self.layout.dtype)
-        out.copy_(self.l1.kv[:, e.l1])  # ordered after the writes queued into the slot
-        return out
+        """L1 block `e` as one contiguous host block in L2's format (ordered after the writes queued into the slot)."""
+        return self.mover.to_host(self.l1.kv[:, e.l1 : e.l1 + 1].transpose(0, 1))[0]
 
     def _with_chunk_heads(self, entries: list[BlockEntry]) -> list[BlockEntry]:
         """`entries` and, before each, the earlier blocks of its L3 chunk that L2 or L1 holds and
@@ -284,13 +285,15 @@ class Tiering:
         return Prefetch(self, job)
 
     def read_l3(self, ids: list[BlockId], deadline: float | None) -> torch.Tensor:
-        """The leading blocks of `ids` read straight from L3, bypassing L2: [k, *block_shape] on the host."""
-        out = torch.empty((len(ids), *self.layout.block_shape), dtype=self.layout.dtype)
+        """The leading blocks of `ids` read straight from L3, bypassing L2: [k, *block_shape] in
+        L1's dtype on L1's device (dequantised there when L3 holds fp8)."""
+        shape, dtype = self.offload.block_storage
+        out = torch.empty((len(ids), *shape), dtype=dtype)
         ok = self.l3.read(ids, list(out), deadline)
         k = next((i for i, hit in enumerate(ok) if not hit), len(ok))
         self.count("l3", k, into=False)
         self.counters.tiers["l3"].errors += len(ids) - sum(ok)
-        return out[:k]
+        return self.mover.from_host(out[:k])
 
     def reap(self) -> None:
         """Take in what the L3 threads finished: written blocks are released, read blocks land in L2."""
@@ -307,7 +310,7 @@ class Tiering:
         for e, ok in zip(job.entries, job.ok):
             e.l3 = "written" if ok else "failed"
             c.blocks_in += ok
-            c.bytes_in += ok * self.layout.bytes_per_block
+            c.bytes_in += ok * self.offload.bytes_per_block
             c.errors += not ok
         self.index.release_l2(job.held)
 
@@ -326,7 +329,7 @@ class Tiering:
                 self.give_l2([slot])
         c = self.counters.tiers["l3"]
         c.blocks_out += arrived
-        c.bytes_out += arrived * self.layout.bytes_per_block
+        c.bytes_out += arrived * self.offload.bytes_per_block
         c.errors += len(job.ids) - sum(job.ok)
         job.landed = True
 
@@ -399,13 +402,15 @@ class Tiering:
         return l2_time + self.l3.estimate_seconds(num_blocks)
 
     def count(self, tier: str, n: int, *, into: bool) -> None:
+        """Count `n` blocks into or out of `tier`, in the bytes that tier holds them in."""
         c = self.counters.tiers[tier]
+        nbytes = n * (self.layout if tier == "l1" else self.offload).bytes_per_block
         if into:
             c.blocks_in += n
-            c.bytes_in += n * self.layout.bytes_per_block
+            c.bytes_in += nbytes
         else:
             c.blocks_out += n
-            c.bytes_out += n * self.layout.bytes_per_block
+            c.bytes_out += nbytes
 
     def close(self) -> None:
         if self.mover is not None:

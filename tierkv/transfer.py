@@ -4,7 +4,10 @@ L1<->L2: on CUDA every move runs on one dedicated copy stream, so moves never bl
 stream and are ordered among themselves (a slot written by one move and read by a later one
 needs no extra sync). L1 blocks are gathered into a device staging buffer by one kernel, then
 copied to host as one DMA per run of neighbouring L2 slots (and the reverse for loads). On CPU
-a move is a plain copy that is done on return.
+a move is a plain copy that is done on return. When L2 holds another format than L1 (an
+OffloadLayout: fp8 and scales), blocks are quantised on the device after the gather, before the
+DMA, and dequantised on the device after the DMA, before the scatter, so PCIe carries the small
+format; `to_host` / `from_host` do the same for blocks that bypass L2 (spills, direct L3 reads).
 
 L2<->L3: one writer and one reader thread call the stores' batched, internally parallel APIs on
 L2 slots that the caller holds for them, and post each finished job to a queue the caller
@@ -26,6 +29,7 @@ from typing import Any
 import torch
 
 from . import kernels
+from .layout import OffloadLayout
 from .tiers import DevicePool, HostPool
 from .tiers.codec import BlockId
 from .tiers.l3 import L3Store
@@ -87,10 +91,15 @@ class BlockMover:
         # (start, end, bytes) of recent CUDA moves, folded into `bandwidth` once they finish;
         # bounded so that a caller who never asks for an estimate never grows it.
         self._timings: deque[tuple[torch.cuda.Event, torch.cuda.Event, int]] = deque(maxlen=64)
+        # L2's format when it differs from L1's (fp8 + scales); None: L2 holds L1's blocks as they are
+        self.fmt = l2.layout if isinstance(l2.layout, OffloadLayout) else None
         if self.cuda:
             self.stream = torch.cuda.Stream(self.device)
             n = max(1, min(l1.num_blocks, STAGING_BYTES // l1.layout.bytes_per_block))
             self.staging = torch.empty((n, *l1.layout.block_shape), dtype=l1.layout.dtype, device=self.device)
+            # the quantised blocks on the device, [n, bytes_per_block] uint8, between staging and the DMA
+            self.packed = (torch.empty((n, self.fmt.bytes_per_block), dtype=torch.uint8, device=self.device)
+                           if self.fmt is not None else None)
 
     def estimate_seconds(self, num_blocks: int) -> float:
         """Expected seconds to move `num_blocks` blocks between L2 and L1 now."""
@@ -117,7 +126,7 @@ class BlockMover:
         if not self.cuda:
             t = time.perf_counter()
             # [layers, n, 2, bs, h, d] -> [n, layers, 2, bs, h, d]
-            self.l2.kv[torch.tensor(l2_slots)] = self.l1.kv[:, torch.tensor(l1_slots)].transpose(0, 1)
+            self.l2.kv[torch.tensor(l2_slots)] = self._encode(self.l1.kv[:, torch.tensor(l1_slots)].transpose(0, 1))
             self._sample(len(l1_slots) * self.l1.layout.bytes_per_block, time.perf_counter() - t)
             return DONE
         return self._on_stream(self._d2h, l1_slots, l2_slots)
@@ -129,7 +138,7 @@ class BlockMover:
             return DONE
         if not self.cuda:
             t = time.perf_counter()
-            self.l1.kv[:, torch.tensor(l1_slots)] = self.l2.kv[torch.tensor(l2_slots)].transpose(0, 1)
+            self.l1.kv[:, torch.tensor(l1_slots)] = self._decode(self.l2.kv[torch.tensor(l2_slots)]).transpose(0, 1)
             self._sample(len(l1_slots) * self.l1.layout.bytes_per_block, time.perf_counter() - t)
             return DONE
         return self._on_stream(self._h2d, l2_slots, l1_slots)
@@ -137,17 +146,55 @@ class BlockMover:
     def read_l2(self, l2_slots: list[int]) -> torch.Tensor:
         """L2 blocks copied to the L1 device: [n, layers, 2, bs, h, d]. Ordered after earlier moves."""
         if not self.cuda:
-            return self.l2.kv.index_select(0, torch.tensor(l2_slots, dtype=torch.int64))
+            return self._decode(self.l2.kv.index_select(0, torch.tensor(l2_slots, dtype=torch.int64)))
         out = torch.empty((len(l2_slots), *self.l1.layout.block_shape), dtype=self.l1.layout.dtype, device=self.device)
+        # packed blocks land in `rows` first and are dequantised into `out` on the copy stream
+        rows = out if self.fmt is None else torch.empty((len(l2_slots), self.fmt.bytes_per_block),
+                                                        dtype=torch.uint8, device=self.device)
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             for pos, first, n in runs(l2_slots):
-                out[pos : pos + n].copy_(self.l2.kv[first : first + n], non_blocking=True)
+                rows[pos : pos + n].copy_(self.l2.kv[first : first + n], non_blocking=True)
+            if self.fmt is not None:
+                kernels.dequantize_fp8(self.fmt.payload(rows), self.fmt.scales(rows), out)
+                rows.record_stream(self.stream)
             out.record_stream(torch.cuda.current_stream(self.device))
         event = torch.cuda.Event()
         event.record(self.stream)
         torch.cuda.current_stream(self.device).wait_event(event)
         return out
+
+    def _encode(self, blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """blocks [n, layers, 2, bs, h, d] in L1's dtype -> L2's format on the same device: the
+        blocks themselves, or packed rows [n, bytes_per_block] (into `out` when given)."""
+        if self.fmt is None:
+            return blocks
+        if out is None:
+            out = torch.empty((blocks.shape[0], self.fmt.bytes_per_block), dtype=torch.uint8, device=blocks.device)
+        kernels.quantize_fp8(blocks, self.fmt.payload(out), self.fmt.scales(out))
+        return out
+
+    def _decode(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The inverse of _encode: L2-format blocks -> [n, layers, 2, bs, h, d] in L1's dtype (into `out`)."""
+        if self.fmt is None:
+            return rows if out is None else out.copy_(rows)
+        if out is None:
+            out = torch.empty((rows.shape[0], *self.l1.layout.block_shape), dtype=self.l1.layout.dtype,
+                              device=rows.device)
+        kernels.dequantize_fp8(self.fmt.payload(rows), self.fmt.scales(rows), out)
+        return out
+
+    def to_host(self, blocks: torch.Tensor) -> torch.Tensor:
+        """blocks [n, layers, 2, bs, h, d] (L1's dtype, any device) as contiguous host blocks in L2's
+        format, converted where they are (on the GPU for L1 blocks); synchronous."""
+        packed = self._encode(blocks)
+        shape, dtype = self.l2.layout.block_storage
+        return torch.empty((blocks.shape[0], *shape), dtype=dtype).copy_(packed)
+
+    def from_host(self, rows: torch.Tensor) -> torch.Tensor:
+        """Host blocks in L2's format [n, ...] -> [n, layers, 2, bs, h, d] in L1's dtype on L1's device,
+        dequantised there (on the current stream)."""
+        return self._decode(rows.to(self.device))
 
     def fence(self) -> None:
         """Make the current stream wait for every move issued so far (before reusing an evicted L1 slot)."""
@@ -171,13 +218,18 @@ class BlockMover:
     def _d2h(self, l1_slots: list[int], l2_slots: list[int]) -> None:
         staged = self.staging[: len(l1_slots)]
         kernels.gather_blocks(self.l1.kv, self._index(l1_slots), staged)
+        if self.fmt is not None:  # quantised on the device: the DMA carries the packed rows
+            staged = self._encode(staged, self.packed[: len(l1_slots)])
         for pos, first, n in runs(l2_slots):
             self.l2.kv[first : first + n].copy_(staged[pos : pos + n], non_blocking=True)
 
     def _h2d(self, l2_slots: list[int], l1_slots: list[int]) -> None:
         staged = self.staging[: len(l1_slots)]
+        landing = staged if self.fmt is None else self.packed[: len(l1_slots)]
         for pos, first, n in runs(l2_slots):
-            staged[pos : pos + n].copy_(self.l2.kv[first : first + n], non_blocking=True)
+            landing[pos : pos + n].copy_(self.l2.kv[first : first + n], non_blocking=True)
+        if self.fmt is not None:  # dequantised on the device, then scattered as usual
+            self._decode(landing, staged)
         kernels.scatter_blocks(staged, self.l1.kv, self._index(l1_slots))
 
 

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..config import CacheConfig
+from ..config import CacheConfig, check_offload_dtype
 from ..errors import ConfigError
 from .hub import model_source
 
@@ -111,6 +111,9 @@ class EngineConfig:
         write_through with an L3 and write_back without (`default_write_policy`); l1 None sizes L1
         from the memory the weights left free; l2 None is, on a GPU, L2_SHARE of the available
         host memory up to L2_CAP (`default_l2`) and off on CPU; l2=0 turns L2 off.
+    kv_offload_dtype: None keeps L2/L3 blocks in the model's dtype; "fp8_e4m3" stores them as fp8
+        with per-head scales: ~2x the blocks in the same L2/L3, half the PCIe and disk bytes
+        (see CacheConfig; L1 and attention keep the model's dtype).
     block_size: tokens per KV block.
     enable_prefix_caching: False computes every prompt from scratch (and shares nothing).
     max_model_len: longest sequence (prompt + output); None is the model's own maximum.
@@ -130,6 +133,7 @@ class EngineConfig:
     l3: tuple[str, ...] = ()
     eviction: str = "lru"
     write_policy: str | None = None
+    kv_offload_dtype: str | None = None
     block_size: int = 16
     enable_prefix_caching: bool = True
     max_model_len: int | None = None
@@ -156,6 +160,7 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be an int >= 2 or None (the default), got {value!r}")
         check_device(self.device)
         dtype_name(self.dtype)
+        check_offload_dtype(self.kv_offload_dtype)
         model_source(self.model)  # a missing directory fails here; a hub id is fetched when loading
         self.cache_config()  # sizes, policies and L3 URLs fail here, before a model is loaded
 
@@ -170,7 +175,8 @@ class EngineConfig:
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(l1=self.l1, l2=self.l2 or 0, l3=list(self.l3), eviction=self.eviction,
-                           write_policy=self.write_policy or default_write_policy(self.l3))
+                           write_policy=self.write_policy or default_write_policy(self.l3),
+                           kv_offload_dtype=self.kv_offload_dtype)
 
     def for_device(self, device: torch.device, max_position_embeddings: int, bytes_per_block: int,
                    available: int | None = None) -> EngineConfig:

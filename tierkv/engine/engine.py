@@ -20,6 +20,7 @@ import numpy as np
 from ..cache import TieredKVCache
 from ..config import redact_url
 from ..errors import ConfigError
+from ..layout import stored_layout
 from .config import L2_DEFAULT_RULE, EngineConfig
 from .loader import LoadedModel, load_model
 from .request import Request, RequestOutput
@@ -54,7 +55,9 @@ class Engine:
         explicit_len = config.max_model_len is not None
         l2_default = config.l2 is None
         layout = self.lm.kv_layout(config.block_size)
-        self.config = config = config.for_device(dev, self.lm.config.max_position_embeddings, layout.bytes_per_block)
+        # the default L2 is sized in blocks of the format L2 holds (fp8 blocks are about half as big)
+        l2_block = stored_layout(layout, config.kv_offload_dtype).bytes_per_block
+        self.config = config = config.for_device(dev, self.lm.config.max_position_embeddings, l2_block)
         # made after the weights: with l1 None the cache sizes L1 from the memory they left
         self.cache = TieredKVCache(layout, config.cache_config(), device=dev, model=self.lm.fingerprint)
         self.config = config = self._fit_context(config, explicit=explicit_len)

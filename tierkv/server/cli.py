@@ -75,6 +75,9 @@ def parser() -> argparse.ArgumentParser:
     a("--eviction", help="eviction policy: lru, lfu, s3fifo, arc, priority (default lru)")
     a("--write-policy", help="when blocks are copied down a tier: write_through, write_back, selective "
       "(default: write_through with an --l3, write_back without; write_back blocks are flushed to L3 on shutdown)")
+    a("--kv-offload-dtype", help="store L2 and L3 blocks as fp8_e4m3 (per-head scales, converted on the GPU as "
+      "blocks move): ~2x the blocks in the same L2/L3, half the PCIe and disk bytes; L1 keeps the model's dtype "
+      "(default: the model's dtype)")
     a("--block-size", type=int, help="tokens per KV block (default 16)")
     a("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
       help="reuse cached KV across requests (default on); --no-enable-prefix-caching makes every lookup a miss "
@@ -260,8 +263,9 @@ def _fmt_bytes(n: int) -> str:
 def tier_summary(engine, l3: list[str], opts: dict) -> str:
     c, layout = engine.cache, engine.cache.layout
     l1 = f"L1 {c.l1.num_blocks} blocks ({_fmt_bytes(c.l1.num_blocks * layout.bytes_per_block)}, {engine.lm.device})"
-    l2 = (f"L2 {c.l2.num_blocks} blocks ({_fmt_bytes(c.l2.num_blocks * layout.bytes_per_block)} "
-          f"{'pinned' if c.l2.pinned else 'pageable'} host){engine.l2_note}"
+    fp8 = f", {opts['kv_offload_dtype']}" if opts.get("kv_offload_dtype") else ""
+    l2 = (f"L2 {c.l2.num_blocks} blocks ({_fmt_bytes(c.l2.num_blocks * c.l2.layout.bytes_per_block)} "
+          f"{'pinned' if c.l2.pinned else 'pageable'} host{fp8}){engine.l2_note}"
           if c.l2 is not None else "L2 off")
     l3s = "L3 " + (", ".join(redact_url(u) for u in l3) if l3 else "off")
     caching = "" if opts["enable_prefix_caching"] else ", prefix caching off"

@@ -1,6 +1,7 @@
 """L2: the host KV pool, allocated once, pinned in place when a GPU is there to copy to.
 
-    kv: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
+    kv: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim] in the model's dtype, or
+        [num_blocks, bytes_per_block] uint8 packed blocks with an OffloadLayout (fp8 + scales)
 
 Block-first: a block is one contiguous run of bytes, so L2<->L3 is a single read or write and
 neighbouring slots form long DMA transfers. The pool is plain host memory page-locked with
@@ -18,7 +19,7 @@ import weakref
 
 import torch
 
-from ..layout import KVLayout
+from ..layout import KVLayout, OffloadLayout
 from .pool import FreeSlots, check_fits, gib
 
 log = logging.getLogger(__name__)
@@ -53,14 +54,15 @@ def _unregister(kv: torch.Tensor) -> None:
 
 
 class HostPool:
-    def __init__(self, layout: KVLayout, num_blocks: int, pin: bool | None = None) -> None:
+    def __init__(self, layout: KVLayout | OffloadLayout, num_blocks: int, pin: bool | None = None) -> None:
         self.layout = layout
+        self._shape, self._dtype = layout.block_storage  # one block: its shape and dtype here
         check_fits(num_blocks * layout.bytes_per_block, torch.device("cpu"), "CacheConfig.l2")
         if pin is None:
             pin = torch.cuda.is_available()
         kv = self._pinned(num_blocks) if pin and num_blocks > 0 else None
         self.pinned = kv is not None
-        self.kv = kv if kv is not None else torch.empty((num_blocks, *layout.block_shape), dtype=layout.dtype)
+        self.kv = kv if kv is not None else torch.empty((num_blocks, *self._shape), dtype=self._dtype)
         self.num_blocks = self.kv.shape[0]
         self.free = FreeSlots(self.num_blocks)
         self._unpin = None
@@ -76,7 +78,7 @@ class HostPool:
         n = num_blocks
         try:
             while n > 0:
-                kv = torch.empty((n, *self.layout.block_shape), dtype=self.layout.dtype)
+                kv = torch.empty((n, *self._shape), dtype=self._dtype)
                 if _register(kv):
                     break
                 del kv  # give the pages back before trying half as many
@@ -97,7 +99,7 @@ class HostPool:
         """Unpin and release the memory, once no copy to or from it is in flight; the pool is then empty."""
         if self._unpin is not None:
             self._unpin()
-        self.kv = torch.empty((0, *self.layout.block_shape), dtype=self.layout.dtype)
+        self.kv = torch.empty((0, *self._shape), dtype=self._dtype)
         self.num_blocks, self.pinned = 0, False
         self.free = FreeSlots(0)
 
