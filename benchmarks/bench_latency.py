@@ -148,6 +148,9 @@ def main() -> None:
         release_memory()  # the HF copy goes before tierkv loads its own
 
         llm = tierkv.LLM(model=tmp, device=str(device), dtype=dtype)
+        # tierkv's own defaults serve the run; record what they resolved to
+        figures["tierkv_config"] = dict(l2_blocks=llm.cache.l2.num_blocks if llm.cache.l2 is not None else 0,
+                                        write_policy=llm.engine.config.write_policy)
         # warm-up at full length: the decode kernel's launch config (and so its compilation)
         # can change as the context grows
         tierkv_decode(llm, prompts[0], n)
