@@ -227,4 +227,3 @@ def check_quantize(x, q, scales, x_name: str, q_name: str) -> None:
     if scales.shape != x.shape[:-3] + x.shape[-2:-1]:
         _fail(f"scales must be [..., kv_heads] = {tuple(x.shape[:-3] + x.shape[-2:-1])}, got {tuple(scales.shape)}")
     check_same_device(**{x_name: x, q_name: q, "scales": scales})
-

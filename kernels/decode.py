@@ -8,7 +8,6 @@ a sequence's length, and never syncs the host (the split count comes from tensor
 
 from __future__ import annotations
 
-import math
 
 import torch
 import triton

@@ -188,7 +188,7 @@ def test_write_policy_defaults_to_write_back_without_an_l3(tiny_llama, tmp_path)
     bb = LLM(tiny_llama, device="cpu", l1=1 << 20).cache.layout.bytes_per_block
     own = LLM(tiny_llama, device="cpu", l1=8 * bb, l2=16 * bb)
     assert own.engine.config.write_policy == own.cache.config.write_policy == "write_back"
-    assert "write_back" in tier_summary(own.engine, [], {"eviction": "lru", "enable_prefix_caching": True})
+    assert "write_back" in tier_summary(own.engine)
     prompt = list(range(1, 50))  # 3 full blocks
     own.generate([prompt], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
     assert own.cache.stats()["tiers"]["l2"]["used_blocks"] == 0  # nothing copied while L1 had room
@@ -219,8 +219,7 @@ def test_startup_lines_say_when_l2_is_the_default_share(tiny_llama, caplog, monk
         llm = LLM(tiny_llama, device="cpu", l1=8 * bb)
     assert llm.cache.l2.num_blocks == 8
     assert "L2 8 blocks (the default share: 25% of available host memory, at most 32 GiB)" in caplog.text
-    opts = dict(enable_prefix_caching=True, eviction="lru", write_policy="write_through")
-    assert "(the default share: 25% of available host memory, at most 32 GiB)" in tier_summary(llm.engine, [], opts)
+    assert "(the default share: 25% of available host memory, at most 32 GiB)" in tier_summary(llm.engine)
     caplog.clear()
     with caplog.at_level("INFO", logger="tierkv.engine.engine"):
         given = LLM(tiny_llama, device="cpu", l1=8 * bb, l2=4 * bb)  # explicit: no default note

@@ -181,4 +181,3 @@ def check_offload_dtype(value: object, field_name: str = "kv_offload_dtype") -> 
         raise ConfigError(f"{field_name} {value!r} is unknown; accepted: {', '.join(KV_OFFLOAD_DTYPES)}, "
                           "or None for the model's dtype")
     return value
-

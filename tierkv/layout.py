@@ -10,6 +10,7 @@ With `CacheConfig.kv_offload_dtype` set, L2 and L3 hold blocks in another format
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -122,20 +123,26 @@ class OffloadLayout:
         return self.kv.block_size
 
     @property
+    def values_bytes(self) -> int:
+        """Bytes of the fp8 values of one block."""
+        return math.prod(self.kv.block_shape) * self.dtype.itemsize
+
+    @property
     def payload_bytes(self) -> int:
-        """Bytes of the fp8 values of one block, rounded up to 16 (where the scales start)."""
-        k = self.kv
-        n = k.num_layers * 2 * k.block_size * k.num_kv_heads * k.head_dim * self.dtype.itemsize
-        return -(-n // 16) * 16
+        """values_bytes rounded up to 16: where the scales start."""
+        return _aligned(self.values_bytes)
 
     @property
     def scales_shape(self) -> tuple[int, int, int]:
         return (self.kv.num_layers, 2, self.kv.num_kv_heads)
 
     @property
+    def scales_bytes(self) -> int:
+        return math.prod(self.scales_shape) * 4  # fp32
+
+    @property
     def bytes_per_block(self) -> int:
-        scale_bytes = self.kv.num_layers * 2 * self.kv.num_kv_heads * 4
-        return self.payload_bytes + -(-scale_bytes // 16) * 16
+        return self.payload_bytes + _aligned(self.scales_bytes)
 
     @property
     def fingerprint(self) -> str:
@@ -151,18 +158,19 @@ class OffloadLayout:
     def payload(self, rows: torch.Tensor) -> torch.Tensor:
         """The fp8 values in packed blocks rows [n, bytes_per_block] uint8: a view
         [n, layers, 2, block_size, kv_heads, head_dim] (rows may be pinned host or device)."""
-        n = rows.shape[0]
-        used = self.kv.num_layers * 2 * self.kv.block_size * self.kv.num_kv_heads * self.kv.head_dim
-        return rows[:, :used].view(self.dtype).view(n, *self.kv.block_shape)
+        return rows[:, : self.values_bytes].view(self.dtype).view(rows.shape[0], *self.kv.block_shape)
 
     def scales(self, rows: torch.Tensor) -> torch.Tensor:
         """The scales in packed blocks rows [n, bytes_per_block] uint8: a view [n, layers, 2, kv_heads] fp32."""
-        n, start = rows.shape[0], self.payload_bytes
-        return rows[:, start : start + 4 * self.kv.num_layers * 2 * self.kv.num_kv_heads].view(torch.float32).view(
-            n, *self.scales_shape)
+        start = self.payload_bytes
+        return rows[:, start : start + self.scales_bytes].view(torch.float32).view(rows.shape[0], *self.scales_shape)
+
+
+def _aligned(n: int) -> int:
+    """`n` bytes rounded up to 16: each part of a packed block starts 16-byte aligned."""
+    return -(-n // 16) * 16
 
 
 def stored_layout(kv: KVLayout, offload_dtype: str | None) -> KVLayout | OffloadLayout:
     """How L2 and L3 hold blocks of `kv`: as L1 does (None), or in the offload format named."""
     return kv if offload_dtype is None else OffloadLayout(kv, offload_dtype)
-

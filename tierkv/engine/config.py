@@ -47,6 +47,7 @@ def default_write_policy(l3: tuple[str, ...] | list[str]) -> str:
     """
     return "write_through" if l3 else "write_back"
 
+
 # dtype names a user may pass -> the torch dtype's name (the model runs in one of these three)
 DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
           "half": "float16", "float32": "float32", "fp32": "float32"}

@@ -293,5 +293,3 @@ class Engine:
         if self.in_flight is not None:
             self._postprocess(self._take_in_flight())
         self.cache.close()
-
-

@@ -260,16 +260,17 @@ def _fmt_bytes(n: int) -> str:
     return str(n)
 
 
-def tier_summary(engine, l3: list[str], opts: dict) -> str:
-    c, layout = engine.cache, engine.cache.layout
+def tier_summary(engine) -> str:
+    """The startup line on the tiers, from what the engine resolved (defaults filled in)."""
+    c, layout, cfg = engine.cache, engine.cache.layout, engine.config
     l1 = f"L1 {c.l1.num_blocks} blocks ({_fmt_bytes(c.l1.num_blocks * layout.bytes_per_block)}, {engine.lm.device})"
-    fp8 = f", {opts['kv_offload_dtype']}" if opts.get("kv_offload_dtype") else ""
+    fp8 = f", {cfg.kv_offload_dtype}" if cfg.kv_offload_dtype else ""
     l2 = (f"L2 {c.l2.num_blocks} blocks ({_fmt_bytes(c.l2.num_blocks * c.l2.layout.bytes_per_block)} "
           f"{'pinned' if c.l2.pinned else 'pageable'} host{fp8}){engine.l2_note}"
           if c.l2 is not None else "L2 off")
-    l3s = "L3 " + (", ".join(redact_url(u) for u in l3) if l3 else "off")
-    caching = "" if opts["enable_prefix_caching"] else ", prefix caching off"
-    return (f"tiers: {l1} | {l2} | {l3s} | {opts['eviction']}, {engine.config.write_policy}, "
+    l3s = "L3 " + (", ".join(redact_url(u) for u in cfg.l3) if cfg.l3 else "off")
+    caching = "" if cfg.enable_prefix_caching else ", prefix caching off"
+    return (f"tiers: {l1} | {l2} | {l3s} | {cfg.eviction}, {cfg.write_policy}, "
             f"block {layout.block_size} tokens, context {engine.max_model_len}{caching}")
 
 
@@ -324,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     metrics.open_connections.set_function(lambda: len(server.server_state.connections))
     print(f"tierkv-serve: {name} on http://{opts['host']}:{opts['port']}/v1"
           f"{' (API key required)' if opts['api_key'] else ''}", flush=True)
-    print(f"tierkv-serve: {tier_summary(engine, list(opts['l3']), opts)}", flush=True)
+    print(f"tierkv-serve: {tier_summary(engine)}", flush=True)
     print(f"tierkv-serve: limits: body {_fmt_bytes(limits.max_request_bytes)}, headers {limits.header_timeout:g} s, "
           f"body {limits.body_timeout:g} s, stalled send {limits.send_timeout:g} s "
           f"({_fmt_bytes(limits.send_buffer_bytes)} buffer), keep-alive "

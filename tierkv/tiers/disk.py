@@ -30,7 +30,8 @@ import numpy as np
 from ..errors import ConfigError
 from ..layout import KVLayout
 from .codec import payload_offset
-from .l3 import DEFAULT_CHUNK_TOKENS, L3Store, UrlOptions
+from .l3 import DEFAULT_CHUNK_TOKENS, L3Store
+from .service import UrlOptions
 
 log = logging.getLogger(__name__)
 

@@ -45,7 +45,8 @@ from ..config import redis_cluster_nodes
 from ..layout import KVLayout
 from .codec import (BlockId, DecodeError, check_payload, decode_header, decode_into, encode_header, key_hex,
                     payload_offset)
-from .l3 import Breaker, L3Store, UrlOptions
+from .l3 import L3Store
+from .service import Breaker, UrlOptions
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

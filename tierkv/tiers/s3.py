@@ -20,7 +20,8 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, ConnectTimeoutError, ReadTimeoutError
 
 from ..layout import KVLayout
-from .l3 import DEFAULT_CHUNK_TOKENS, Breaker, L3Store, UrlOptions
+from .l3 import DEFAULT_CHUNK_TOKENS, L3Store
+from .service import Breaker, UrlOptions
 
 log = logging.getLogger(__name__)
 
