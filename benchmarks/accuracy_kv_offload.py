@@ -65,6 +65,9 @@ def first_tokens_from_l2(llm: tierkv.LLM, prompts: list, params: tierkv.Sampling
     try:
         for prompt in prompts:
             steps.clear()
+            # On a GPU, load-or-recompute may judge a short prefix cheaper to recompute (a tiny
+            # model always is); accuracy is measured on what L2 serves, so this run always loads.
+            llm.engine.scheduler.recompute_seconds_per_token = None
             out = llm.generate([prompt], params, use_tqdm=False)[0]
             assert out.cached_tokens > 0, "the prompt was not served from L2"
             tokens.append(out.token_ids)

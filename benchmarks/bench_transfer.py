@@ -3,13 +3,16 @@
 For real model layouts and 16-token blocks, moves N blocks from scattered L1 slots to L2 slots
 (in one run, and scattered) and back, timed with CUDA events around the whole move, against a
 single cudaMemcpy of the same bytes between a contiguous device tensor and pinned host memory
-measured in the same run. Target (BENCHMARKS.md): >= 95% both ways. Needs CUDA.
+measured in the same run. Target (BENCHMARKS.md): >= 95% both ways. Also the time to make a
+--pin-gib L2 (HostPool: allocate, fault in, register with CUDA) against torch's pinned allocator
+for the same bytes (which rounds up to a power of two). Needs CUDA.
 Writes benchmarks/results/bench_transfer-<machine>.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 
 import torch
 
@@ -85,22 +88,44 @@ def bench_layout(layout: KVLayout, nbytes: int, repeats: int) -> dict:
     return {"blocks": n, "bytes_per_block": layout.bytes_per_block, "seconds": s, "GBps": gbps, "ratio_to_memcpy": ratios}
 
 
+def bench_pinning(gib: int) -> dict:
+    """Seconds to make a pinned L2 of `gib` GiB: tierkv's HostPool against torch's pinned allocator."""
+    layout = LAYOUTS["llama-3.1-8b"]
+    blocks = gib * 2**30 // layout.bytes_per_block
+    torch.ones(1, device="cuda").sum().item()  # CUDA started before the clocks
+    start = time.perf_counter()
+    pool = HostPool(layout, blocks, pin=True)
+    hostpool_s = time.perf_counter() - start
+    assert pool.pinned, "HostPool could not pin its memory"
+    pool.close()
+    del pool
+    start = time.perf_counter()
+    t = torch.empty(blocks * layout.bytes_per_block, dtype=torch.uint8, pin_memory=True)
+    torch_s = time.perf_counter() - start
+    del t
+    return {"gib": gib, "hostpool_s": hostpool_s, "torch_pinned_s": torch_s}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gib", type=float, default=2.0, help="bytes moved per measurement")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--pin-gib", type=int, default=12, help="size of the pinned pools timed")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_transfer needs CUDA")
     results = {name: bench_layout(layout, int(args.gib * 2**30), args.repeats) for name, layout in LAYOUTS.items()}
+    pinning = bench_pinning(args.pin_gib)
+    print(f"pinning {args.pin_gib} GiB: HostPool {pinning['hostpool_s']:.2f} s, "
+          f"torch pin_memory {pinning['torch_pinned_s']:.2f} s")
     print(f"{'layout':<14}{'move':<22}{'GB/s':>8}{'memcpy GB/s':>13}{'ratio':>8}")
     for name, r in results.items():
         for k, ratio in r["ratio_to_memcpy"].items():
             base = r["GBps"]["memcpy_d2h" if k.startswith("l1_to_l2") else "memcpy_h2d"]
             print(f"{name:<14}{k:<22}{r['GBps'][k]:>8.1f}{base:>13.1f}{ratio:>8.1%}")
     path = write_results("bench_transfer", {"target": ">= 95% of one contiguous pinned memcpy, both ways",
-                                            "layouts": results}, args.out)
+                                            "layouts": results, "pinning": pinning}, args.out)
     print(f"wrote {path}")
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import time
 
 import pytest
 import torch
@@ -146,18 +145,13 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @pytest.mark.gpu
 @needs_cuda
-def test_gpu_pool_is_pinned_fast_and_copies():
+def test_gpu_pool_is_pinned_and_copies():
+    # How fast pinning is (HostPool against torch's pinned allocator) is measured in
+    # benchmarks/bench_transfer.py; this checks a large pool is pinned, whole, and copies right.
     size_gib = 12
-    torch.ones(1, device="cuda").sum().item()  # CUDA started before the clock
     blocks = size_gib * 2**30 // BPB
-    start = time.perf_counter()
     pool = HostPool(LAYOUT, blocks)
-    seconds = time.perf_counter() - start
     assert pool.pinned and pool.kv.is_pinned() and pool.num_blocks == blocks
-    # Seen on the H200 box: this path 1.3 s for 12 GiB. torch's pinned allocator (which would ask
-    # for 16 GiB) took 3.6 s for 8 GiB and 14.8 s for 24 GiB; registering without the parallel
-    # fault-in, 2.9 s for 8 GiB. The bound catches either slow path at 12 GiB.
-    assert seconds < 3.0, f"pinning {size_gib} GiB took {seconds:.1f} s"
     last = pool.kv[blocks - 8 :]
     last.copy_(torch.randn(last.shape).to(last.dtype))
     on_gpu = last.to("cuda", non_blocking=True)
