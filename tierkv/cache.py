@@ -23,16 +23,15 @@ import time
 import numpy as np
 import torch
 
-from . import kernels
 from .config import CacheConfig
-from .errors import CacheFullError, ShapeError
+from .errors import CacheFullError, ConfigError, ShapeError
 from .hashing import hash_blocks, namespace, token_bytes
 from .index import BlockEntry
 from .layout import KVLayout
 from .plan import AdmissionPlan, Match, tail_to_read, worth_loading
-from .tiering import Prefetch, Tiering
 from .sequence import SequenceBlocks, fill_block_table
 from .streaming import LayerStream, LayerStreamer, StreamPlan
+from .tiering import Prefetch, Tiering
 from .tiers.codec import BlockId
 from .transfer import DONE
 
@@ -180,6 +179,7 @@ class TieredKVCache:
         is held by blocks on their way to L3, store() waits for those writes. It keeps less only
         when no tier has room, and never by pushing out an earlier block of this same sequence.
         """
+        self._refuse_under_tensor_parallel("store")
         self.tiers.reap()
         tb = token_bytes(tokens)
         expected = self.layout.kv_shape(len(tb) // 4)
@@ -277,6 +277,7 @@ class TieredKVCache:
         kv: [layers, 2, n, kv_heads, head_dim] on the cache's device, read from whichever tier
         holds each block; L3 blocks are read first (waiting up to DEFAULT_L3_DEADLINE_S).
         """
+        self._refuse_under_tensor_parallel("retrieve")
         m = self.match(tokens, salt, limit=limit)
         direct = None  # [k, L, 2, bs, H, D] on the device: L3 blocks that L2 had no room for
         if m.by_tier["l3"]:
@@ -315,6 +316,13 @@ class TieredKVCache:
         self.tiers.count("l2", len(in_l2), into=False)
         self.tiers.used(m.blocks, 0)
         return (n + k) * bs, out.view(L, 2, (n + k) * bs, H, D)
+
+    def _refuse_under_tensor_parallel(self, name: str) -> None:
+        # The whole-sequence API writes and reads the pools directly: the other ranks' pools,
+        # which mirror this one move by move, would not see it.
+        if self.tiers.moves is not None:
+            raise ConfigError(f"{name}() is not available on a tensor-parallel engine's cache (each rank holds "
+                              f"its own KV heads); use it with tensor_parallel_size=1")
 
     # ------------------------------------------------------------------ block-level API
 
@@ -551,7 +559,7 @@ class TieredKVCache:
         fresh = self.tiers.take_l1(n, partial=True) if partial else []
         count = len(fresh) if partial else n
         if fresh:
-            self._copy_l1([seq.slots[full]] * len(fresh), fresh)
+            self.tiers.copy_l1([seq.slots[full]] * len(fresh), fresh)
         slots, entries = seq.slots[:full], seq.entries[:full]
         for _ in range(count):
             for slot, entry in zip(slots, entries):
@@ -568,15 +576,6 @@ class TieredKVCache:
             )
             for i in range(count)
         ]
-
-    def _copy_l1(self, src: list[int], dst: list[int]) -> None:
-        """L1 block src[i] -> dst[i] in every layer, one kernel launch, queued on the current stream."""
-        kv = self.l1.kv  # [L, N, 2, bs, H, D]: as [L * N, 2, bs, H, D], block s of layer l is l * N + s
-        layers, n = kv.shape[:2]
-        base = torch.arange(layers)[:, None] * n  # [L, 1]
-        rows = [(base + torch.tensor(slots)).flatten().to(self.device) for slots in (src, dst)]
-        flat = kv.view(layers * n, *kv.shape[2:])
-        kernels.copy_blocks(flat, rows[0], flat, rows[1])
 
     def _give_private(self, slots: list[int]) -> None:
         """Private L1 slots a sequence lets go of: free unless a forked sibling still holds them."""
@@ -636,7 +635,7 @@ class TieredKVCache:
         self.tiers.give_l2([slot for i, slot in private_l2.items() if i not in moved])
         copies = [(seq.slots[i], private_l2[i]) for i in moved if seq.entries[i] is None]
         if copies:
-            self.tiers.mover.l1_to_l2([a for a, _ in copies], [b for _, b in copies])
+            self.tiers.copy_down([a for a, _ in copies], [b for _, b in copies])
             self.tiers.count("l2", len(copies), into=True)
         for i in moved:
             e = seq.entries[i]
@@ -648,7 +647,7 @@ class TieredKVCache:
                 seq.l2_slots.append(e.l2)
         self._give_private([seq.slots[i] for i in moved if seq.entries[i] is None])
         if copies:
-            self.tiers.mover.fence()  # the freed L1 slots are reused only after the copies out of them
+            self.tiers.fence()  # the freed L1 slots are reused only after the copies out of them
         for i in moved:
             seq.slots[i] = -1
         return n

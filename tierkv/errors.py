@@ -30,3 +30,8 @@ class OutOfMemoryError(TierKVError, MemoryError):
 
 class CacheFullError(TierKVError):
     """L1 has no free or evictable block left for a request (everything is pinned)."""
+
+
+class TensorParallelError(TierKVError, RuntimeError):
+    """A tensor-parallel rank failed or exited; the message names the rank and its error. Every
+    rank is stopped when this is raised: the engine cannot go on."""

@@ -5,6 +5,9 @@ and the index's tier bookkeeping: the one owner of every tier's slots (free list
 loaded blocks, eviction order), demotion and copy-down by write policy, L3 flushes and
 prefetches, and the per-tier load-time estimates behind load-or-recompute.
 
+Every L1/L2 byte move goes through `_move`. Under tensor parallelism rank 0 records them
+(`moves`) and the other ranks `replay` them on their own pools, whose slots mirror rank 0's.
+
 Single-threaded by design: only the caller's thread touches the index. L3 threads work on L2
 slots that are held for them and report back through a queue that `reap()` drains. This file
 never knows about sequences or requests.
@@ -17,8 +20,9 @@ import time
 
 import torch
 
+from . import kernels
 from .config import CacheConfig
-from .errors import ConfigError, CacheFullError
+from .errors import CacheFullError, ConfigError
 from .index import BlockEntry, BlockIndex
 from .layout import KVLayout, stored_layout
 from .metrics import CacheCounters
@@ -34,6 +38,20 @@ log = logging.getLogger(__name__)
 DEFAULT_CPU_L1 = 2**30  # on CPU: 1 GiB
 GPU_L1_FRACTION = 0.8  # on a GPU: this share of the memory free when the cache is made, after
 ACTIVATION_RESERVE = 4 * 2**30  # leaving this much for activations and the allocator
+
+
+# The kinds of L1/L2 byte moves (`Tiering.moves`, StepPlan): source and destination slot lists.
+L1_TO_L2, L2_TO_L1, COPY_L1, FENCE = 0, 1, 2, 3
+
+
+def default_l1_bytes(device: torch.device) -> int:
+    """L1's size when CacheConfig.l1 is None: on a GPU, GPU_L1_FRACTION of the memory free now
+    (the cache is made after the weights, so it takes most of what they left), after
+    ACTIVATION_RESERVE; DEFAULT_CPU_L1 on CPU."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return max(int((free - ACTIVATION_RESERVE) * GPU_L1_FRACTION), 0)
+    return DEFAULT_CPU_L1
 
 
 def block_id(e: BlockEntry) -> BlockId:
@@ -69,7 +87,7 @@ class Tiering:
         self.layout, self.config, self.device = layout, config, device
         # how L2 and L3 hold a block: L1's layout, or fp8 + scales (config.kv_offload_dtype)
         self.offload = stored_layout(layout, config.kv_offload_dtype)
-        l1_bytes = config.l1 if config.l1 is not None else self._default_l1()
+        l1_bytes = config.l1 if config.l1 is not None else default_l1_bytes(device)
         l1_blocks = blocks_for(l1_bytes, layout.bytes_per_block, "CacheConfig.l1")
         if l1_blocks == 0:
             raise ConfigError(f"CacheConfig.l1 must hold at least one block of {layout.bytes_per_block} bytes, got 0")
@@ -83,13 +101,60 @@ class Tiering:
         self.index = BlockIndex(config.eviction)
         self.counters = CacheCounters()
         self._fetching: dict[int, L3Job] = {}  # block hash -> the L3 read bringing it into L2
+        # Tensor parallelism, rank 0: every L1/L2 move since the last step, for the other ranks
+        # to replay (see `_move`); None (the default) records nothing.
+        self.moves: list[tuple[int, list[int], list[int]]] | None = None
 
-    def _default_l1(self) -> int:
-        if self.device.type == "cuda":
-            # made after the weights are loaded, the cache takes most of what they left
-            free, _ = torch.cuda.mem_get_info(self.device)
-            return max(int((free - ACTIVATION_RESERVE) * GPU_L1_FRACTION), 0)
-        return DEFAULT_CPU_L1
+    # ------------------------------------------------------------------ byte moves
+
+    def _move(self, kind: int, src: list[int], dst: list[int]) -> Transfer:
+        """Run one L1/L2 move (recorded first when `moves` is on): the one door every byte
+        between L1 and L2, and within L1, goes through."""
+        if self.moves is not None:
+            self.moves.append((kind, src, dst))
+        return self._apply(kind, src, dst)
+
+    def _apply(self, kind: int, src: list[int], dst: list[int]) -> Transfer:
+        if kind == L1_TO_L2:
+            return self.mover.l1_to_l2(src, dst)
+        if kind == L2_TO_L1:
+            return self.mover.l2_to_l1(src, dst)
+        if kind == COPY_L1:
+            self._copy_l1(src, dst)
+        elif self.mover is not None:  # FENCE
+            self.mover.fence()
+        return DONE
+
+    def replay(self, moves: list[tuple[int, list[int], list[int]]]) -> None:
+        """Repeat rank 0's moves on this rank's pools (same slots, this rank's KV heads), count
+        their bytes, and order the current stream after them (the step that follows reads them)."""
+        for kind, src, dst in moves:
+            self._apply(kind, src, dst)
+            if kind in (L1_TO_L2, L2_TO_L1):
+                self.count("l2", len(src), into=kind == L1_TO_L2)
+                self.count("l1", len(src), into=kind == L2_TO_L1)
+        if moves and self.mover is not None:
+            self.mover.fence()
+
+    def copy_down(self, l1_slots: list[int], l2_slots: list[int]) -> Transfer:
+        """Copy L1 blocks into L2 slots the caller took (a streamed sequence's private blocks)."""
+        return self._move(L1_TO_L2, l1_slots, l2_slots)
+
+    def copy_l1(self, src: list[int], dst: list[int]) -> None:
+        """L1 block src[i] -> dst[i] in every layer, queued on the current stream."""
+        self._move(COPY_L1, src, dst)
+
+    def fence(self) -> None:
+        """Order the current stream after every L1/L2 move so far (before an L1 slot they read is reused)."""
+        self._move(FENCE, [], [])
+
+    def _copy_l1(self, src: list[int], dst: list[int]) -> None:
+        kv = self.l1.kv  # [L, N, 2, bs, H, D]: as [L * N, 2, bs, H, D], block s of layer l is l * N + s
+        layers, n = kv.shape[:2]
+        base = torch.arange(layers)[:, None] * n  # [L, 1]
+        rows = [(base + torch.tensor(slots)).flatten().to(self.device) for slots in (src, dst)]
+        flat = kv.view(layers * n, *kv.shape[2:])
+        kernels.copy_blocks(flat, rows[0], flat, rows[1])
 
     # ------------------------------------------------------------------ L1
 
@@ -131,7 +196,7 @@ class Tiering:
             self.l1.free.give([self.index.unplace(e, "l1")])
         self.counters.tiers["l1"].evictions += len(victims)
         if copied:
-            self.mover.fence()  # the freed slots are reused only after the copies out of them
+            self.fence()  # the freed slots are reused only after the copies out of them
 
     def _admits(self, entry: BlockEntry) -> bool:
         """Whether the write policy lets `entry` into the next tier down when it is evicted."""
@@ -149,7 +214,7 @@ class Tiering:
         slots = self.take_l2(len(entries))
         entries = entries[: len(slots)]
         if entries:
-            moved = self.mover.l1_to_l2([e.l1 for e in entries], slots)
+            moved = self._move(L1_TO_L2, [e.l1 for e in entries], slots)
             for e, slot in zip(entries, slots):
                 self.index.place(e, "l2", slot)
             self.count("l2", len(entries), into=True)
@@ -203,7 +268,7 @@ class Tiering:
             return DONE
         self.count("l2", len(entries), into=False)
         self.count("l1", len(entries), into=True)
-        return self.mover.l2_to_l1([e.l2 for e in entries], l1_slots)
+        return self._move(L2_TO_L1, [e.l2 for e in entries], l1_slots)
 
     # ------------------------------------------------------------------ L3
 

@@ -126,6 +126,9 @@ class EngineConfig:
     enforce_eager: no CUDA graphs for decode steps (debugging, or to save their capture time).
     async_scheduling: the host schedules and prepares step N+1 while the GPU runs step N, and
         takes step N's tokens back afterwards; False runs each step to completion first.
+    tensor_parallel_size: GPUs (ranks) the model is split over, one process each, started by the
+        engine (rank r on cuda:r; on CPU, gloo processes). l1 and l2 are then per rank, as a
+        GPU's memory is; the default L2 share is divided among the ranks. No L3 yet with > 1.
     """
 
     model: str | None = None
@@ -145,10 +148,11 @@ class EngineConfig:
     cache_dir: str | None = None
     enforce_eager: bool = False
     async_scheduling: bool = True
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         self.l3 = (self.l3,) if isinstance(self.l3, str) else tuple(self.l3)
-        for name in ("block_size", "max_num_seqs"):
+        for name in ("block_size", "max_num_seqs", "tensor_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
@@ -159,6 +163,9 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 2):
                 raise ConfigError(f"{name} must be an int >= 2 or None (the default), got {value!r}")
+        if self.tensor_parallel_size > 1 and self.l3:
+            raise ConfigError("l3 is not supported with tensor_parallel_size > 1 yet (each rank would need its "
+                              "own part of every L3 object): drop l3, or run with tensor_parallel_size=1")
         check_device(self.device)
         dtype_name(self.dtype)
         check_offload_dtype(self.kv_offload_dtype)

@@ -11,6 +11,7 @@ knows about HTTP.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import time
@@ -21,13 +22,23 @@ from ..cache import TieredKVCache
 from ..config import redact_url
 from ..errors import ConfigError
 from ..layout import stored_layout
+from ..tiering import default_l1_bytes
+from ..tiers.pool import blocks_for
 from .config import L2_DEFAULT_RULE, EngineConfig
-from .loader import LoadedModel, load_model
+from .loader import LoadedModel, check_parallel_model, load_model
 from .request import Request, RequestOutput
 from .runner import LaunchedStep, ModelRunner
-from .sampler import MAX_LOGPROBS, SamplingParams, choice_seed, find_stop_string, make_generator, stop_reason
+from .sampler import (
+    MAX_LOGPROBS,
+    SamplingParams,
+    choice_seed,
+    find_stop_string,
+    make_generator,
+    stop_reason,
+)
 from .scheduler import Scheduler
 from .tokenizer import IncrementalDetokenizer
+from .workers import Workers
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +59,26 @@ class Engine:
             config = EngineConfig.from_options(model, **options)
         elif model is not None or options:
             raise ConfigError("give either config= or a model and options, not both")
+        size = config.tensor_parallel_size
+        if size > 1 and loaded is not None:
+            raise ConfigError("loaded= takes a whole model: use it with tensor_parallel_size=1")
+        # Tensor parallel: this process is rank 0; the others start now and build their part
+        # while this one builds its own (workers.py).
+        self.workers: Workers | None = None
+        if size > 1:
+            check_parallel_model(config.model, config.cache_dir, size)
+            self.workers = Workers(config, size)
+        try:
+            self._build(config, loaded)
+        except BaseException:
+            if self.workers is not None:
+                self.workers.close()
+            raise
+
+    def _build(self, config: EngineConfig, loaded: LoadedModel | None) -> None:
+        tp = self.workers.tp if self.workers is not None else None
         self.lm = loaded if loaded is not None else load_model(config.model, device=config.device, dtype=config.dtype,
-                                                               cache_dir=config.cache_dir)
+                                                               cache_dir=config.cache_dir, tp=tp)
         self.tokenizer = self.lm.tokenizer
         dev = self.lm.device
         explicit_len = config.max_model_len is not None
@@ -58,6 +87,8 @@ class Engine:
         # the default L2 is sized in blocks of the format L2 holds (fp8 blocks are about half as big)
         l2_block = stored_layout(layout, config.kv_offload_dtype).bytes_per_block
         self.config = config = config.for_device(dev, self.lm.config.max_position_embeddings, l2_block)
+        if self.workers is not None:
+            config = self._agree_sizes(config, layout, l2_default)
         # made after the weights: with l1 None the cache sizes L1 from the memory they left
         self.cache = TieredKVCache(layout, config.cache_config(), device=dev, model=self.lm.fingerprint)
         self.config = config = self._fit_context(config, explicit=explicit_len)
@@ -69,7 +100,11 @@ class Engine:
         if dev.type == "cuda":
             params = sum(p.numel() for p in self.lm.model.parameters())
             self.scheduler.recompute_seconds_per_token = 2 * params / GPU_PREFILL_FLOPS
-        self.runner = ModelRunner(self.lm, self.cache, config)
+        self.runner = ModelRunner(self.lm, self.cache, config,
+                                  send_plan=self.workers.send if self.workers is not None else None)
+        if self.workers is not None:
+            self.workers.ready()
+            self.cache.tiers.moves = []  # from now on every L1/L2 move is repeated by the other ranks
         self.requests: dict[str, Request] = {}
         self.in_flight: LaunchedStep | None = None  # launched, its tokens not yet taken back
         self.num_computed_tokens = 0  # tokens the model has run, prompts and decodes together
@@ -80,6 +115,17 @@ class Engine:
         log.info("engine: %s; L1 %d blocks, L2 %d blocks%s, L3 %s", self.lm.model_dir.name, self.cache.l1.num_blocks,
                  self.cache.l2.num_blocks if self.cache.l2 else 0, self.l2_note,
                  [redact_url(u) for u in config.l3] or "none")
+
+    def _agree_sizes(self, config: EngineConfig, layout, l2_default: bool) -> EngineConfig:
+        """Tensor parallel: L1 and L2 sizes that every rank uses. Ranks hold the same slots, so L1
+        takes the block count the fullest GPU allows; the default L2 share of host memory is
+        divided among the ranks (each pins its own L2)."""
+        cache = config.cache_config()
+        l1 = cache.l1 if cache.l1 is not None else default_l1_bytes(self.lm.device)
+        l2 = cache.l2 // self.workers.size if l2_default else cache.l2
+        l1_blocks, l2, _, _ = self.workers.agree_sizes(
+            [blocks_for(l1, layout.bytes_per_block, "l1"), l2, config.max_model_len, config.max_num_batched_tokens])
+        return dataclasses.replace(config, l1=l1_blocks * layout.bytes_per_block, l2=l2)
 
     def _fit_context(self, config: EngineConfig, explicit: bool) -> EngineConfig:
         """`config` with a max_model_len that the tiers can always hold: one sequence of that many
@@ -289,7 +335,27 @@ class Engine:
             request_finished=req.finished and (req.group is None or all(c.finished for c in req.group)),
         )
 
+    def cache_stats(self) -> dict:
+        """The cache's stats. Under tensor parallelism these are rank 0's decisions, with each
+        tier's bytes for all ranks together (rank 0's times the rank count: every rank holds and
+        moves the same blocks, each of its own KV heads), and under "ranks" each rank's own counters: the workers count the
+        L1/L2 moves they repeated, so a rank that fell out of step shows there."""
+        out = self.cache.stats()
+        if self.workers is None:
+            return out
+        ranks = [copy.deepcopy(out["tiers"])] + [s["tiers"] for s in self.workers.stats()]
+        out["ranks"] = [{"rank": r, "tiers": tiers} for r, tiers in enumerate(ranks)]
+        for counters in out["tiers"].values():
+            for key in ("bytes_in", "bytes_out", "capacity_bytes", "used_bytes"):
+                if key in counters:
+                    counters[key] *= len(ranks)
+        return out
+
     def close(self) -> None:
-        if self.in_flight is not None:
-            self._postprocess(self._take_in_flight())
-        self.cache.close()
+        try:
+            if self.in_flight is not None:
+                self._postprocess(self._take_in_flight())
+            self.cache.close()
+        finally:
+            if self.workers is not None:
+                self.workers.close()

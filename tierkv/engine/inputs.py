@@ -33,6 +33,8 @@ class BuiltStep:
     meta: AttentionMetadata
     sampling: list[Request]
     cu: list[int]  # [B + 1] prefix sums of the new-token counts, on the host
+    host: dict[str, np.ndarray]  # step_plan.ARRAYS -> this step's host arrays (views; refilled two steps on)
+    width: int  # block table columns
 
 
 class _HostSet:
@@ -121,23 +123,53 @@ class StepInputs:
         sample_rows = [b for b, r in enumerate(requests) if int(ends[b]) == r.num_tokens]
         h["logits_indices"][: len(sample_rows)] = cu[1:][sample_rows] - 1
 
-        def dev(name: str, n: int) -> torch.Tensor:
-            out = self._dev[name][:n]
-            out.copy_(host.tensors[name][:n], non_blocking=True)
-            return out
-
-        input_ids = dev("input_ids", total)
+        input_ids, positions, meta = self._to_device(host, total, b_count, width, len(sample_rows),
+                                                     bool((new == 1).all()), int(starts[0]) if b_count == 1 else None)
         if pending_at:
             n = len(pending_at)
             h["pending_at"][:n], h["pending_from"][:n] = pending_at, pending_from
-            input_ids.index_copy_(0, dev("pending_at", n), previous[1].index_select(0, dev("pending_from", n)))
+            input_ids.index_copy_(0, self._copy(host, "pending_at", n),
+                                  previous[1].index_select(0, self._copy(host, "pending_from", n)))
+        return BuiltStep(input_ids, positions, meta, [requests[b] for b in sample_rows], cu.tolist(),
+                         self._views(host, total, b_count, width, len(sample_rows)), width)
+
+    def load(self, arrays: dict[str, np.ndarray], width: int, is_decode: bool, context: int | None) -> BuiltStep:
+        """Another tensor-parallel rank's step: rank 0's host arrays (step_plan.ARRAYS) to the device.
+        Its token ids are left to the caller (broadcast from rank 0 on the device)."""
+        total, b_count = len(arrays["positions"]), len(arrays["seq_lens"])
+        n_sample = len(arrays["logits_indices"])
+        self._fit(input_ids=total, positions=total, slot_mapping=total, block_tables=b_count * width,
+                  seq_lens=b_count, cu_seqlens_q=b_count + 1, logits_indices=n_sample)
+        host = self._hosts[self._turn]
+        self._turn ^= 1
+        for name, values in arrays.items():
+            host.np[name][: len(values)] = values
+        input_ids, positions, meta = self._to_device(host, total, b_count, width, n_sample, is_decode, context)
+        return BuiltStep(input_ids, positions, meta, [], arrays["cu_seqlens_q"].tolist(),
+                         self._views(host, total, b_count, width, n_sample), width)
+
+    def _copy(self, host: _HostSet, name: str, n: int) -> torch.Tensor:
+        """The first `n` values of host array `name`, copied into its device buffer (no wait)."""
+        out = self._dev[name][:n]
+        out.copy_(host.tensors[name][:n], non_blocking=True)
+        return out
+
+    def _to_device(self, host: _HostSet, total: int, b_count: int, width: int, n_sample: int, is_decode: bool,
+                   context: int | None) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         meta = AttentionMetadata(
-            slot_mapping=dev("slot_mapping", total),
-            block_tables=dev("block_tables", b_count * width).view(b_count, width),
-            seq_lens=dev("seq_lens", b_count),
-            cu_seqlens_q=dev("cu_seqlens_q", b_count + 1),
-            logits_indices=dev("logits_indices", len(sample_rows)),
-            is_decode=bool((new == 1).all()),
-            context=int(starts[0]) if b_count == 1 else None,
+            slot_mapping=self._copy(host, "slot_mapping", total),
+            block_tables=self._copy(host, "block_tables", b_count * width).view(b_count, width),
+            seq_lens=self._copy(host, "seq_lens", b_count),
+            cu_seqlens_q=self._copy(host, "cu_seqlens_q", b_count + 1),
+            logits_indices=self._copy(host, "logits_indices", n_sample),
+            is_decode=is_decode,
+            context=context,
         )
-        return BuiltStep(input_ids, dev("positions", total), meta, [requests[b] for b in sample_rows], cu.tolist())
+        return self._copy(host, "input_ids", total), self._copy(host, "positions", total), meta
+
+    @staticmethod
+    def _views(host: _HostSet, total: int, b_count: int, width: int, n_sample: int) -> dict[str, np.ndarray]:
+        h = host.np
+        return {"positions": h["positions"][:total], "slot_mapping": h["slot_mapping"][:total],
+                "block_tables": h["block_tables"][: b_count * width], "seq_lens": h["seq_lens"][:b_count],
+                "cu_seqlens_q": h["cu_seqlens_q"][: b_count + 1], "logits_indices": h["logits_indices"][:n_sample]}

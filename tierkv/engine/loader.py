@@ -363,6 +363,17 @@ def load_weights(model: CausalLM, files: list[Path], device: torch.device, dtype
     model.reset_rope()
 
 
+def check_parallel_model(model: str | None, cache_dir: str | Path | None, size: int) -> None:
+    """Fail before any rank starts when `size` ranks cannot split `model` (the ConfigError says
+    which sizes can). Fetches or converts the model once, here, so the ranks find it ready."""
+    model_dir = resolve_model_dir(model, cache_dir)
+    try:
+        config = ModelConfig.from_hf(read_config(model_dir))
+    except KeyError as e:
+        raise ModelLoadError(f"{model_dir}/config.json lacks {e}") from None
+    check_tensor_parallel(size, config.num_heads, config.num_kv_heads, config.intermediate_size)
+
+
 def load_model(
     model: str | os.PathLike | None = None,
     *,
@@ -383,7 +394,8 @@ def load_model(
     hf_config = read_config(model_dir)
     try:
         config = ModelConfig.from_hf(hf_config)
-        check_tensor_parallel(tp.size, config.num_heads, config.num_kv_heads)  # before any weight is read
+        check_tensor_parallel(tp.size, config.num_heads, config.num_kv_heads,  # before any weight is read
+                              config.intermediate_size)
     except ConfigError as e:
         raise ModelLoadError(f"{model_dir}: {e}") from None
     except KeyError as e:

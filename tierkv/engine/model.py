@@ -290,10 +290,7 @@ class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
         tp = tp or TensorParallel()
-        check_tensor_parallel(tp.size, cfg.num_heads, cfg.num_kv_heads)
-        if cfg.intermediate_size % tp.size:
-            raise ConfigError(f"tensor_parallel_size {tp.size} does not divide the model's intermediate size "
-                              f"{cfg.intermediate_size}")
+        check_tensor_parallel(tp.size, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size)
         self.config = cfg
         self.tp = tp
         self.model = Decoder(cfg, tp)

@@ -29,8 +29,12 @@ from tierkv.errors import ConfigError
 # error a person sees rather than a hang.
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
 
+# torch 2.13 renamed all_gather_into_tensor (and warns on the old name); older releases lack the new one
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-def check_tensor_parallel(size: int, num_heads: int, num_kv_heads: int, gpus: int | None = None) -> None:
+
+def check_tensor_parallel(size: int, num_heads: int, num_kv_heads: int, intermediate_size: int | None = None,
+                          gpus: int | None = None) -> None:
     """Raise ConfigError, saying what to change, unless `size` ranks can split this model (and,
     with `gpus` given, unless that many GPUs exist)."""
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
@@ -42,6 +46,9 @@ def check_tensor_parallel(size: int, num_heads: int, num_kv_heads: int, gpus: in
     if not _kv_fits(size, num_kv_heads):
         raise ConfigError(f"tensor_parallel_size {size} cannot split the model's {num_kv_heads} KV heads: it must "
                           f"divide them, or be a multiple of them (each KV head then replicated)")
+    if intermediate_size is not None and intermediate_size % size:
+        raise ConfigError(f"tensor_parallel_size {size} does not divide the model's intermediate size "
+                          f"{intermediate_size}")
     if gpus is not None and size > gpus:
         raise ConfigError(f"tensor_parallel_size {size} needs {size} GPUs, but {gpus} are visible; lower it to "
                           f"{gpus} or less")
@@ -90,14 +97,22 @@ class TensorParallel:
             dist.all_reduce(x, group=self.group)
         return x
 
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `x` on every rank, in place (on the device's stream: no host wait); returns it."""
+        if self.enabled:
+            dist.broadcast(x, 0, group=self.group)
+        return x
+
     def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """[n, per] logits of this rank's vocab rows -> [n, vocab_size] of every rank's, on every rank."""
         if not self.enabled:
             return logits
         n, per = logits.shape
+        if n == 0:  # a step where no row samples (n is the same on every rank, so all skip together)
+            return logits.new_empty((0, vocab_size))
         # [ranks * n, per]: ranks concatenated along dim 0, the one output shape gloo and NCCL both take
         out = torch.empty((self.size * n, per), dtype=logits.dtype, device=logits.device)
-        dist.all_gather_into_tensor(out, logits.contiguous(), group=self.group)
+        _all_gather(out, logits.contiguous(), group=self.group)
         return out.view(self.size, n, per).permute(1, 0, 2).reshape(n, self.size * per)[:, :vocab_size]
 
 

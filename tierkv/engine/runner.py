@@ -11,19 +11,23 @@ stream. Knows nothing of queues, scheduling or HTTP.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from tierkv import kernels
 
 from ..cache import TieredKVCache
-from .config import EngineConfig
+from ..sequence import SequenceBlocks
 from .attention import AttentionMetadata, StreamedAttention
+from .config import EngineConfig
 from .graphs import DecodeGraphs
 from .inputs import BuiltStep, StepInputs
 from .loader import LoadedModel
 from .request import Request
 from .sampler import Sampler, SamplerOutput, SamplingBatch
 from .scheduler import ScheduledStep
+from .step_plan import StepPlan
 
 
 class LaunchedStep:
@@ -60,9 +64,13 @@ def _to_host(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 class ModelRunner:
-    def __init__(self, lm: LoadedModel, cache: TieredKVCache, config: EngineConfig) -> None:
-        """`config` with its device defaults resolved (`EngineConfig.for_device`)."""
+    def __init__(self, lm: LoadedModel, cache: TieredKVCache, config: EngineConfig,
+                 send_plan: Callable[[StepPlan], None] | None = None) -> None:
+        """`config` with its device defaults resolved (`EngineConfig.for_device`). `send_plan`:
+        tensor parallelism on rank 0, where each step's plan goes to the other ranks before it runs."""
         self.lm, self.cache = lm, cache
+        self.send_plan = send_plan
+        self.tp = lm.model.tp
         self.device = lm.device
         self.vocab_size = lm.config.vocab_size
         self.sampler = Sampler()
@@ -70,11 +78,12 @@ class ModelRunner:
         # mid-run would stall that step (and every request in it) for about a second.
         cfg = lm.model.config
         windows = set(cfg.layer_windows or [None])
-        kernels.compile_variants(cache.l1.kv[0], cfg.num_heads, cfg.head_dim**-0.5, windows)
+        kernels.compile_variants(cache.l1.kv[0], lm.model.num_local_heads, cfg.head_dim**-0.5, windows)
         # Decode steps replay CUDA graphs (never on CPU or with enforce_eager); captured now,
-        # before any request runs, so no step pays for it.
+        # before any request runs, so no step pays for it. Not yet under tensor parallelism:
+        # capturing NCCL collectives has not run on two GPUs here, so those steps stay eager.
         self.graphs = DecodeGraphs(
-            lm.model, cache.l1.kv, block_size=cache.block_size, enabled=not config.enforce_eager,
+            lm.model, cache.l1.kv, block_size=cache.block_size, enabled=not config.enforce_eager and not self.tp.enabled,
             max_model_len=config.max_model_len, max_batch_size=config.max_num_seqs,
         )
         self.graphs.capture()
@@ -95,11 +104,13 @@ class ModelRunner:
                                   else (previous.requests, previous.token_ids))
         first = next((b for b, r in enumerate(step.requests) if r.seq.offloaded), None)
         if first is not None:
-            built.meta.streamed = self._streamed(built.meta, step, first, built.cu)
+            built.meta.streamed = self._streamed(built, first, [r.seq for r in step.requests[first:]])
         return built
 
-    def _streamed(self, meta: AttentionMetadata, step: ScheduledStep, first: int, cu: list[int]) -> StreamedAttention:
-        """Split `meta` at sequence `first`, where the streamed sequences begin, and start their stream."""
+    def _streamed(self, built: BuiltStep, first: int, seqs: list[SequenceBlocks]) -> StreamedAttention:
+        """Split the step at sequence `first`, where the streamed sequences `seqs` begin, and
+        start their stream."""
+        meta, cu, seq_lens = built.meta, built.cu, built.host["seq_lens"]
 
         def part(lo: int, hi: int) -> AttentionMetadata:  # the sequences [lo, hi) of the batch
             return AttentionMetadata(
@@ -108,12 +119,13 @@ class ModelRunner:
                 seq_lens=meta.seq_lens[lo:hi],
                 cu_seqlens_q=meta.cu_seqlens_q[lo : hi + 1] - cu[lo],
                 logits_indices=meta.logits_indices[:0],
-                is_decode=all(n == 1 for n in step.num_new[lo:hi]),
-                context=step.requests[lo].num_computed if hi - lo == 1 else None,
+                is_decode=all(cu[b + 1] - cu[b] == 1 for b in range(lo, hi)),
+                # tokens computed before this step: its length less its new tokens
+                context=int(seq_lens[lo]) - (cu[lo + 1] - cu[lo]) if hi - lo == 1 else None,
             )
 
-        stream = self.cache.stream([r.seq for r in step.requests[first:]])
-        tail = part(first, len(step))
+        stream = self.cache.stream(seqs)
+        tail = part(first, len(cu) - 1)
         tail.block_tables = stream.plan.block_tables  # [B_streamed, width]: rows of the staging buffer
         return StreamedAttention(cu[first], part(0, first) if first else None, tail, stream)
 
@@ -125,12 +137,13 @@ class ModelRunner:
         the host yet (this step's pending tokens are read from them on the device).
         """
         built = self.prepare(step, previous)
+        if self.send_plan is not None:  # tensor parallel: the other ranks repeat this step
+            self.send_plan(self._plan(built, step))
+            self.tp.broadcast(built.input_ids)  # the token ids, pending ones included, from the device
         for r in step.requests:
             r.seq.wait()  # L2 -> L1 loads into its blocks, ordered before the attention reads
-        meta, sampling = built.meta, built.sampling
-        logits = self.graphs.run(built.input_ids, built.positions, self.cache.l1.kv, meta)  # None: not a graph step
-        if logits is None:
-            logits = self.lm.model(built.input_ids, built.positions, self.cache.l1.kv, meta)  # [len(sampling), vocab]
+        sampling = built.sampling
+        logits = self._forward(built)  # [len(sampling), vocab]
         out = None
         if any(r.forks for r in sampling):
             # A prompt of n choices is computed once: the choices waiting for it sample their
@@ -147,3 +160,34 @@ class ModelRunner:
             )
             out = self.sampler(logits, batch)
         return LaunchedStep(sampling, out, self.device)
+
+    def _forward(self, built: BuiltStep) -> torch.Tensor:
+        logits = self.graphs.run(built.input_ids, built.positions, self.cache.l1.kv, built.meta)  # None: not a graph step
+        if logits is None:
+            logits = self.lm.model(built.input_ids, built.positions, self.cache.l1.kv, built.meta)
+        return logits
+
+    # ------------------------------------------------------------------ tensor parallelism
+
+    def _plan(self, built: BuiltStep, step: ScheduledStep) -> StepPlan:
+        """What the other ranks need of this step: the moves made since the last one, its inputs,
+        and the blocks of its streamed sequences (the batch's last, in `prepare`'s order)."""
+        moves, self.cache.tiers.moves = self.cache.tiers.moves, []
+        seqs = [r.seq for r in step.requests if r.seq.offloaded]
+        return StepPlan(moves=moves, arrays=built.host, width=built.width, is_decode=built.meta.is_decode,
+                        context=built.meta.context, streamed_from=len(step) - len(seqs) if seqs else None,
+                        streamed=[(list(s.slots), list(s.l2_slots)) for s in seqs])
+
+    @torch.inference_mode()
+    def run_plan(self, plan: StepPlan) -> None:
+        """Another rank's step: repeat rank 0's moves on this rank's pools, then the same forward
+        pass over the same batch (its collectives meet rank 0's). Nothing is sampled here."""
+        self.cache.tiers.replay(plan.moves)
+        built = self.inputs.load(plan.arrays, plan.width, plan.is_decode, plan.context)
+        self.tp.broadcast(built.input_ids)
+        if plan.streamed_from is not None:
+            seqs = [SequenceBlocks(ns=b"", priority=0, slots=slots, entries=[None] * len(slots), hashes=[],
+                                   committed=0, num_tokens=0, num_cached_tokens=0, pending=[], l2_slots=l2)
+                    for slots, l2 in plan.streamed]
+            built.meta.streamed = self._streamed(built, plan.streamed_from, seqs)
+        self._forward(built)

@@ -169,7 +169,7 @@ def create_app(engine: AsyncEngine, *, served_model_name: str, max_model_len: in
     @app.get("/v1/cache/stats", responses=ERRORS)
     async def cache_stats():
         try:
-            return await engine.call(lambda e: e.cache.stats())
+            return await engine.call(lambda e: e.cache_stats())
         except ShuttingDown as err:
             return _error(_from_exception(err))
 

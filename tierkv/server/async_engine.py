@@ -56,7 +56,7 @@ class AsyncEngine:
         self._pending = 0  # submitted, not yet drained by the engine thread
         self._waiting = 0  # the scheduler's waiting list, as of the last step
         self._running = 0
-        self.stats: dict = {}  # cache.stats() snapshot for /metrics
+        self.stats: dict = {}  # cache_stats() snapshot for /metrics
         self.draining = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="tierkv-engine", daemon=True)
@@ -109,7 +109,7 @@ class AsyncEngine:
         self._commands.put(("abort", request_id))
 
     async def call(self, fn: Callable[[Any], Any]) -> Any:
-        """Run `fn(engine)` on the engine thread (e.g. cache.stats()) and return its result."""
+        """Run `fn(engine)` on the engine thread (e.g. cache_stats()) and return its result."""
         done: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put(("call", (fn, done)))
         return await asyncio.wrap_future(done)
@@ -256,9 +256,9 @@ class AsyncEngine:
         if force or now - self._stats_at >= STATS_PERIOD_S:
             self._stats_at = now
             try:
-                self.stats = self.engine.cache.stats()
+                self.stats = self.engine.cache_stats()
             except Exception:
-                log.exception("cache.stats() failed")
+                log.exception("cache_stats() failed")
 
     def _stop_engine(self, flush_timeout_s: float) -> None:
         self._fail_all(ShuttingDown("the server shut down before this request finished"))

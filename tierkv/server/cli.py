@@ -93,6 +93,8 @@ def parser() -> argparse.ArgumentParser:
     a("--async-scheduling", action=argparse.BooleanOptionalAction,
       help="prepare the next step on the host while the GPU runs this one (default on); "
       "--no-async-scheduling runs each step to completion first")
+    a("--tensor-parallel-size", "-tp", type=int, help="GPUs to split the model over, one process each, started by "
+      "the server (rank r on cuda:r; pick GPUs with CUDA_VISIBLE_DEVICES); --l1/--l2 are then per GPU (default 1)")
     a("--grace-period", type=float, help="seconds running requests get to finish after SIGTERM (default 30)")
     a("--flush-timeout", type=float, help="seconds allowed for flushing write-back blocks to L3 on exit (default 60)")
     a("--log-level", help="debug, info, warning, error, critical (default info)")
@@ -270,8 +272,9 @@ def tier_summary(engine) -> str:
           if c.l2 is not None else "L2 off")
     l3s = "L3 " + (", ".join(redact_url(u) for u in cfg.l3) if cfg.l3 else "off")
     caching = "" if cfg.enable_prefix_caching else ", prefix caching off"
+    tp = f", tensor parallel over {cfg.tensor_parallel_size} ranks (L1/L2 per rank)" if cfg.tensor_parallel_size > 1 else ""
     return (f"tiers: {l1} | {l2} | {l3s} | {cfg.eviction}, {cfg.write_policy}, "
-            f"block {layout.block_size} tokens, context {engine.max_model_len}{caching}")
+            f"block {layout.block_size} tokens, context {engine.max_model_len}{caching}{tp}")
 
 
 def main(argv: list[str] | None = None) -> int:

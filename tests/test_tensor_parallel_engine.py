@@ -1,0 +1,212 @@
+"""The engine over tensor-parallel ranks (CPU, gloo, 2 processes started by the engine itself).
+
+TP=2 gives TP=1's greedy tokens on tiny Llama, Qwen2 and Qwen3 checkpoints:
+- with prefix caching and L2 on, a second round served from L1 and a third from L2 (rank 0's
+  decision; the worker repeats its loads on its own L2, and its counters show it), with n=2
+  choices whose partial block is copied on write;
+- with an L1 of a few blocks, where a long prompt streams from L2 and requests are preempted.
+
+Bad input fails before any process starts. A worker killed mid-generate ends the call with
+TensorParallelError naming it, and no process is left; nor after the user's process is
+SIGTERMed or SIGKILLed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from models import save_tiny_checkpoint
+
+from tierkv import LLM, SamplingParams
+from tierkv.errors import ConfigError, TensorParallelError
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+
+def prompts(lengths, seed: int = 0, shared: int = 0, vocab: int = 256) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    head = torch.randint(0, vocab, (shared,), generator=g).tolist()
+    return [head + torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("tp-engine")
+    return {kind: str(save_tiny_checkpoint(kind, root / kind, seed=3)) for kind in ("llama", "qwen2", "qwen3")}
+
+
+def rounds(llm: LLM, batch: list[list[int]]) -> list[list[list[int]]]:
+    """Three rounds of the same prompts: computed, then from L1, then from L2 (L1 emptied)."""
+    out = []
+    for r in range(3):
+        if r == 2:
+            llm.cache.evict("l1")
+        outs = llm.generate(batch, [GREEDY] * (len(batch) - 1) + [SamplingParams(n=2, temperature=0.0, max_tokens=10,
+                                                                                 ignore_eos=True)], use_tqdm=False)
+        if r:
+            assert all(o.cached_tokens > 0 for o in outs)
+        out.append([o.token_ids for o in outs] + [outs[-1].choices[1].token_ids])
+    return out
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_two_ranks_give_one_rank_greedy_tokens_through_l1_and_l2(checkpoints, kind):
+    batch = prompts([9, 30, 17, 22], seed=1, shared=12)
+    options = dict(device="cpu", block_size=4, l2="2MiB")
+    one = LLM(checkpoints[kind], **options)
+    want = rounds(one, batch)
+    one.close()
+    two = LLM(checkpoints[kind], tensor_parallel_size=2, **options)
+    try:
+        assert rounds(two, batch) == want
+        stats = two.engine.cache_stats()
+        rank0, rank1 = (r["tiers"] for r in stats["ranks"])
+        assert rank0["l2"]["blocks_out"] > 0  # the third round loaded from L2 ...
+        # ... and the worker repeated every L2 load and copy-down on its own pools, of its heads
+        assert rank1["l2"]["blocks_out"] == rank0["l2"]["blocks_out"]
+        assert rank1["l2"]["blocks_in"] == rank0["l2"]["blocks_in"] > 0
+        assert stats["tiers"]["l2"]["bytes_out"] == 2 * rank0["l2"]["bytes_out"]
+        # each rank holds half the KV heads: the same blocks at half the bytes of TP=1's
+        assert rank0["l1"]["capacity_bytes"] // rank0["l1"]["capacity_blocks"] == \
+            one.cache.layout.bytes_per_block // 2
+    finally:
+        two.close()
+
+
+def test_streaming_and_preemption_in_a_tiny_l1_match_one_rank(checkpoints):
+    path = checkpoints["llama"]
+    long, *short = prompts([150, 21, 33, 12], seed=2)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    want = [o.token_ids for o in LLM(path, device="cpu").generate([long, *short], params, use_tqdm=False)]
+    bb = LLM(path, device="cpu", l1=1 << 20, block_size=4).cache.layout.bytes_per_block
+    # TP=2 blocks are half as big: 16 of them hold 64 tokens, under half the long prompt; the
+    # short ones and their outputs compete for the rest, so some are preempted
+    two = LLM(path, device="cpu", tensor_parallel_size=2, block_size=4, l1=16 * bb // 2, l2=128 * bb // 2,
+              max_num_seqs=3)
+    try:
+        assert two.cache.l1.num_blocks == 16
+        assert [o.token_ids for o in two.generate([long, *short], params, use_tqdm=False)] == want
+        assert two.engine.scheduler.num_preemptions > 0
+        rank0, rank1 = (r["tiers"] for r in two.engine.cache_stats()["ranks"])
+        assert rank0["l2"]["bytes_out"] > 0  # the long prompt streamed its offloaded blocks from L2
+        assert rank1["l2"]["bytes_out"] == rank0["l2"]["bytes_out"]
+    finally:
+        two.close()
+
+
+def test_bad_sizes_fail_before_any_rank_starts(checkpoints, tmp_path):
+    path = checkpoints["llama"]  # 4 attention heads, 2 KV heads
+    with pytest.raises(ConfigError, match=r"does not divide the model's 4 attention heads; use one of \[1, 2, 4\]"):
+        LLM(path, device="cpu", tensor_parallel_size=3)
+    with pytest.raises(ConfigError, match="tensor_parallel_size must be an int >= 1"):
+        LLM(path, device="cpu", tensor_parallel_size=0)
+    with pytest.raises(ConfigError, match="l3 is not supported with tensor_parallel_size > 1"):
+        LLM(path, device="cpu", tensor_parallel_size=2, l2="1MiB", l3=[f"file://{tmp_path}"])
+    if torch.cuda.device_count() < 2:
+        with pytest.raises(ConfigError, match=r"needs 2 GPUs, but [01] are visible; lower it to [01] or less"):
+            LLM(path, device="cuda", tensor_parallel_size=2)
+
+
+def _gone(pid: int, within: float) -> bool:
+    end = time.monotonic() + within
+    while time.monotonic() < end:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        try:  # a child of this process: reap it, or it stays a zombie that kill(0) still finds
+            if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                return True
+        except ChildProcessError:
+            pass
+        time.sleep(0.1)
+    return False
+
+
+def test_a_worker_killed_mid_generate_fails_the_call_and_leaves_no_process(checkpoints):
+    llm = LLM(checkpoints["llama"], device="cpu", tensor_parallel_size=2, block_size=4)
+    worker = llm.engine.workers.procs[0]
+    many = prompts([40] * 8, seed=4)
+    llm.generate(many[:1], GREEDY, use_tqdm=False)  # ranks up and in step
+    os.kill(worker.pid, signal.SIGKILL)
+    with pytest.raises(TensorParallelError, match="tensor-parallel tierkv-tp-rank1 exited with code -9"):
+        llm.generate(many, SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True), use_tqdm=False)
+    assert _gone(worker.pid, within=10)
+    llm.close()  # after the failure: nothing left to stop, and no error
+
+
+SCRIPT = textwrap.dedent("""
+    import sys, time
+    from tierkv import LLM, SamplingParams
+    if __name__ == "__main__":
+        llm = LLM(sys.argv[1], device="cpu", tensor_parallel_size=2, block_size=4)
+        print(" ".join(str(p.pid) for p in llm.engine.workers.procs), flush=True)
+        while True:
+            llm.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=50, ignore_eos=True), use_tqdm=False)
+""")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_no_rank_outlives_a_killed_user_process(checkpoints, tmp_path, sig):
+    script = tmp_path / "serve.py"
+    script.write_text(SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    user = subprocess.Popen([sys.executable, str(script), checkpoints["llama"]], stdout=subprocess.PIPE, env=env,
+                            text=True)
+    try:
+        pids = [int(p) for p in user.stdout.readline().split()]
+        assert pids, "the script did not start its ranks"
+        time.sleep(0.5)  # mid-generate
+        user.send_signal(sig)
+        user.wait(timeout=30)
+        assert all(_gone(pid, within=10) for pid in pids)
+    finally:
+        user.kill()
+
+
+def _children(pid: int) -> list[int]:
+    """Processes whose parent is `pid` (Linux /proc)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry.name))
+    return out
+
+
+def test_tierkv_serve_over_two_ranks_answers_like_one_and_stops_every_rank(checkpoints, tmp_path):
+    openai = pytest.importorskip("openai")
+    import httpx
+    from server_helpers import ServerProcess
+
+    path = checkpoints["qwen2"]
+    prompt = prompts([23], seed=5)[0]
+    want = LLM(path, device="cpu").generate(prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+                                            use_tqdm=False)[0].token_ids
+    server = ServerProcess(["--model", path, "--device", "cpu", "-tp", "2", "--l2", "1MiB"], tmp_path / "serve.log")
+    try:
+        server.wait_ready()
+        assert "tensor parallel over 2 ranks" in server.log()
+        workers = _children(server.proc.pid)
+        assert workers, "the server started no rank processes"
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+        got = client.completions.create(model="qwen2", prompt=prompt, max_tokens=8, temperature=0.0, logprobs=1,
+                                        extra_body={"ignore_eos": True})
+        assert [int(t) for t in got.choices[0].logprobs.tokens] == want  # no tokenizer: tokens are named by id
+        stats = httpx.get(server.url + "/v1/cache/stats", timeout=30).json()
+        assert [r["rank"] for r in stats["ranks"]] == [0, 1]
+    finally:
+        assert server.stop() == 0
+    assert all(_gone(pid, within=10) for pid in workers)
