@@ -3,7 +3,9 @@
 # ../shared/tools/device-wheels.sh, carried), then run the named parts in order, each under its
 # own time limit, so one failure never costs the others. Everything lands in $OUT (log, JSON, PNG).
 #   parts: tests (pytest -m gpu, or the files in GPU_TESTS), kernels, throughput, latency,
-#          long_context, serving
+#          long_context, serving, tiers (bench_tiers: disk, and Redis/S3 when .devsvc/ is carried)
+# The device has no redis-server or SeaweedFS: scripts/device_services.sh packs them into .devsvc/
+# (carry it, with the .whl/ files of boto3, botocore, s3transfer, jmespath and redis).
 # Usage (device tool, carry [".whl"]): TIERKV_COMMIT=<sha sent> bash scripts/gpu_check.sh tests kernels throughput
 # (the device's copy of .git can lag the tree it runs: without TIERKV_COMMIT the JSONs may name an older commit)
 # Extra arguments per benchmark: KERNELS_ARGS, THROUGHPUT_ARGS, LATENCY_ARGS, LONG_ARGS, SERVING_ARGS.
@@ -25,6 +27,18 @@ install() {
   python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 }
 
+services() {  # unpack the carried redis-server, redis-cli and weed onto PATH; false if not carried
+  [ -f .devsvc/redis.tar.xz ] && [ -f .devsvc/weed.xz ] || return 1
+  mkdir -p /tmp/svc/real /tmp/svc/bin
+  tar -C /tmp/svc/real -xJf .devsvc/redis.tar.xz && xz -dc .devsvc/weed.xz > /tmp/svc/bin/weed && chmod +x /tmp/svc/bin/weed
+  for b in redis-server redis-cli; do  # their libraries for them alone: Python keeps the system's
+    printf '#!/bin/sh\nLD_LIBRARY_PATH=/tmp/svc/real/lib exec /tmp/svc/real/bin/%s "$@"\n' "$b" > /tmp/svc/bin/$b
+    chmod +x /tmp/svc/bin/$b
+  done
+  export PATH=/tmp/svc/bin:$PATH
+  redis-server --version && weed version
+}
+
 part() {  # part NAME SECONDS COMMAND...
   local name=$1 limit=$2
   shift 2
@@ -44,6 +58,8 @@ part() {  # part NAME SECONDS COMMAND...
       latency) part latency 240 python3 benchmarks/bench_latency.py --out "$OUT" ${LATENCY_ARGS:-} ;;
       long_context) part long_context 420 python3 benchmarks/bench_long_context.py --out "$OUT" ${LONG_ARGS:-} ;;
       serving) part serving 540 python3 benchmarks/bench_serving.py --out "$OUT" ${SERVING_ARGS:-} ;;
+      tiers) if services; then part tiers 420 python3 benchmarks/bench_tiers.py --out "$OUT" ${TIERS_ARGS:-}
+             else part tiers 420 python3 benchmarks/bench_tiers.py --no-services --out "$OUT" ${TIERS_ARGS:-}; fi ;;
       *) echo "unknown part $p" ;;
     esac
   done

@@ -210,3 +210,17 @@ def test_tierkv_serve_over_two_ranks_answers_like_one_and_stops_every_rank(check
     finally:
         assert server.stop() == 0
     assert all(_gone(pid, within=10) for pid in workers)
+
+
+def test_a_script_without_the_main_guard_is_told_what_to_add(checkpoints, tmp_path):
+    script = tmp_path / "unguarded.py"
+    script.write_text(textwrap.dedent("""
+        import sys
+        from tierkv import LLM
+        LLM(sys.argv[1], device="cpu", tensor_parallel_size=2)
+    """))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, str(script), checkpoints["llama"]], capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert run.returncode != 0
+    assert 'must guard its top level with `if __name__ == "__main__":`' in run.stderr

@@ -36,7 +36,9 @@ class LLM:
         cache, safetensors only); None is the bundled SmolLM2-135M-Instruct. Options: those of
         `EngineConfig` (l1, l2, l3, eviction, write_policy, block_size, enable_prefix_caching, max_model_len,
         max_num_batched_tokens, max_num_seqs, device, dtype, cache_dir, enforce_eager,
-        async_scheduling)."""
+        async_scheduling, tensor_parallel_size). With tensor_parallel_size > 1 the other ranks are
+        spawned processes: guard a script's top level with `if __name__ == "__main__":`, and
+        `close()` (or the process's exit) stops them."""
         self.engine = Engine(model, **options)
         self.tokenizer = self.engine.tokenizer
 

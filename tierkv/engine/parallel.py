@@ -123,6 +123,9 @@ def init_process_group(rank: int, size: int, init_file: str, device: torch.devic
     if device.type == "cuda":
         torch.cuda.set_device(device)
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # a dead peer fails the op, not a hang
+    # the ranks share one host: gloo (the CPU collectives, and the control group beside NCCL)
+    # listens on loopback only, never on a network interface
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=size,
                             timeout=COLLECTIVE_TIMEOUT)
     return TensorParallel(rank, size, dist.group.WORLD)

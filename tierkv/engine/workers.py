@@ -109,7 +109,10 @@ class Workers:
                 rank, kind, text = self._messages.get(timeout=0.2)
             except queue.Empty:
                 if time.monotonic() > end or any(not p.is_alive() for p in self.procs):
-                    raise self._failure() from None
+                    err = self._failure()
+                    # the usual cause: the spawned rank ran the script's top level again
+                    raise TensorParallelError(f"{err} before it started; a script that uses tensor_parallel_size "
+                                              "> 1 must guard its top level with `if __name__ == \"__main__\":`") from None
                 continue
             if kind == "error":
                 raise TensorParallelError(f"tensor-parallel rank {rank} failed while starting:\n{text}")
