@@ -109,10 +109,9 @@ class Workers:
                 rank, kind, text = self._messages.get(timeout=0.2)
             except queue.Empty:
                 if time.monotonic() > end or any(not p.is_alive() for p in self.procs):
-                    err = self._failure()
-                    # the usual cause: the spawned rank ran the script's top level again
-                    raise TensorParallelError(f"{err} before it started; a script that uses tensor_parallel_size "
-                                              "> 1 must guard its top level with `if __name__ == \"__main__\":`") from None
+                    # without a traceback the usual cause is a script's top level run again by the rank
+                    raise self._failure(unexplained=" before it started; a script that uses tensor_parallel_size > 1 "
+                                        "must guard its top level with `if __name__ == \"__main__\":`") from None
                 continue
             if kind == "error":
                 raise TensorParallelError(f"tensor-parallel rank {rank} failed while starting:\n{text}")
@@ -149,8 +148,9 @@ class Workers:
         except Exception as e:  # gloo raises RuntimeError / DistBackendError when a peer is gone
             raise self._failure() from e
 
-    def _failure(self) -> TensorParallelError:
-        """Why a worker stopped (its traceback when it sent one), after stopping the others."""
+    def _failure(self, unexplained: str = "") -> TensorParallelError:
+        """Why a worker stopped (its traceback when it sent one; else its exit code and
+        `unexplained`), after stopping the others."""
         reason, end = None, time.monotonic() + 5.0
         while reason is None and time.monotonic() < end:
             try:
@@ -159,7 +159,7 @@ class Workers:
                 if all(p.is_alive() for p in self.procs):
                     continue
                 dead = next(p for p in self.procs if not p.is_alive())
-                reason = f"tensor-parallel {dead.name} exited with code {dead.exitcode}"
+                reason = f"tensor-parallel {dead.name} exited with code {dead.exitcode}{unexplained}"
                 continue
             if kind == "error":
                 reason = f"tensor-parallel rank {rank} failed:\n{text}"
