@@ -177,7 +177,9 @@ def run_tierkv(model_dir: Path, device, dtype, prompts, out_lens, warm, a, sizes
     decode = [i for i, s in enumerate(steps) if s[1]]
     decode_wall = sum(step_s[i] for i in decode)
     result = dict(
-        prefix_caching=prefix_caching, seconds=seconds, output_tokens=produced, output_tok_s=produced / seconds,
+        prefix_caching=prefix_caching, l2_blocks=llm.cache.l2.num_blocks if llm.cache.l2 else 0,
+        write_policy=llm.engine.config.write_policy,  # as resolved: tierkv's default unless --write-policy
+        seconds=seconds, output_tokens=produced, output_tok_s=produced / seconds,
         all_requests_full_length=all(len(o.token_ids) == n for o, n in zip(outs, out_lens)),
         steps=len(steps), decode_steps=len(decode), preemptions=scheduler.num_preemptions - preempted,
         mean_decode_batch=statistics.fmean(steps[i][2] for i in decode) if decode else 0.0,
@@ -279,7 +281,8 @@ def main() -> None:
                    help="also time tierkv with prefix caching off (random prompts: its cost when it cannot help)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--l2", default=None, help="tierkv's L2 size (0: off); default: tierkv's own default")
-    p.add_argument("--write-policy", default="write_through", help="tierkv's write policy (write_through: its default)")
+    p.add_argument("--write-policy", default=None, help="tierkv's write policy; default: tierkv's own (write_back "
+                   "without an L3; the run records what it resolved to)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--warmup-prompts", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
@@ -310,7 +313,8 @@ def main() -> None:
         workload=dict(model="Qwen3-0.6B shape, random weights" if not a.smoke else "tiny Qwen3 (smoke)",
                       dtype=str(dtype), num_prompts=a.num_prompts, len_range=[a.min_len, a.max_len], seed=a.seed,
                       input_tokens=sum(in_lens), output_tokens=sum(out_lens), greedy=True, ignore_eos=True,
-                      l2=a.l2 if a.l2 is not None else "tierkv's default", write_policy=a.write_policy),
+                      l2=a.l2 if a.l2 is not None else "tierkv's default",
+                      write_policy=a.write_policy or "tierkv's default"),
         hbm_bandwidth_gbps=bw / 1e9,
         roofline_formula="step bytes = weight_bytes + kv_bytes_per_token * sum(context read by each sequence); "
                          "roofline_s = sum(step bytes) / hbm_bw (d2d copy, read+write); fraction = roofline_s / wall_s",

@@ -7,7 +7,8 @@ objects of 256 tokens (`?chunk=256`), each also with O_DIRECT. The
 page cache is dropped before every read with posix_fadvise(DONTNEED) on each file read (raw file
 and every object file), so reads hit the disk.
 Redis (one server, and a 3-node Redis Cluster) and S3 (SeaweedFS) run on loopback, started here;
-for them GB/s and the latency of one contains_many of a 64-block chain. Writes benchmarks/results/bench_tiers-<machine>.json.
+for them GB/s and the latency of one contains_many of a 64-block chain. Writes
+benchmarks/results/bench_tiers-<h200|cpu>.json (common.machine_tag).
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # the same service launchers the tests use
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from common import machine_tag  # noqa: E402
 from services import RedisClusterNodes, RedisServer, SeaweedFS, block_chain  # noqa: E402
 
 from tierkv.layout import KVLayout  # noqa: E402
@@ -253,7 +256,7 @@ def main() -> None:
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"bench_tiers-{machine}.json"
+    path = out / f"bench_tiers-{machine_tag()}.json"  # h200 on the GPU box, cpu elsewhere
     path.write_text(json.dumps({**meta, **result}, indent=2))
     print(f"wrote {path}")
 
