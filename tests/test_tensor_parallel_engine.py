@@ -81,6 +81,26 @@ def test_two_ranks_give_one_rank_greedy_tokens_through_l1_and_l2(checkpoints, ki
         two.close()
 
 
+def test_fp8_offload_per_rank_matches_one_rank(checkpoints):
+    """fp8 L2 blocks carry one scale per KV head, so splitting the heads over ranks quantises
+    exactly as one rank does: the L2-served round gives TP=1's tokens."""
+    batch = prompts([14, 27], seed=6, shared=16)
+    options = dict(device="cpu", block_size=4, l2="2MiB", kv_offload_dtype="fp8_e4m3")
+    one = LLM(checkpoints["qwen3"], **options)
+    want = rounds(one, batch)
+    one.close()
+    two = LLM(checkpoints["qwen3"], tensor_parallel_size=2, **options)
+    try:
+        assert rounds(two, batch) == want
+        rank0, rank1 = (r["tiers"] for r in two.engine.cache_stats()["ranks"])
+        assert rank1["l2"]["blocks_out"] == rank0["l2"]["blocks_out"] > 0
+        # each rank's L2 block: fp8 values of its heads and their scales, half of TP=1's
+        assert rank0["l2"]["capacity_bytes"] // rank0["l2"]["capacity_blocks"] == \
+            one.cache.l2.layout.bytes_per_block // 2
+    finally:
+        two.close()
+
+
 def test_streaming_and_preemption_in_a_tiny_l1_match_one_rank(checkpoints):
     path = checkpoints["llama"]
     long, *short = prompts([150, 21, 33, 12], seed=2)
