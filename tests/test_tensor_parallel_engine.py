@@ -192,21 +192,23 @@ def test_no_rank_outlives_a_killed_user_process(checkpoints, tmp_path, sig):
         user.kill()
 
 
-def _children(pid: int) -> list[int]:
-    """Processes whose parent is `pid` (Linux /proc)."""
+def _ranks(pid: int) -> list[int]:
+    """The tensor-parallel rank processes `pid` spawned (Linux /proc): its children running
+    multiprocessing's spawn_main (not its resource tracker)."""
     out = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
                 stat = (entry / "stat").read_text()
+                cmdline = (entry / "cmdline").read_bytes()
             except OSError:
                 continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"spawn_main" in cmdline:
                 out.append(int(entry.name))
     return out
 
 
-def test_tierkv_serve_over_two_ranks_answers_like_one_and_stops_every_rank(checkpoints, tmp_path):
+def test_tierkv_serve_over_two_ranks_answers_like_one_fails_whole_and_stops(checkpoints, tmp_path):
     openai = pytest.importorskip("openai")
     import httpx
     from server_helpers import ServerProcess
@@ -219,14 +221,23 @@ def test_tierkv_serve_over_two_ranks_answers_like_one_and_stops_every_rank(check
     try:
         server.wait_ready()
         assert "tensor parallel over 2 ranks" in server.log()
-        workers = _children(server.proc.pid)
-        assert workers, "the server started no rank processes"
+        workers = _ranks(server.proc.pid)
+        assert len(workers) == 1, "the server did not start its one other rank"
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
         got = client.completions.create(model="qwen2", prompt=prompt, max_tokens=8, temperature=0.0, logprobs=1,
                                         extra_body={"ignore_eos": True})
         assert [int(t) for t in got.choices[0].logprobs.tokens] == want  # no tokenizer: tokens are named by id
         stats = httpx.get(server.url + "/v1/cache/stats", timeout=30).json()
         assert [r["rank"] for r in stats["ranks"]] == [0, 1]
+        # a rank that dies fails the engine for good: requests get 503 engine_failed and /health
+        # 503, so that a supervisor restarts the server; it still stops cleanly
+        os.kill(workers[0], signal.SIGKILL)
+        with pytest.raises(openai.InternalServerError) as failed:
+            client.with_options(max_retries=0).completions.create(model="qwen2", prompt=prompt, max_tokens=8,
+                                                                  extra_body={"ignore_eos": True})
+        assert failed.value.status_code == 503 and "engine_failed" in str(failed.value.body)
+        health = httpx.get(server.url + "/health", timeout=30)
+        assert health.status_code == 503 and health.json()["status"] == "failed"
     finally:
         assert server.stop() == 0
     assert all(_gone(pid, within=10) for pid in workers)

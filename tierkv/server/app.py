@@ -23,7 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import ConfigError
-from .async_engine import AsyncEngine, Overloaded, ShuttingDown
+from .async_engine import AsyncEngine, EngineFailed, Overloaded, ShuttingDown
 from .limits import BodyLimits, default_max_request_bytes
 from .metrics import ServerMetrics
 from .protocol import (
@@ -64,6 +64,8 @@ def _from_exception(err: Exception) -> APIError:
         return APIError(429, "the server is at capacity: too many requests are waiting; retry later",
                         type="rate_limit_error", code="server_overloaded",
                         headers={"Retry-After": str(err.retry_after)})
+    if isinstance(err, EngineFailed):
+        return APIError(503, str(err), type="server_error", code="engine_failed")
     if isinstance(err, ShuttingDown):
         return APIError(503, str(err), type="server_error", code="shutting_down")
     if isinstance(err, ConfigError):
@@ -99,8 +101,9 @@ class _Guard:
             if not hmac.compare_digest(token.encode("latin-1"), self.state.api_key.encode()):
                 err = APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
                                type="invalid_request_error", code="invalid_api_key")
-        if err is None and self.state.engine.draining and path.startswith(("/v1/completions", "/v1/chat")):
-            err = APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
+        if err is None and path.startswith(("/v1/completions", "/v1/chat")):
+            refused = self.state.engine.refusal()
+            err = _from_exception(refused) if refused is not None else None
         if err is not None:
             return await _error(err)(scope, receive, counted)
         await self.app(scope, receive, counted)
@@ -153,6 +156,8 @@ def create_app(engine: AsyncEngine, *, served_model_name: str, max_model_len: in
 
     @app.get("/health")
     async def health():
+        if engine.failed is not None:
+            return JSONResponse({"status": "failed", "reason": engine.failed}, status_code=503)
         if engine.draining:
             return JSONResponse({"status": "shutting down"}, status_code=503)
         return {"status": "ok"}

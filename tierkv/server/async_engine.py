@@ -19,6 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import TensorParallelError
+
 log = logging.getLogger(__name__)
 
 STATS_PERIOD_S = 0.25  # how stale the metrics snapshot may get
@@ -34,6 +36,11 @@ class Overloaded(Exception):
 
 class ShuttingDown(Exception):
     """The server is draining (SIGTERM): no new requests, and this one was cut short."""
+
+
+class EngineFailed(ShuttingDown):
+    """The engine cannot go on (a tensor-parallel rank died): no request is taken from now on,
+    /health answers 503 so that a supervisor restarts the server."""
 
 
 @dataclass(slots=True)
@@ -58,6 +65,7 @@ class AsyncEngine:
         self._running = 0
         self.stats: dict = {}  # cache_stats() snapshot for /metrics
         self.draining = False
+        self.failed: str | None = None  # why the engine cannot go on (EngineFailed), once it cannot
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="tierkv-engine", daemon=True)
         self._stats_at = 0.0
@@ -81,13 +89,21 @@ class AsyncEngine:
     def num_running(self) -> int:
         return self._running
 
+    def refusal(self) -> ShuttingDown | None:
+        """Why no new request is taken now, as the error to raise; None while they are."""
+        if self.failed is not None:
+            return EngineFailed(f"the engine failed and takes no requests: {self.failed}")
+        if self.draining:
+            return ShuttingDown("the server is shutting down")
+        return None
+
     async def submit(self, build: Callable[[Any], tuple[list[int], Any]], *, request_id: str,
                      cache_salt: str | None = None, priority: int = 0) -> Stream:
         """Queue a request. `build(engine)` runs on the engine thread and returns (prompt_ids,
         SamplingParams); whatever it or `add_request` raises is raised here."""
         arrival = time.monotonic()  # latencies count the wait for the engine thread too
-        if self.draining:
-            raise ShuttingDown("the server is shutting down")
+        if (refused := self.refusal()) is not None:
+            raise refused
         with self._lock:
             if self._pending + self._waiting >= self.max_waiting:
                 # a rough wait: one step per waiting request is already pessimistic on a GPU
@@ -139,18 +155,28 @@ class AsyncEngine:
     def _loop(self) -> None:
         eng = self.engine
         while True:
-            block = not eng.has_unfinished()
+            block = self.failed is not None or not eng.has_unfinished()  # a failed engine only takes commands
             if self._drain(block):
                 return
+            if self.failed is not None:
+                continue
             if not eng.has_unfinished():
                 self._refresh_stats()
                 continue
             try:
                 outputs = eng.step()
+            except TensorParallelError as err:
+                # Every rank is stopped already: nothing can run again in this process.
+                log.error("engine failed: %s", err)
+                self.failed = str(err).splitlines()[0]
+                self._fail_all(EngineFailed(f"the engine failed while running this request: {self.failed}"))
+                self._count()
+                continue
             except Exception:
                 # A fault in the engine fails the requests in flight, never the server.
                 log.exception("engine step failed; failing the requests in flight")
                 self._fail_all(RuntimeError("the engine failed while running this request"))
+                self._count()
                 continue
             for out in outputs:
                 if out.logprobs:
@@ -197,8 +223,8 @@ class AsyncEngine:
             self._pending -= 1
         if not done.set_running_or_notify_cancel():
             return  # the caller went away before we got here
-        if self.draining:
-            done.set_exception(ShuttingDown("the server is shutting down"))
+        if (refused := self.refusal()) is not None:
+            done.set_exception(refused)
             return
         try:
             prompt_ids, params = build(self.engine)
@@ -253,7 +279,7 @@ class AsyncEngine:
 
     def _refresh_stats(self, force: bool = False) -> None:
         now = time.monotonic()
-        if force or now - self._stats_at >= STATS_PERIOD_S:
+        if self.failed is None and (force or now - self._stats_at >= STATS_PERIOD_S):  # failed: the last stats stay
             self._stats_at = now
             try:
                 self.stats = self.engine.cache_stats()
