@@ -229,6 +229,8 @@ def test_tierkv_serve_over_two_ranks_answers_like_one_fails_whole_and_stops(chec
         assert [int(t) for t in got.choices[0].logprobs.tokens] == want  # no tokenizer: tokens are named by id
         stats = httpx.get(server.url + "/v1/cache/stats", timeout=30).json()
         assert [r["rank"] for r in stats["ranks"]] == [0, 1]
+        m = httpx.get(server.url + "/metrics", timeout=30).text
+        assert all(f'tierkv_rank_tier_bytes_out_total{{rank="{r}",tier="l2"}}' in m for r in (0, 1))
         # a rank that dies fails the engine for good: requests get 503 engine_failed and /health
         # 503, so that a supervisor restarts the server; it still stops cleanly
         os.kill(workers[0], signal.SIGKILL)

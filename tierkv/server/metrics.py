@@ -1,7 +1,7 @@
 """Prometheus metrics of tierkv-serve: request counts and latencies, queue depths, cache counters.
 
 Request metrics are observed by app.py as requests finish. Queue depths and the cache's own
-counters (`TieredKVCache.stats()`) are read at scrape time from the snapshot the engine thread
+counters (`Engine.cache_stats()`; per rank too under tensor parallelism) are read at scrape time from the snapshot the engine thread
 keeps, so a scrape never touches the engine. Each server has its own registry (no globals).
 This file never reads request bodies or headers (no secrets can reach a metric).
 """
@@ -101,6 +101,16 @@ class _EngineCollector:
             for t in ("l1", "l2"):
                 fam.add_metric([t], tiers.get(t, {}).get(key, 0))
             yield fam
+        # tensor parallel: the families above hold all ranks together; these, each rank's own
+        # bytes (the L1/L2 moves a worker repeated, so a rank out of step shows here)
+        for name, key, doc in (("tierkv_rank_tier_bytes_in", "bytes_in", "bytes a rank wrote into a tier"),
+                               ("tierkv_rank_tier_bytes_out", "bytes_out", "bytes a rank read out of a tier")):
+            if s.get("ranks"):
+                fam = CounterMetricFamily(name, doc, labels=["rank", "tier"])
+                for rank in s["ranks"]:
+                    for t in ("l1", "l2"):
+                        fam.add_metric([str(rank["rank"]), t], rank["tiers"].get(t, {}).get(key, 0))
+                yield fam
         # the whole L2 pool is page-locked at start when it is pinned, used or not
         yield GaugeMetricFamily("tierkv_pinned_host_bytes", "page-locked host memory of the L2 pool",
                                 value=tiers.get("l2", {}).get("capacity_bytes", 0) if self.l2_pinned else 0)
