@@ -22,8 +22,6 @@ from ..cache import TieredKVCache
 from ..config import redact_url
 from ..errors import ConfigError
 from ..layout import stored_layout
-from ..tiering import default_l1_bytes
-from ..tiers.pool import blocks_for
 from .config import L2_DEFAULT_RULE, EngineConfig
 from .loader import LoadedModel, check_parallel_model, load_model
 from .request import Request, RequestOutput
@@ -38,7 +36,7 @@ from .sampler import (
 )
 from .scheduler import Scheduler
 from .tokenizer import IncrementalDetokenizer
-from .workers import Workers
+from .workers import Workers, own_l1_blocks
 
 log = logging.getLogger(__name__)
 
@@ -120,11 +118,10 @@ class Engine:
         """Tensor parallel: L1 and L2 sizes that every rank uses. Ranks hold the same slots, so L1
         takes the block count the fullest GPU allows; the default L2 share of host memory is
         divided among the ranks (each pins its own L2)."""
-        cache = config.cache_config()
-        l1 = cache.l1 if cache.l1 is not None else default_l1_bytes(self.lm.device)
-        l2 = cache.l2 // self.workers.size if l2_default else cache.l2
+        l2 = config.cache_config().l2
         l1_blocks, l2, _, _ = self.workers.agree_sizes(
-            [blocks_for(l1, layout.bytes_per_block, "l1"), l2, config.max_model_len, config.max_num_batched_tokens])
+            own_l1_blocks(config, layout, self.lm.device), l2 // self.workers.size if l2_default else l2,
+            config.max_model_len, config.max_num_batched_tokens)
         return dataclasses.replace(config, l1=l1_blocks * layout.bytes_per_block, l2=l2)
 
     def _fit_context(self, config: EngineConfig, explicit: bool) -> EngineConfig:
@@ -338,8 +335,9 @@ class Engine:
     def cache_stats(self) -> dict:
         """The cache's stats. Under tensor parallelism these are rank 0's decisions, with each
         tier's bytes for all ranks together (rank 0's times the rank count: every rank holds and
-        moves the same blocks, each of its own KV heads), and under "ranks" each rank's own counters: the workers count the
-        L1/L2 moves they repeated, so a rank that fell out of step shows there."""
+        moves the same blocks, each of its own KV heads), and under "ranks" each rank's own
+        counters: the workers count the L1/L2 moves they repeated, so a rank that fell out of step
+        shows there."""
         out = self.cache.stats()
         if self.workers is None:
             return out

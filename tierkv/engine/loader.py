@@ -363,15 +363,24 @@ def load_weights(model: CausalLM, files: list[Path], device: torch.device, dtype
     model.reset_rope()
 
 
-def check_parallel_model(model: str | None, cache_dir: str | Path | None, size: int) -> None:
-    """Fail before any rank starts when `size` ranks cannot split `model` (the ConfigError says
-    which sizes can). Fetches or converts the model once, here, so the ranks find it ready."""
-    model_dir = resolve_model_dir(model, cache_dir)
+def model_config(model_dir: Path, tp_size: int = 1) -> ModelConfig:
+    """The directory's config.json as a ModelConfig that `tp_size` ranks can split; a
+    ModelLoadError naming the directory and what to change otherwise. Reads no weight."""
     try:
         config = ModelConfig.from_hf(read_config(model_dir))
+        check_tensor_parallel(tp_size, config.num_heads, config.num_kv_heads, config.intermediate_size)
+    except ConfigError as e:
+        raise ModelLoadError(f"{model_dir}: {e}") from None
     except KeyError as e:
-        raise ModelLoadError(f"{model_dir}/config.json lacks {e}") from None
-    check_tensor_parallel(size, config.num_heads, config.num_kv_heads, config.intermediate_size)
+        supported = ", ".join(SUPPORTED_MODEL_TYPES)
+        raise ModelLoadError(f"{model_dir}/config.json lacks {e}; supported model types: {supported}") from None
+    return config
+
+
+def check_parallel_model(model: str | None, cache_dir: str | Path | None, size: int) -> None:
+    """Fail before any rank starts when `size` ranks cannot split `model` (the error says which
+    sizes can). Fetches or converts the model once, here, so the ranks find it ready."""
+    model_config(resolve_model_dir(model, cache_dir), size)
 
 
 def load_model(
@@ -391,16 +400,7 @@ def load_model(
     tp = tp or TensorParallel()
     dev, dt = resolve_device_dtype(device, dtype)
     model_dir = resolve_model_dir(model, cache_dir)
-    hf_config = read_config(model_dir)
-    try:
-        config = ModelConfig.from_hf(hf_config)
-        check_tensor_parallel(tp.size, config.num_heads, config.num_kv_heads,  # before any weight is read
-                              config.intermediate_size)
-    except ConfigError as e:
-        raise ModelLoadError(f"{model_dir}: {e}") from None
-    except KeyError as e:
-        supported = ", ".join(SUPPORTED_MODEL_TYPES)
-        raise ModelLoadError(f"{model_dir}/config.json lacks {e}; supported model types: {supported}") from None
+    config = model_config(model_dir, tp.size)
     files = weight_files(model_dir)
     with torch.device("meta"):
         net = CausalLM(config, tp)

@@ -33,6 +33,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ..errors import ConfigError, TensorParallelError
+from ..layout import KVLayout
+from ..tiering import default_l1_bytes
+from ..tiers.pool import blocks_for
 from .config import EngineConfig
 from .parallel import init_process_group
 from .step_plan import STATS, STEP, STOP, StepPlan
@@ -58,13 +61,20 @@ def rank_device(device: str | None, rank: int) -> torch.device:
     return torch.device("cuda", rank)
 
 
-def agree_sizes(control: dist.ProcessGroup, values: list[int]) -> list[int]:
-    """The element-wise minimum of `values` over the ranks: L1 blocks each rank can hold (the
-    smallest wins, so every rank holds the same slots), and sizes only rank 0 decides (the
-    others pass _UNSET)."""
-    t = torch.tensor(values, dtype=torch.int64)
+def own_l1_blocks(config: EngineConfig, layout: KVLayout, device: torch.device) -> int:
+    """L1 blocks this rank could hold: config.l1, or the default for the memory its shard left."""
+    l1 = config.cache_config().l1  # bytes (parsed), or None
+    return blocks_for(l1 if l1 is not None else default_l1_bytes(device), layout.bytes_per_block, "l1")
+
+
+def agree_sizes(control: dist.ProcessGroup, l1_blocks: int, l2_bytes: int = _UNSET, max_model_len: int = _UNSET,
+                max_tokens: int = _UNSET) -> tuple[int, int, int, int]:
+    """What every rank uses: the fewest L1 blocks any rank can hold (ranks hold the same slots),
+    and rank 0's L2 bytes, max_model_len and max_num_batched_tokens (the others leave them
+    _UNSET, which the minimum passes over)."""
+    t = torch.tensor([l1_blocks, l2_bytes, max_model_len, max_tokens], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=control)
-    return t.tolist()
+    return tuple(t.tolist())
 
 
 class Workers:
@@ -119,8 +129,8 @@ class Workers:
 
     # ------------------------------------------------------------------ talking to the workers
 
-    def agree_sizes(self, values: list[int]) -> list[int]:
-        return self._guard(agree_sizes, self.control, values)
+    def agree_sizes(self, l1_blocks: int, l2_bytes: int, max_model_len: int, max_tokens: int) -> tuple[int, ...]:
+        return self._guard(agree_sizes, self.control, l1_blocks, l2_bytes, max_model_len, max_tokens)
 
     def ready(self) -> None:
         """Wait until every worker has built its cache and runner (after rank 0 built its own)."""
@@ -243,8 +253,6 @@ def _exit_with_parent(parent: int) -> None:
 
 def _serve(rank: int, size: int, init_file: str, config: EngineConfig, messages) -> None:
     from ..cache import TieredKVCache
-    from ..tiering import default_l1_bytes
-    from ..tiers.pool import blocks_for
     from .loader import load_model
     from .runner import ModelRunner
 
@@ -254,10 +262,7 @@ def _serve(rank: int, size: int, init_file: str, config: EngineConfig, messages)
     control = dist.new_group(backend="gloo")
     lm = load_model(config.model, device=device, dtype=config.dtype, cache_dir=config.cache_dir, tp=tp)
     layout = lm.kv_layout(config.block_size)
-    l1 = config.cache_config().l1  # bytes (parsed), or None: the default for this rank's free memory
-    l1 = l1 if l1 is not None else default_l1_bytes(device)
-    l1_blocks, l2_bytes, max_model_len, max_tokens = agree_sizes(
-        control, [blocks_for(l1, layout.bytes_per_block, "l1"), _UNSET, _UNSET, _UNSET])
+    l1_blocks, l2_bytes, max_model_len, max_tokens = agree_sizes(control, own_l1_blocks(config, layout, device))
     config = dataclasses.replace(config, l1=l1_blocks * layout.bytes_per_block, l2=l2_bytes, l3=(),
                                  max_model_len=max_model_len, max_num_batched_tokens=max_tokens)
     cache = TieredKVCache(layout, config.cache_config(), device=device, model=lm.fingerprint, tp_rank=rank)
