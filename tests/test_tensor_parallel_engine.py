@@ -122,14 +122,12 @@ def test_streaming_and_preemption_in_a_tiny_l1_match_one_rank(checkpoints):
         two.close()
 
 
-def test_bad_sizes_fail_before_any_rank_starts(checkpoints, tmp_path):
+def test_bad_sizes_fail_before_any_rank_starts(checkpoints):
     path = checkpoints["llama"]  # 4 attention heads, 2 KV heads
     with pytest.raises(ConfigError, match=r"does not divide the model's 4 attention heads; use one of \[1, 2, 4\]"):
         LLM(path, device="cpu", tensor_parallel_size=3)
     with pytest.raises(ConfigError, match="tensor_parallel_size must be an int >= 1"):
         LLM(path, device="cpu", tensor_parallel_size=0)
-    with pytest.raises(ConfigError, match="l3 is not supported with tensor_parallel_size > 1"):
-        LLM(path, device="cpu", tensor_parallel_size=2, l2="1MiB", l3=[f"file://{tmp_path}"])
     if torch.cuda.device_count() < 2:
         with pytest.raises(ConfigError, match=r"needs 2 GPUs, but [01] are visible; lower it to [01] or less"):
             LLM(path, device="cuda", tensor_parallel_size=2)

@@ -72,6 +72,7 @@ class TieredKVCache:
         *,
         model: str = "",
         tp_rank: int = 0,
+        exchange=None,
     ) -> None:
         self.layout = layout
         self.config = config = config if config is not None else CacheConfig()
@@ -80,7 +81,8 @@ class TieredKVCache:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.model, self.tp_rank = model, tp_rank
         self.block_size = layout.block_size
-        self.tiers = Tiering(layout, config, self.device)
+        # exchange: tensor parallel rank 0's way to the other ranks' KV heads (engine/head_exchange.py)
+        self.tiers = Tiering(layout, config, self.device, exchange)
         # The parts engines and tests look at directly.
         self.l1, self.l2, self.index, self.counters = self.tiers.l1, self.tiers.l2, self.tiers.index, self.tiers.counters
         self.streamer = LayerStreamer(self.l1, self.l2) if self.l2 is not None else None
@@ -95,8 +97,9 @@ class TieredKVCache:
         self.close()
 
     def namespace(self, salt: str | None = None) -> bytes:
-        # the stored format's fingerprint: an fp8 cache and a bf16 one name their L3 objects apart
-        return namespace(self.model, self.tiers.offload.fingerprint, self.tp_rank, salt)
+        # the format L3 stores: an fp8 cache and a bf16 one name their objects apart, and a
+        # tensor-parallel engine (which stores every head) names them as a single-GPU one does
+        return namespace(self.model, self.tiers.l3_layout.fingerprint, self.tp_rank, salt)
 
     # ------------------------------------------------------------------ lookups
 

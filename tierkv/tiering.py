@@ -7,6 +7,10 @@ prefetches, and the per-tier load-time estimates behind load-or-recompute.
 
 Every L1/L2 byte move goes through `_move`. Under tensor parallelism rank 0 records them
 (`moves`) and the other ranks `replay` them on their own pools, whose slots mirror rank 0's.
+Rank 0 alone talks to L3, in whole-model blocks (`l3_layout`): an `exchange` (the engine's
+HeadExchange) brings the other ranks' KV heads of an L2 slot to a write and takes theirs of a read
+back to them; the moves those need travel first (`_l3_ticket`), and a read's landing is a point in
+the moves that the other ranks wait for (`L3_LANDED`).
 
 Single-threaded by design: only the caller's thread touches the index. L3 threads work on L2
 slots that are held for them and report back through a queue that `reap()` drains. This file
@@ -41,7 +45,9 @@ ACTIVATION_RESERVE = 4 * 2**30  # leaving this much for activations and the allo
 
 
 # The kinds of L1/L2 byte moves (`Tiering.moves`, StepPlan): source and destination slot lists.
-L1_TO_L2, L2_TO_L1, COPY_L1, FENCE = 0, 1, 2, 3
+# L3_LANDED marks where rank 0 took in an L3 read (src = [its number]): past it, the other ranks'
+# slots must hold their heads of its blocks.
+L1_TO_L2, L2_TO_L1, COPY_L1, FENCE, L3_LANDED = 0, 1, 2, 3, 4
 
 
 def default_l1_bytes(device: torch.device) -> int:
@@ -83,10 +89,16 @@ class Prefetch:
 
 
 class Tiering:
-    def __init__(self, layout: KVLayout, config: CacheConfig, device: torch.device) -> None:
+    def __init__(self, layout: KVLayout, config: CacheConfig, device: torch.device, exchange=None) -> None:
         self.layout, self.config, self.device = layout, config, device
-        # how L2 and L3 hold a block: L1's layout, or fp8 + scales (config.kv_offload_dtype)
+        # how L2 holds a block: L1's layout, or fp8 + scales (config.kv_offload_dtype)
         self.offload = stored_layout(layout, config.kv_offload_dtype)
+        # how L3 holds one: the same, but of every KV head under tensor parallelism (`exchange`)
+        self.exchange = exchange
+        self.l3_layout = self.offload if exchange is None else exchange.split.whole
+        if exchange is not None and exchange.split.part != self.offload:
+            raise ConfigError(f"the tensor-parallel L3 exchange splits blocks into {exchange.split.part}, "
+                              f"but this rank's L2 holds {self.offload}")
         l1_bytes = config.l1 if config.l1 is not None else default_l1_bytes(device)
         l1_blocks = blocks_for(l1_bytes, layout.bytes_per_block, "CacheConfig.l1")
         if l1_blocks == 0:
@@ -97,7 +109,8 @@ class Tiering:
         self.l1 = DevicePool(layout, l1_blocks, device)
         self.l2 = HostPool(self.offload, l2_blocks) if l2_blocks else None
         self.mover = BlockMover(self.l1, self.l2) if self.l2 else None
-        self.l3 = L3Mover([open_store(url, self.offload) for url in config.l3], self.l2) if config.l3 else None
+        self.l3 = (L3Mover([open_store(url, self.l3_layout) for url in config.l3], self.l2, exchange)
+                   if config.l3 else None)
         self.index = BlockIndex(config.eviction)
         self.counters = CacheCounters()
         self._fetching: dict[int, L3Job] = {}  # block hash -> the L3 read bringing it into L2
@@ -121,9 +134,9 @@ class Tiering:
             return self.mover.l2_to_l1(src, dst)
         if kind == COPY_L1:
             self._copy_l1(src, dst)
-        elif self.mover is not None:  # FENCE
+        elif kind == FENCE and self.mover is not None:
             self.mover.fence()
-        return DONE
+        return DONE  # L3_LANDED: nothing to move (the other ranks wait there: HeadFollower)
 
     def replay(self, moves: list[tuple[int, list[int], list[int]]]) -> None:
         """Repeat rank 0's moves on this rank's pools (same slots, this rank's KV heads), count
@@ -308,7 +321,18 @@ class Tiering:
         self.index.hold_l2(held)
         # a chunk's head still only in L1 goes as a host copy taken now (its slot may be reused)
         bufs = [e.l2 if e.l2 >= 0 else self._host_copy(e) for e in entries]
-        self.l3.put([block_id(e) for e in entries], bufs, after, entries).held = held
+        self.l3.put([block_id(e) for e in entries], bufs, after, entries, self._l3_ticket()).held = held
+
+    def _l3_ticket(self) -> int | None:
+        """Tensor parallel: send the moves made so far to the other ranks now, and return how many
+        they have been sent in all. An L3 job's exchange waits until they repeated that many: those
+        moves fill the slots a write reads, and finish with the slots a read fills."""
+        if self.exchange is None:
+            return None
+        moves = self.moves or []
+        if self.moves:
+            self.moves = []
+        return self.exchange.push(moves)
 
     def _host_copy(self, e: BlockEntry) -> torch.Tensor:
         """L1 block `e` as one contiguous host block in L2's format (ordered after the writes queued into the slot)."""
@@ -326,7 +350,9 @@ class Tiering:
             head = []
             p = e
             while p.pos % K and (q := self.index.entries.get(p.parent)) is not None and q.hash not in out:
-                in_l1 = q.l1 >= 0 and q.loading is None  # an L1 block still being loaded is not there yet
+                # an L1 block still being loaded is not there yet; under tensor parallelism only
+                # L2 slots can be written (the other ranks hold their heads there, not in a copy)
+                in_l1 = q.l1 >= 0 and q.loading is None and self.exchange is None
                 if not (q.l2 >= 0 or in_l1) or q.l3 == "writing" or q.pos != p.pos - 1:
                     break
                 head.append(q)
@@ -344,14 +370,16 @@ class Tiering:
         if not slots:
             return Prefetch(None, None)
         ids = ids[: len(slots)]
-        job = self.l3.get(ids, slots, deadline, priority)
+        job = self.l3.get(ids, slots, deadline, priority, self._l3_ticket())
         for b in ids:
             self._fetching[b.hash] = job
         return Prefetch(self, job)
 
     def read_l3(self, ids: list[BlockId], deadline: float | None) -> torch.Tensor:
         """The leading blocks of `ids` read straight from L3, bypassing L2: [k, *block_shape] in
-        L1's dtype on L1's device (dequantised there when L3 holds fp8)."""
+        L1's dtype on L1's device (dequantised there when L3 holds fp8). Not under tensor
+        parallelism (L3 holds every rank's heads; the whole-sequence API is refused there)."""
+        assert self.exchange is None, "read_l3 reads into this rank's L1 alone"
         shape, dtype = self.offload.block_storage
         out = torch.empty((len(ids), *shape), dtype=dtype)
         ok = self.l3.read(ids, list(out), deadline)
@@ -375,7 +403,7 @@ class Tiering:
         for e, ok in zip(job.entries, job.ok):
             e.l3 = "written" if ok else "failed"
             c.blocks_in += ok
-            c.bytes_in += ok * self.offload.bytes_per_block
+            c.bytes_in += ok * self.l3_layout.bytes_per_block
             c.errors += not ok
         self.index.release_l2(job.held)
 
@@ -394,9 +422,11 @@ class Tiering:
                 self.give_l2([slot])
         c = self.counters.tiers["l3"]
         c.blocks_out += arrived
-        c.bytes_out += arrived * self.offload.bytes_per_block
+        c.bytes_out += arrived * self.l3_layout.bytes_per_block
         c.errors += len(job.ids) - sum(job.ok)
         job.landed = True
+        if self.exchange is not None:
+            self._move(L3_LANDED, [job.number], [])
 
     def flush(self, timeout: float | None = None) -> bool:
         """Write every block that L3 lacks (L1 and L2) to L3 and wait; True if all landed in time."""
@@ -469,7 +499,7 @@ class Tiering:
     def count(self, tier: str, n: int, *, into: bool) -> None:
         """Count `n` blocks into or out of `tier`, in the bytes that tier holds them in."""
         c = self.counters.tiers[tier]
-        nbytes = n * (self.layout if tier == "l1" else self.offload).bytes_per_block
+        nbytes = n * {"l1": self.layout, "l2": self.offload}.get(tier, self.l3_layout).bytes_per_block
         if into:
             c.blocks_in += n
             c.bytes_in += nbytes

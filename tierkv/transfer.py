@@ -11,7 +11,10 @@ format; `to_host` / `from_host` do the same for blocks that bypass L2 (spills, d
 
 L2<->L3: one writer and one reader thread call the stores' batched, internally parallel APIs on
 L2 slots that the caller holds for them, and post each finished job to a queue the caller
-drains. This file decides nothing about which blocks move, and never touches the index.
+drains. Under tensor parallelism (an `exchange`, engine/head_exchange.py) the stores take
+whole-model blocks: a write joins the other ranks' KV heads of its slots to this rank's, and a
+read splits what it read and hands the other ranks their heads. This file decides nothing
+about which blocks move, and never touches the index.
 """
 
 from __future__ import annotations
@@ -243,14 +246,17 @@ class L3Job:
     entries: list[Any] = field(default_factory=list)  # put: the caller's records of these blocks
     held: list[Any] = field(default_factory=list)  # put: the entries the caller holds in L2 until done
     priority: int = 0
+    ticket: int | None = None  # tensor parallel: the moves the other ranks must repeat first (exchange)
+    number: int = 0  # get: 1 for the mover's first read, 2 for the next...
     ok: list[bool] = field(default_factory=list)
     finished: threading.Event = field(default_factory=threading.Event)
     landed: bool = False  # get: set by the caller once it has indexed the blocks
 
 
 class L3Mover:
-    def __init__(self, stores: list[L3Store], l2: HostPool) -> None:
-        self.stores, self.l2 = stores, l2
+    def __init__(self, stores: list[L3Store], l2: HostPool, exchange=None) -> None:
+        self.stores, self.l2, self.exchange = stores, l2, exchange
+        self.gets = 0  # reads submitted so far (numbers them)
         # One thread each way: a long queue of writes never delays a read. Each call fans out
         # inside the store (its own thread pool), so one thread here is enough to fill the link.
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="tierkv-l3-put")
@@ -278,16 +284,19 @@ class L3Mover:
                 found[i] = found[i] or hit
         return found
 
-    def put(self, ids: list[BlockId], slots: list[Any], after: Transfer, entries: list[Any]) -> L3Job:
+    def put(self, ids: list[BlockId], slots: list[Any], after: Transfer, entries: list[Any],
+            ticket: int | None = None) -> L3Job:
         """Write L2 `slots` (or host blocks) to every store once `after` (the copy that filled them) is complete."""
-        job = L3Job("put", ids, slots, entries)
+        job = L3Job("put", ids, slots, entries, ticket=ticket)
         self.in_flight += 1
         self._writer.submit(self._run, job, self._put, after)
         return job
 
-    def get(self, ids: list[BlockId], slots: list[int], deadline: float | None, priority: int = 0) -> L3Job:
+    def get(self, ids: list[BlockId], slots: list[int], deadline: float | None, priority: int = 0,
+            ticket: int | None = None) -> L3Job:
         """Read blocks into L2 `slots`, trying the stores in order; what is not read by `deadline` misses."""
-        job = L3Job("get", ids, slots, priority=priority)
+        self.gets += 1
+        job = L3Job("get", ids, slots, priority=priority, ticket=ticket, number=self.gets)
         self.in_flight += 1
         self._reader.submit(self._run, job, self._get, deadline)
         return job
@@ -304,14 +313,24 @@ class L3Mover:
 
     def _put(self, job: L3Job, after: Transfer) -> list[bool]:
         after.synchronize()
-        bufs = [self.l2.kv[s] if isinstance(s, int) else s for s in job.slots]  # [layers, 2, bs, h, d] each, contiguous
+        if self.exchange is not None:  # whole-model blocks [n, bytes]: every rank's heads of the slots
+            bufs = list(self.exchange.gather(self.l2.rows[torch.tensor(job.slots)], job.slots, job.ticket))
+        else:
+            bufs = [self.l2.kv[s] if isinstance(s, int) else s for s in job.slots]  # [layers, 2, bs, h, d] each, contiguous
         ok = [False] * len(job.ids)
         for store in self.stores:
             ok = [a or b for a, b in zip(ok, store.put_many(job.ids, bufs))]
         return ok
 
     def _get(self, job: L3Job, deadline: float | None) -> list[bool]:
-        return self.read(job.ids, [self.l2.kv[s] for s in job.slots], deadline)
+        if self.exchange is None:
+            return self.read(job.ids, [self.l2.kv[s] for s in job.slots], deadline)
+        # whole-model blocks [n, bytes] land here, then each rank takes its heads (this one too)
+        blocks = torch.zeros((len(job.ids), self.exchange.split.whole.bytes_per_block), dtype=torch.uint8)
+        try:
+            return self.read(job.ids, list(blocks), deadline)
+        finally:  # read or not, the other ranks wait for this read's pieces: always send them
+            self.l2.rows[torch.tensor(job.slots)] = self.exchange.scatter(blocks, job.slots, job.ticket, job.number)
 
     def read(self, ids: list[BlockId], bufs: list[torch.Tensor], deadline: float | None) -> list[bool]:
         """Read `ids` into `bufs` (contiguous host blocks) in the calling thread, trying the stores in order."""

@@ -128,7 +128,8 @@ class EngineConfig:
         takes step N's tokens back afterwards; False runs each step to completion first.
     tensor_parallel_size: GPUs (ranks) the model is split over, one process each, started by the
         engine (rank r on cuda:r; on CPU, gloo processes). l1 and l2 are then per rank, as a
-        GPU's memory is; the default L2 share is divided among the ranks. No L3 yet with > 1.
+        GPU's memory is; the default L2 share is divided among the ranks. L3 stays whole-model:
+        rank 0 reads and writes every rank's KV heads, so the store serves any TP size.
     """
 
     model: str | None = None
@@ -163,9 +164,6 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 2):
                 raise ConfigError(f"{name} must be an int >= 2 or None (the default), got {value!r}")
-        if self.tensor_parallel_size > 1 and self.l3:
-            raise ConfigError("l3 is not supported with tensor_parallel_size > 1 yet (each rank would need its "
-                              "own part of every L3 object): drop l3, or run with tensor_parallel_size=1")
         check_device(self.device)
         dtype_name(self.dtype)
         check_offload_dtype(self.kv_offload_dtype)

@@ -87,8 +87,14 @@ class Engine:
         self.config = config = config.for_device(dev, self.lm.config.max_position_embeddings, l2_block)
         if self.workers is not None:
             config = self._agree_sizes(config, layout, l2_default)
+        # tensor parallel with an L3: rank 0 stores whole-model blocks, the ranks lend their heads
+        exchange = None
+        if self.workers is not None and config.l3:
+            whole = self.lm.kv_layout(config.block_size, all_heads=True)
+            exchange = self.workers.l3_exchange(stored_layout(whole, config.kv_offload_dtype))
         # made after the weights: with l1 None the cache sizes L1 from the memory they left
-        self.cache = TieredKVCache(layout, config.cache_config(), device=dev, model=self.lm.fingerprint)
+        self.cache = TieredKVCache(layout, config.cache_config(), device=dev, model=self.lm.fingerprint,
+                                   exchange=exchange)
         self.config = config = self._fit_context(config, explicit=explicit_len)
         self.max_model_len = config.max_model_len
         self.scheduler = Scheduler(
@@ -337,13 +343,15 @@ class Engine:
         tier's bytes for all ranks together (rank 0's times the rank count: every rank holds and
         moves the same blocks, each of its own KV heads), and under "ranks" each rank's own
         counters: the workers count the L1/L2 moves they repeated, so a rank that fell out of step
-        shows there."""
+        shows there. L3 figures are rank 0's alone: it reads and writes every rank's heads."""
         out = self.cache.stats()
         if self.workers is None:
             return out
         ranks = [copy.deepcopy(out["tiers"])] + [s["tiers"] for s in self.workers.stats()]
         out["ranks"] = [{"rank": r, "tiers": tiers} for r, tiers in enumerate(ranks)]
-        for counters in out["tiers"].values():
+        for tier, counters in out["tiers"].items():
+            if tier == "l3":  # rank 0 alone moves L3's whole-model blocks: counted once already
+                continue
             for key in ("bytes_in", "bytes_out", "capacity_bytes", "used_bytes"):
                 if key in counters:
                     counters[key] *= len(ranks)

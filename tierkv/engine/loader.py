@@ -52,11 +52,12 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
 
-    def kv_layout(self, block_size: int = 16) -> KVLayout:
+    def kv_layout(self, block_size: int = 16, all_heads: bool = False) -> KVLayout:
         """The KV block shape this model needs in every tier (pool dtype = the model's dtype); under
-        tensor parallelism, of this rank's KV heads."""
+        tensor parallelism, of this rank's KV heads, unless `all_heads` (the model's, as L3 holds them)."""
         cfg = self.config
-        return KVLayout(num_layers=cfg.num_layers, num_kv_heads=self.model.num_local_kv_heads, head_dim=cfg.head_dim,
+        heads = cfg.num_kv_heads if all_heads else self.model.num_local_kv_heads
+        return KVLayout(num_layers=cfg.num_layers, num_kv_heads=heads, head_dim=cfg.head_dim,
                         dtype=self.dtype, block_size=block_size)
 
 

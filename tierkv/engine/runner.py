@@ -180,9 +180,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run_plan(self, plan: StepPlan) -> None:
-        """Another rank's step: repeat rank 0's moves on this rank's pools, then the same forward
+        """Another rank's step, once it repeated the plan's moves (workers.py): the same forward
         pass over the same batch (its collectives meet rank 0's). Nothing is sampled here."""
-        self.cache.tiers.replay(plan.moves)
         built = self.inputs.load(plan.arrays, plan.width, plan.is_decode, plan.context)
         self.tp.broadcast(built.input_ids)
         if plan.streamed_from is not None:

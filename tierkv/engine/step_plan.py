@@ -3,7 +3,8 @@
 Rank 0 schedules and decides everything. Another rank only repeats rank 0's byte moves between
 its own L1 and L2 (the same slots, holding its own KV heads) and runs the same forward pass
 over the same flat batch. A StepPlan carries exactly that:
-- the L1/L2 moves rank 0 made since the last plan (`Tiering.moves`), in order;
+- the L1/L2 moves rank 0 made since the last plan (`Tiering.moves`), in order, with the points
+  where an L3 read's blocks must have landed in L2 (`L3_LANDED`);
 - the step's host input arrays (`StepInputs`): positions, slots, block tables, lengths;
 - the blocks of the streamed sequences, so that the rank streams its own L2 copies of them.
 
@@ -17,7 +18,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-STEP, STATS, STOP = 0, 1, 2  # what a plan asks of the other ranks
+# what a plan asks of the other ranks; MOVES: repeat the moves, no forward (sent when an L3 job
+# needs the other ranks to have made them: engine/head_exchange.py)
+STEP, STATS, STOP, MOVES = 0, 1, 2, 3
 
 # The host arrays of a step, in wire order (StepInputs fills them; see inputs.py for shapes).
 ARRAYS = ("positions", "slot_mapping", "block_tables", "seq_lens", "cu_seqlens_q", "logits_indices")

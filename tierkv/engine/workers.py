@@ -5,7 +5,8 @@ per other rank (torch.multiprocessing, spawn: CUDA cannot be forked) and joins t
 group: NCCL on GPUs (gloo on CPU) for the model's collectives, and a gloo group beside it for
 control (StepPlans, sizes, stats), which never waits on a GPU. A worker loads its shard of the
 model, builds its own cache (the same L1/L2 block counts, its own KV heads, no L3) and runner,
-then repeats every StepPlan rank 0 sends until it is told to stop.
+then repeats every StepPlan rank 0 sends until it is told to stop. With an L3, two more gloo
+groups carry the workers' heads of the blocks rank 0 writes and reads (head_exchange.py).
 
 A failure ends every rank. A worker that raises sends its traceback to rank 0 and exits; rank 0's
 next collective with it fails, and rank 0 raises TensorParallelError naming the rank and stops
@@ -33,12 +34,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ..errors import ConfigError, TensorParallelError
-from ..layout import KVLayout
+from ..heads import HeadSplit
+from ..layout import KVLayout, OffloadLayout
 from ..tiering import default_l1_bytes
 from ..tiers.pool import blocks_for
 from .config import EngineConfig
-from .parallel import init_process_group
-from .step_plan import STATS, STEP, STOP, StepPlan
+from .head_exchange import HeadExchange, HeadFollower
+from .parallel import TensorParallel, init_process_group
+from .step_plan import MOVES, STATS, STEP, STOP, StepPlan
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +86,7 @@ class Workers:
     def __init__(self, config: EngineConfig, size: int) -> None:
         self.size, self.closed = size, False
         self.serving = False  # every worker built its part and waits for plans (see `ready`)
+        self.moves_sent = 0  # L1/L2 moves sent in plans so far (an L3 job's ticket counts them)
         device = rank_device(config.device, 0)
         if device.type == "cuda" and torch.cuda.device_count() < size:
             raise ConfigError(f"tensor_parallel_size {size} needs {size} GPUs, but {torch.cuda.device_count()} "
@@ -107,6 +111,7 @@ class Workers:
             self._wait_joining()
             self.tp = init_process_group(0, size, init_file, device)
             self.control = dist.new_group(backend="gloo")
+            self.l3_groups = _l3_groups(config)
         except BaseException:
             self.close()
             raise
@@ -143,6 +148,19 @@ class Workers:
             raise self._failure()
         data = torch.from_numpy(plan.encode())
         self._guard(_broadcast, data, self.control)
+        self.moves_sent += len(plan.moves)
+
+    def send_moves(self, moves: list) -> int:
+        """Send `moves` now, without a step; returns how many moves the workers have been sent in all."""
+        if moves:
+            self.send(StepPlan(MOVES, moves=moves))
+        return self.moves_sent
+
+    def l3_exchange(self, whole: KVLayout | OffloadLayout) -> HeadExchange:
+        """Rank 0's way to the workers' KV heads of blocks of `whole` (every head), for L3 I/O."""
+        heads = (whole.kv if isinstance(whole, OffloadLayout) else whole).num_kv_heads
+        split = HeadSplit(whole, [TensorParallel(r, self.size).kv_heads(heads) for r in range(self.size)])
+        return HeadExchange(split, self.send_moves, *self.l3_groups)
 
     def stats(self) -> list[dict]:
         """Each worker's cache stats (ranks 1..N-1, in order)."""
@@ -203,6 +221,11 @@ class Workers:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
+def _l3_groups(config: EngineConfig) -> tuple:
+    """The put and get groups of head_exchange.py (every rank makes them, in this order); none without an L3."""
+    return (dist.new_group(backend="gloo"), dist.new_group(backend="gloo")) if config.l3 else (None, None)
+
+
 def _broadcast(data: torch.Tensor, control: dist.ProcessGroup) -> None:
     """Rank 0's side of `_receive`: the length, then the int64 payload."""
     dist.broadcast(torch.tensor([data.numel()], dtype=torch.int64), 0, group=control)
@@ -260,6 +283,7 @@ def _serve(rank: int, size: int, init_file: str, config: EngineConfig, messages)
     messages.put((rank, "joining", ""))
     tp = init_process_group(rank, size, init_file, device)
     control = dist.new_group(backend="gloo")
+    l3_groups = _l3_groups(config)
     lm = load_model(config.model, device=device, dtype=config.dtype, cache_dir=config.cache_dir, tp=tp)
     layout = lm.kv_layout(config.block_size)
     l1_blocks, l2_bytes, max_model_len, max_tokens = agree_sizes(control, own_l1_blocks(config, layout, device))
@@ -267,9 +291,12 @@ def _serve(rank: int, size: int, init_file: str, config: EngineConfig, messages)
                                  max_model_len=max_model_len, max_num_batched_tokens=max_tokens)
     cache = TieredKVCache(layout, config.cache_config(), device=device, model=lm.fingerprint, tp_rank=rank)
     runner = ModelRunner(lm, cache, config)
+    # with an L3 (rank 0's), moves wait where a read lands, and two threads serve the reads and writes
+    replay = HeadFollower(cache.tiers, *l3_groups).replay if l3_groups[0] is not None else cache.tiers.replay
     dist.barrier(group=control)  # ready: rank 0 built its own
     while True:
         plan = _receive(control)
+        replay(plan.moves)
         if plan.kind == STEP:
             runner.run_plan(plan)
         elif plan.kind == STATS:

@@ -104,5 +104,10 @@ class HostPool:
         self.free = FreeSlots(0)
 
     @property
+    def rows(self) -> torch.Tensor:
+        """The pool's memory as [num_blocks, bytes_per_block] uint8 (a view: writes land in the slots)."""
+        return self.kv.view(torch.uint8).view(self.num_blocks, self.layout.bytes_per_block)
+
+    @property
     def nbytes(self) -> int:
         return self.kv.numel() * self.kv.element_size()

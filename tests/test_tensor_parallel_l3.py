@@ -1,0 +1,85 @@
+"""A disk L3 shared between tensor-parallel sizes (CPU, gloo, real processes, real files).
+
+Rank 0 stores whole-model blocks (every rank's KV heads, joined), the bytes a single-rank engine
+stores, so the same directory serves TP=1 and TP=2 in both directions: a prompt cached by one is
+served from L3 to the other, which then gives TP=1's greedy tokens. With L1 and L2 emptied first,
+every prefix block the second engine uses came through L3; a rank whose heads were lost or put in
+the wrong place changes the tokens. Rank 0's L2 slots hold exactly its heads of the stored bytes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models import save_tiny_checkpoint
+
+from tierkv import LLM, SamplingParams
+from tierkv.hashing import hash_blocks, token_bytes
+from tierkv.heads import HeadSplit
+from tierkv.tiering import block_id
+from tierkv.tiers.open import open_store
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("tp-l3")
+    return {kind: str(save_tiny_checkpoint(kind, root / kind, seed=5)) for kind in ("llama", "qwen3")}
+
+
+def batch() -> list[list[int]]:
+    g = torch.Generator().manual_seed(11)
+    head = torch.randint(0, 256, (20,), generator=g).tolist()
+    return [head + torch.randint(0, 256, (n,), generator=g).tolist() for n in (13, 26)]
+
+
+def greedy(llm: LLM, prompts) -> tuple[list[list[int]], list[int]]:
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    return [o.token_ids for o in outs], [o.cached_tokens for o in outs]
+
+
+@pytest.mark.parametrize(("writer", "reader", "kind", "offload"), [
+    (2, 1, "llama", None), (1, 2, "llama", None), (2, 1, "qwen3", "fp8_e4m3"),
+], ids=["tp2-writes-tp1-reads", "tp1-writes-tp2-reads", "fp8-tp2-writes-tp1-reads"])
+def test_disk_l3_written_at_one_tp_size_is_read_at_another(checkpoints, tmp_path, writer, reader, kind, offload):
+    path, prompts = checkpoints[kind], batch()
+    options = dict(device="cpu", block_size=4, l2="2MiB", l3=[f"file://{tmp_path}/l3"], kv_offload_dtype=offload)
+    plain = LLM(path, device="cpu", block_size=4, kv_offload_dtype=offload, l2="2MiB")
+    want, _ = greedy(plain, prompts)
+    plain.close()
+
+    first = LLM(path, tensor_parallel_size=writer, **options)
+    try:
+        assert greedy(first, prompts)[0] == want
+        assert first.cache.flush(timeout=60)
+        written = first.engine.cache_stats()["tiers"]["l3"]["blocks_in"]
+        assert written >= (20 + 13) // 4  # at least the first prompt's full blocks
+    finally:
+        first.close()
+
+    second = LLM(path, tensor_parallel_size=reader, **options)
+    try:
+        got, cached = greedy(second, prompts)
+        assert got == want
+        stats = second.engine.cache_stats()["tiers"]
+        assert stats["l3"]["hit_tokens"] == sum(cached) > 0  # every cached token came from L3
+        assert stats["l3"]["blocks_out"] > 0
+        if reader > 1:
+            # rank 0's L2 slots hold exactly its heads of the stored whole-model bytes
+            tiers = second.cache.tiers
+            store = open_store(options["l3"][0], tiers.l3_layout)
+            # the blocks read from L3: each prompt's cached prefix (the blocks after it this
+            # engine computed, and its bytes for them differ from the writer's in rounding)
+            ns, index = second.cache.namespace(), second.cache.index.entries
+            read = {h for p, n in zip(prompts, cached) for h in hash_blocks(token_bytes(p), 4, ns)[: n // 4]}
+            entries = [index[h] for h in read if index[h].l2 >= 0]
+            assert entries
+            stored = torch.zeros((len(entries), tiers.l3_layout.bytes_per_block), dtype=torch.uint8)
+            assert all(store.get_many([block_id(e) for e in entries], list(stored)))
+            store.close()
+            split = HeadSplit(tiers.l3_layout, tiers.exchange.split.ranks)
+            assert torch.equal(tiers.l2.rows[torch.tensor([e.l2 for e in entries])], split.split(stored, 0))
+    finally:
+        second.close()
+
