@@ -5,6 +5,7 @@ stores, so the same directory serves TP=1 and TP=2 in both directions: a prompt 
 served from L3 to the other, which then gives TP=1's greedy tokens. With L1 and L2 emptied first,
 every prefix block the second engine uses came through L3; a rank whose heads were lost or put in
 the wrong place changes the tokens. Rank 0's L2 slots hold exactly its heads of the stored bytes.
+`tierkv-serve -tp 2` under write_back fills L3 only by its shutdown flush, and one rank reads it.
 """
 
 from __future__ import annotations
@@ -83,3 +84,34 @@ def test_disk_l3_written_at_one_tp_size_is_read_at_another(checkpoints, tmp_path
     finally:
         second.close()
 
+
+
+def test_tierkv_serve_over_two_ranks_flushes_whole_blocks_to_l3_on_sigterm(checkpoints, tmp_path):
+    """write_back under TP: the blocks reach L3 only by the shutdown flush, which gathers the
+    worker's heads while it is still up; one rank then reads them all."""
+    openai = pytest.importorskip("openai")
+    from server_helpers import ServerProcess
+
+    path, prompt = checkpoints["qwen3"], batch()[1]
+    l3 = f"file://{tmp_path}/l3"
+    plain = LLM(path, device="cpu", block_size=4, l2="2MiB")
+    want = plain.generate(prompt, GREEDY, use_tqdm=False)[0].token_ids
+    plain.close()
+    server = ServerProcess(["--model", path, "--device", "cpu", "-tp", "2", "--block-size", "4", "--l2", "2MiB",
+                            "--l3", l3, "--write-policy", "write_back"], tmp_path / "serve.log")
+    try:
+        server.wait_ready()
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+        got = client.completions.create(model="qwen3", prompt=prompt, max_tokens=8, temperature=0.0, logprobs=1,
+                                        extra_body={"ignore_eos": True})
+        assert [int(t) for t in got.choices[0].logprobs.tokens] == want
+    finally:
+        assert server.stop() == 0, server.log()
+    one = LLM(path, device="cpu", block_size=4, l2="2MiB", l3=[l3])
+    try:
+        out = one.generate(prompt, GREEDY, use_tqdm=False)[0]
+        assert out.token_ids == want
+        assert out.cached_tokens == (len(prompt) - 1) // 4 * 4  # every full prompt block came from L3
+        assert one.cache.stats()["tiers"]["l3"]["hit_tokens"] == out.cached_tokens
+    finally:
+        one.close()
