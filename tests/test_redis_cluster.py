@@ -18,6 +18,7 @@ from services import block_chain, empty_like_blocks, get_and_check
 from tierkv.config import CacheConfig
 from tierkv.errors import ConfigError
 from tierkv.layout import KVLayout
+from tierkv.tiers import redis as redis_tier
 from tierkv.tiers.codec import key_hex
 from tierkv.tiers.open import open_store
 from tierkv.tiers.redis import slot_tag
@@ -95,6 +96,17 @@ def test_roundtrip_spreads_blocks_over_the_nodes_by_hash_tag(redis_cluster):
     c.set(_key(ids[3].hash), bytes(value))
     assert _check(s, ids, pays) == [i != 3 for i in range(24)]
     assert s.stats()["errors"]["checksum"] == 1 and not c.exists(_key(ids[3].hash))
+    assert s.stats()["errors"]["io"] == 0
+    s.close()
+
+
+def test_a_nodes_blocks_split_over_several_pipelines(redis_cluster, monkeypatch):
+    ids, pays = block_chain(LAYOUT, 24, seed=3)
+    s = open_store(redis_cluster.url, LAYOUT)
+    monkeypatch.setattr(redis_tier, "_CHUNK_BYTES", 2 * s.object_size)  # ~8 blocks a node: 4 pipelines each
+    assert s.put_many(ids, pays) == [True] * 24
+    assert s.contains_many([b.hash for b in ids]) == [True] * 24
+    assert _check(s, ids, pays) == [True] * 24
     assert s.stats()["errors"]["io"] == 0
     s.close()
 

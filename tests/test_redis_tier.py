@@ -11,10 +11,12 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from services import block_chain, get_and_check, empty_like_blocks
 
 from tierkv.layout import KVLayout
+from tierkv.tiers import redis as redis_tier
 from tierkv.tiers.codec import key_hex
 from tierkv.tiers.open import open_store
 
@@ -74,6 +76,25 @@ def test_corrupt_value_is_a_counted_miss_and_deleted(redis_server):
     c.set(key, bytes(value))
     assert _check(s, ids, pays) == [False, True]
     assert s.stats()["errors"]["checksum"] == 1 and not c.exists(key)
+    s.close()
+
+
+@pytest.mark.parametrize("blocks_per_pipeline", [0, 3])
+def test_batches_split_over_several_pipelines(redis_server, monkeypatch, blocks_per_pipeline):
+    """Pipelines of 3 blocks, or of 1 (a block above _CHUNK_BYTES goes alone), run on the pool's
+    connections in parallel; a damaged block in one of them is a miss, the others still hit."""
+    s = open_store(redis_server.url, LAYOUT)
+    monkeypatch.setattr(redis_tier, "_CHUNK_BYTES", blocks_per_pipeline * s.object_size)
+    ids, pays = block_chain(LAYOUT, 10)
+    assert s.put_many(ids, pays) == [True] * 10
+    assert s.contains_many([b.hash for b in ids]) == [True] * 10
+    c = redis_server.client()
+    key = f"tierkv:{key_hex(ids[4].hash)}"
+    value = bytearray(c.get(key))
+    value[-1] ^= 1
+    c.set(key, bytes(value))
+    assert _check(s, ids, pays) == [i != 4 for i in range(10)]
+    assert s.stats()["errors"]["checksum"] == 1 and s.stats()["errors"]["io"] == 0
     s.close()
 
 
