@@ -33,6 +33,8 @@ __all__ = [
     "copy_blocks",
     "quantize_fp8",
     "dequantize_fp8",
+    "gather_quantize_fp8",
+    "dequantize_scatter_fp8",
     "compile_variants",
     "rms_norm",
     "rope_kv_write",
@@ -49,6 +51,10 @@ _TRITON_HOME: dict[str, str] = {
     "gather_blocks": "block_copy",
     "scatter_blocks": "block_copy",
     "copy_blocks": "block_copy",
+    "quantize_fp8": "fp8",
+    "dequantize_fp8": "fp8",
+    "gather_quantize_fp8": "fp8",
+    "dequantize_scatter_fp8": "fp8",
     "rms_norm": "norm",
     "rope_kv_write": "rope",
     "silu_mul": "activation",
@@ -133,13 +139,24 @@ def copy_blocks(src: torch.Tensor, src_slots: torch.Tensor, dst: torch.Tensor, d
 
 def quantize_fp8(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> None:
     """x [..., T, H, D] -> q (fp8, same shape) and scales [..., H] fp32, one per head over T x D
-    (see reference.quantize_fp8; torch ops on every device)."""
+    (see reference.quantize_fp8; one Triton kernel for blocks [n, layers, 2, bs, h, d] on CUDA)."""
     return _impl("quantize_fp8", x)(x, q, scales)
 
 
 def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
     """q [..., T, H, D] fp8 with scales [..., H] -> out in its own dtype (see reference.dequantize_fp8)."""
     return _impl("dequantize_fp8", out)(q, scales, out)
+
+
+def gather_quantize_fp8(pool: torch.Tensor, slots: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> None:
+    """pool [layers, N, 2, bs, h, d] blocks `slots` [n] -> q [n, layers, 2, bs, h, d] fp8 and scales
+    [n, layers, 2, h]: gather_blocks + quantize_fp8 fused (one kernel on CUDA, same bytes)."""
+    return _impl("gather_quantize_fp8", pool)(pool, slots, q, scales)
+
+
+def dequantize_scatter_fp8(q: torch.Tensor, scales: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor) -> None:
+    """The inverse of gather_quantize_fp8: q, scales -> pool blocks `slots` in the pool's dtype."""
+    return _impl("dequantize_scatter_fp8", pool)(q, scales, pool, slots)
 
 
 def compile_variants(kv: torch.Tensor, num_heads: int, scale: float, windows=(None,)) -> int:

@@ -227,3 +227,20 @@ def check_quantize(x, q, scales, x_name: str, q_name: str) -> None:
     if scales.shape != x.shape[:-3] + x.shape[-2:-1]:
         _fail(f"scales must be [..., kv_heads] = {tuple(x.shape[:-3] + x.shape[-2:-1])}, got {tuple(scales.shape)}")
     check_same_device(**{x_name: x, q_name: q, "scales": scales})
+
+
+def check_gather_quantize(pool, slots, q, scales) -> None:
+    """pool [layers, N, 2, bs, h, d] in an attention dtype, slots [n] on its device, q [n, layers,
+    2, bs, h, d] fp8 and scales [n, layers, 2, h] fp32 (the fused gather+quantise and its inverse)."""
+    check_tensor("pool", pool, 6, ATTN_DTYPES)
+    if pool.shape[2] != 2:
+        _fail(f"pool dim 2 must be 2 (K, V), got shape {tuple(pool.shape)}")
+    check_tensor("slots", slots, 1, INDEX_DTYPES)
+    check_tensor("q", q, 6, FP8_DTYPES)
+    check_tensor("scales", scales, 4, (torch.float32,))
+    want = (slots.shape[0], pool.shape[0], *pool.shape[2:])
+    if tuple(q.shape) != want:
+        _fail(f"q must be [n, layers, 2, block_size, kv_heads, head_dim] = {want}, got {tuple(q.shape)}")
+    if tuple(scales.shape) != want[:3] + want[4:5]:
+        _fail(f"scales must be [n, layers, 2, kv_heads] = {want[:3] + want[4:5]}, got {tuple(scales.shape)}")
+    check_same_device(pool=pool, slots=slots, q=q, scales=scales)

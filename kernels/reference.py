@@ -174,8 +174,8 @@ def quantize_fp8(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> None
     x:      [..., T, H, D] bf16/fp16/fp32, e.g. blocks [n, layers, 2, block_size, H, D]
     q:      [..., T, H, D] float8_e4m3fn (may be a strided view into packed bytes)
     scales: [..., H] float32: amax over the head's T x D values / 448, 1 where the head is all 0
-    q = clamp(x / scale, +-448) rounded to nearest fp8. Math in fp32. Also the torch version the
-    GPU runs (no Triton version): one pass of elementwise ops over a staging buffer.
+    q = clamp(x / scale, +-448) rounded to nearest fp8. Math in fp32. The Triton version (fp8.py)
+    computes the same bytes in one kernel; this one is a pass of elementwise ops per piece.
     """
     _checks.check_quantize(x, q, scales, "x", "q")
     for part in _pieces(x):
@@ -192,6 +192,21 @@ def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> 
     _checks.check_quantize(out, q, scales, "out", "q")
     for part in _pieces(out):
         out[part].copy_(q[part].float() * scales[part][..., None, :, None])
+
+
+def gather_quantize_fp8(pool: torch.Tensor, slots: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> None:
+    """gather_blocks then quantize_fp8: pool [layers, N, 2, bs, H, D] blocks `slots` [n] -> q
+    [n, layers, 2, bs, H, D] fp8 and scales [n, layers, 2, H] fp32, in place."""
+    _checks.check_gather_quantize(pool, slots, q, scales)
+    quantize_fp8(pool.index_select(1, slots.long()).transpose(0, 1), q, scales)
+
+
+def dequantize_scatter_fp8(q: torch.Tensor, scales: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor) -> None:
+    """The inverse of gather_quantize_fp8: q and scales dequantised into pool blocks `slots`, in the pool's dtype."""
+    _checks.check_gather_quantize(pool, slots, q, scales)
+    blocks = torch.empty(q.shape, dtype=pool.dtype, device=pool.device)  # [n, layers, 2, bs, H, D]
+    dequantize_fp8(q, scales, blocks)
+    pool.index_copy_(1, slots.long(), blocks.transpose(0, 1))
 
 
 _PIECE_ELEMENTS = 1 << 23  # fp32 temporaries of one piece: 32 MiB each

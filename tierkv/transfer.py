@@ -5,9 +5,10 @@ stream and are ordered among themselves (a slot written by one move and read by 
 needs no extra sync). L1 blocks are gathered into a device staging buffer by one kernel, then
 copied to host as one DMA per run of neighbouring L2 slots (and the reverse for loads). On CPU
 a move is a plain copy that is done on return. When L2 holds another format than L1 (an
-OffloadLayout: fp8 and scales), blocks are quantised on the device after the gather, before the
-DMA, and dequantised on the device after the DMA, before the scatter, so PCIe carries the small
-format; `to_host` / `from_host` do the same for blocks that bypass L2 (spills, direct L3 reads).
+OffloadLayout: fp8 and scales), one kernel gathers and quantises the blocks into packed rows
+before the DMA, and one dequantises and scatters them after it, so PCIe carries the small format
+and a chunk costs one launch, not a pass of torch ops; `to_host` / `from_host` convert blocks that
+bypass L2 (spills, direct L3 reads) the same way.
 
 L2<->L3: one writer and one reader thread call the stores' batched, internally parallel APIs on
 L2 slots that the caller holds for them, and post each finished job to a queue the caller
@@ -98,11 +99,11 @@ class BlockMover:
         self.fmt = l2.layout if isinstance(l2.layout, OffloadLayout) else None
         if self.cuda:
             self.stream = torch.cuda.Stream(self.device)
-            n = max(1, min(l1.num_blocks, STAGING_BYTES // l1.layout.bytes_per_block))
-            self.staging = torch.empty((n, *l1.layout.block_shape), dtype=l1.layout.dtype, device=self.device)
-            # the quantised blocks on the device, [n, bytes_per_block] uint8, between staging and the DMA
-            self.packed = (torch.empty((n, self.fmt.bytes_per_block), dtype=torch.uint8, device=self.device)
-                           if self.fmt is not None else None)
+            # the device side of every DMA: blocks [n, layers, 2, bs, h, d] in L1's dtype, or with
+            # an fp8 L2 packed rows [n, bytes_per_block] uint8 (the fused kernels need no other buffer)
+            shape, dtype = l2.layout.block_storage
+            n = max(1, min(l1.num_blocks, STAGING_BYTES // l2.layout.bytes_per_block))
+            self.staging = torch.empty((n, *shape), dtype=dtype, device=self.device)
 
     def estimate_seconds(self, num_blocks: int) -> float:
         """Expected seconds to move `num_blocks` blocks between L2 and L1 now."""
@@ -220,20 +221,23 @@ class BlockMover:
 
     def _d2h(self, l1_slots: list[int], l2_slots: list[int]) -> None:
         staged = self.staging[: len(l1_slots)]
-        kernels.gather_blocks(self.l1.kv, self._index(l1_slots), staged)
-        if self.fmt is not None:  # quantised on the device: the DMA carries the packed rows
-            staged = self._encode(staged, self.packed[: len(l1_slots)])
+        if self.fmt is None:
+            kernels.gather_blocks(self.l1.kv, self._index(l1_slots), staged)
+        else:  # quantised on the device: the DMA carries the packed rows
+            kernels.gather_quantize_fp8(self.l1.kv, self._index(l1_slots), self.fmt.payload(staged),
+                                        self.fmt.scales(staged))
         for pos, first, n in runs(l2_slots):
             self.l2.kv[first : first + n].copy_(staged[pos : pos + n], non_blocking=True)
 
     def _h2d(self, l2_slots: list[int], l1_slots: list[int]) -> None:
         staged = self.staging[: len(l1_slots)]
-        landing = staged if self.fmt is None else self.packed[: len(l1_slots)]
         for pos, first, n in runs(l2_slots):
-            landing[pos : pos + n].copy_(self.l2.kv[first : first + n], non_blocking=True)
-        if self.fmt is not None:  # dequantised on the device, then scattered as usual
-            self._decode(landing, staged)
-        kernels.scatter_blocks(staged, self.l1.kv, self._index(l1_slots))
+            staged[pos : pos + n].copy_(self.l2.kv[first : first + n], non_blocking=True)
+        if self.fmt is None:
+            kernels.scatter_blocks(staged, self.l1.kv, self._index(l1_slots))
+        else:  # dequantised on the device, straight into the L1 slots
+            kernels.dequantize_scatter_fp8(self.fmt.payload(staged), self.fmt.scales(staged), self.l1.kv,
+                                           self._index(l1_slots))
 
 
 @dataclass(slots=True, eq=False)

@@ -84,8 +84,11 @@ def byte_view(buf: Any) -> memoryview:
     if isinstance(buf, torch.Tensor):
         if buf.device.type != "cpu" or not buf.is_contiguous():
             raise ValueError("L3 buffers must be contiguous CPU tensors (an L2 slot)")
-        # view(uint8) reinterprets bf16/fp8 without a copy; numpy has no bfloat16 of its own.
-        buf = buf.reshape(-1).view(torch.uint8).numpy()
+        # view(uint8) reinterprets bf16/fp8 without a copy (numpy has no bfloat16 of its own); an
+        # fp8 L2 slot is bytes already. One torch op at most: the L3 writer makes a view per block.
+        if buf.dtype != torch.uint8:
+            buf = buf.reshape(-1).view(torch.uint8) if buf.dim() == 0 else buf.view(torch.uint8)
+        buf = buf.numpy()
     if isinstance(buf, np.ndarray):
         if not buf.flags.c_contiguous:
             raise ValueError("L3 buffers must be C-contiguous")
@@ -107,8 +110,19 @@ def payload_offset(layout: KVLayout, align: int = 1) -> int:
     return -(-bound // align) * align
 
 
+# Payloads from this size up are hashed by the streaming hasher, whose update() releases the GIL;
+# the one-shot xxh3_64_intdigest holds it for the whole block (~40 us a MiB), time the engine's
+# thread would spend waiting while an L3 thread hashes. Both give the same digest.
+_GIL_FREE_HASH_BYTES = 1 << 16
+
+
 def checksum(payload: memoryview) -> int:
-    return xxhash.xxh3_64_intdigest(payload)
+    """xxh3-64 of `payload` (the L3 record checksum)."""
+    if len(payload) < _GIL_FREE_HASH_BYTES:
+        return xxhash.xxh3_64_intdigest(payload)
+    hasher = xxhash.xxh3_64()
+    hasher.update(payload)
+    return hasher.intdigest()
 
 
 def encode_header(layout: KVLayout, bid: BlockId, payload: memoryview, align: int = 1) -> bytes:
