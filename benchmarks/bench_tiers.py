@@ -7,7 +7,8 @@ objects of 256 tokens (`?chunk=256`), each also with O_DIRECT. The
 page cache is dropped before every read with posix_fadvise(DONTNEED) on each file read (raw file
 and every object file), so reads hit the disk.
 Redis (one server, and a 3-node Redis Cluster) and S3 (SeaweedFS) run on loopback, started here;
-for them GB/s and the latency of one contains_many of a 64-block chain. Writes
+for them GB/s and the latency of one contains_many of a 64-block chain (median of 50): all of it
+stored, none of it, and its first 37 blocks (S3 probes for where the run ends). Writes
 benchmarks/results/bench_tiers-<h200|cpu>.json (common.machine_tag).
 """
 
@@ -240,6 +241,7 @@ def main() -> None:
     machine = platform.node() or "unknown"
     meta = {
         "machine": machine, "cpus": os.cpu_count(), "platform": platform.platform(),
+        "load_average": os.getloadavg(),  # loopback services share the CPUs: others' load shows in the figures
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "git_commit": os.environ.get("TIERKV_COMMIT") or _version(["git", "-C", str(ROOT), "rev-parse", "HEAD"]),
         "versions": {"python": platform.python_version(), "torch": torch.__version__, "boto3": _package("boto3"),
@@ -250,7 +252,9 @@ def main() -> None:
                   "tier = put_many/get_many of all blocks (one object per block, fdatasync per object file), tier_direct = the same with "
                   "?direct=1 (O_DIRECT), chunked(_direct) = the same with ?chunk=256 (256-token chunk objects); buffers "
                   "page-aligned (mmap) like a pinned L2 pool. Redis/S3 on loopback (s3_chunked: ?chunk=256); "
-                  "redis_cluster = 3 primaries, no replicas, on loopback (redis+cluster:// URL).",
+                  "redis_cluster = 3 primaries, no replicas, on loopback (redis+cluster:// URL). "
+                  "lookup64_hit/miss/37_ms: median of 50 contains_many of a 64-block chain, all, none or "
+                  "the first 37 blocks stored; services share the machine's CPUs with this process.",
         "layouts": {k: {"fingerprint": v.fingerprint, "bytes_per_block": v.bytes_per_block} for k, v in LAYOUTS.items()},
         "args": vars(args),
     }

@@ -1,18 +1,25 @@
-"""tierkv/tiers/s3.py against a real SeaweedFS: chunk objects, sharing a bucket, damage, and faults (stopped, frozen)."""
+"""tierkv/tiers/s3.py against a real SeaweedFS: chunk objects, sharing a bucket, damage, faults, and HEADs off botocore."""
 
 from __future__ import annotations
 
 import logging
+import re
 import time
+from datetime import datetime, timedelta, timezone
+from urllib.parse import quote
 
 import boto3
+import pytest
 import torch
-from services import S3_SECRET, block_chain, get_and_check, empty_like_blocks
+from botocore.credentials import RefreshableCredentials
+from services import S3_KEY, S3_SECRET, block_chain, get_and_check, empty_like_blocks
 from test_redis_tier import run_writer
 
+from tierkv.errors import ConfigError
 from tierkv.layout import KVLayout
 from tierkv.tiers.codec import key_hex, payload_offset
 from tierkv.tiers.open import open_store
+from tierkv.tiers.service import Breaker
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16, block_size=16)  # 16 KiB
 
@@ -105,7 +112,13 @@ def test_seaweedfs_stopped_mid_run_then_restarted(seaweed_private):
     s = open_store(sw.url("faults", timeout="1", connect_timeout="0.5", retries="1"), LAYOUT)
     assert s.put_many(ids[:4], pays[:4]) == [True] * 4
     sw.stop()
-    assert s.contains_many([b.hash for b in ids]) == [False] * 8
+    s._breaker = Breaker(min_wait=2.0, max_wait=2.0)  # the second lookup below comes well within its wait
+    assert s.contains_many([b.hash for b in ids]) == [False] * 8  # refused: counted, the breaker opens
+    refused = s.stats()["errors"]
+    assert refused["io"] >= 1 and refused["timeout"] == 0
+    assert s.contains_many([b.hash for b in ids]) == [False] * 8  # skipped: no request while it waits
+    skipped = s.stats()["errors"]
+    assert skipped["unavailable"] >= 1 and skipped["io"] == refused["io"]
     assert _check(s, ids, pays) == [False] * 8
     assert s.put_many(ids[4:], pays[4:]) == [False] * 4
     st = s.stats()["errors"]
@@ -126,6 +139,8 @@ def test_a_request_that_times_out_is_a_miss_then_service_resumes(seaweed_private
     sw.freeze()  # SIGSTOP: connections are accepted by the kernel, nothing answers
     try:
         t0 = time.monotonic()
+        assert s.contains_many([b.hash for b in ids]) == [False] * 4  # the HEADs time out
+        assert s.stats()["errors"]["timeout"] >= 1
         assert _check(s, ids, pays) == [False] * 4
         assert time.monotonic() - t0 < 5
         assert s.stats()["errors"]["timeout"] >= 1
@@ -155,11 +170,21 @@ def _branch(ids, at: int, n: int, seed: int):
 
 
 class _Requests:
-    """Counts the S3 requests a store sends, by operation, through botocore's event hooks."""
+    """Counts the S3 requests a store sends, by operation: botocore's through its event hooks,
+    HEADs on the fast path (s3._Heads) at its urllib3 pool, one per attempt."""
 
     def __init__(self, store) -> None:
         self.ops: list[str] = []
         store._s3.meta.events.register("before-call.s3", self._count)
+        assert store._heads is not None, "HEADs should not go through botocore here"
+        pool = store._heads._pool
+        send = pool.urlopen
+
+        def counted(method, url, *args, **kwargs):
+            self.ops.append("HeadObject" if method == "HEAD" else method)
+            return send(method, url, *args, **kwargs)
+
+        pool.urlopen = counted  # urllib3 retries call urlopen again: each attempt is counted
 
     def _count(self, model, **_) -> None:
         self.ops.append(model.name)
@@ -167,6 +192,28 @@ class _Requests:
     def take(self) -> list[str]:
         ops, self.ops = self.ops, []
         return ops
+
+
+def test_probing_finds_every_run_end_within_its_bounds():
+    """l3.probe_prefix, which S3 lookups use, for every chain length up to 70 and every run end."""
+    from tierkv.tiers.l3 import probe_prefix
+
+    for n in range(71):
+        for stored in range(n + 1):
+            rounds: list[list[int]] = []
+
+            def present(js):
+                assert js and all(0 <= j < n for j in js) and len(set(js)) == len(js)
+                rounds.append(js)
+                return [j < stored for j in js]
+
+            assert probe_prefix(n, present) == stored
+            if n:
+                assert len(rounds[0]) == min(n, 2)  # the first and the last item
+                if stored in (0, n):
+                    assert len(rounds) == 1
+            if n == 64:
+                assert len(rounds) <= 4 and sum(map(len, rounds)) <= 11
 
 
 def test_a_64_block_lookup_is_one_round_of_two_heads_for_a_hit_or_a_miss(seaweed):
@@ -179,13 +226,14 @@ def test_a_64_block_lookup_is_one_round_of_two_heads_for_a_hit_or_a_miss(seaweed
     assert sent.take() == ["HeadObject"] * 2  # the first and the last block
     assert s.contains_many([b.hash for b in cold]) == [False] * 64
     assert sent.take() == ["HeadObject"] * 2
-    # a run that ends inside: found exactly, in at most 18 HEADs (not 64)
+    # a run that ends inside: found exactly, in at most 11 HEADs (not 64; l3.probe_prefix)
     for stored in (1, 2, 37, 63):
         part = open_store(seaweed.url(f"lookup-part{stored}"), LAYOUT)
         assert part.put_many(ids[:stored], pays[:stored]) == [True] * stored
         sent = _Requests(part)
         assert part.contains_many([b.hash for b in ids]) == [True] * stored + [False] * (64 - stored)
-        assert 2 <= len(sent.take()) <= 18
+        ops = sent.take()
+        assert set(ops) == {"HeadObject"} and 2 <= len(ops) <= 11
         part.close()
     # from a chain position on (the cache asks past what L1 and L2 hold)
     assert s.contains_many([b.hash for b in ids[40:]], first_pos=40) == [True] * 24
@@ -223,3 +271,159 @@ def test_two_processes_writing_one_bucket_branch_and_overlap(seaweed):
     assert _check(reader, longer, pays) == [True] * 16 and _check(reader, branch[:4], bpays[:4]) == [True] * 4
     s.close()
     reader.close()
+
+
+# -- HEADs on the fast path (s3._Heads): the same answers as botocore, the same failures ------------
+
+def test_fast_heads_answer_as_botocore_does_under_a_prefix_that_needs_quoting(seaweed):
+    prefix = "team c/x+y ü~(1)"
+    s = open_store(seaweed.url("fast-heads", prefix=quote(prefix), chunk="32"), LAYOUT)  # 2 blocks a chunk
+    assert s._heads.base == f"{seaweed.endpoint}/fast-heads/{quote(prefix, safe='/~')}/"
+    ids, pays = block_chain(LAYOUT, 8, seed=21)
+    assert s.put_many(ids[:5], pays[:5]) == [True] * 5  # objects end at blocks 1, 3 and (partial) 4
+    raw = boto3.client("s3", endpoint_url=seaweed.endpoint, region_name="us-east-1")
+
+    def boto_size(name):
+        try:
+            return raw.head_object(Bucket="fast-heads", Key=f"{prefix}/{name}")["ContentLength"]
+        except raw.exceptions.ClientError as err:
+            assert err.response["Error"]["Code"] == "404"
+            return None
+
+    names = [s.object_name(b.hash) for b in ids] + ["0" * 32 + ".c2"]
+    expected = [boto_size(n) for n in names]
+    rs = s.record_size
+    assert expected == [None, 2 * rs, None, 2 * rs, rs, None, None, None, None]
+    assert [s._heads.size(n) for n in names] == expected
+    assert s._stat(names) == expected
+    assert s.contains_many([b.hash for b in ids]) == [True] * 5 + [False] * 3
+    assert _check(s, ids[:5], pays[:5]) == [True] * 5
+    assert sum(s.stats()["errors"].values()) == 0
+    s.close()
+
+
+def test_a_wrong_secret_is_a_counted_error_and_a_miss(seaweed, monkeypatch, caplog):
+    ids, pays = block_chain(LAYOUT, 8, seed=22)
+    good = open_store(seaweed.url("wrong-secret"), LAYOUT)
+    assert good.put_many(ids, pays) == [True] * 8
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    with caplog.at_level(logging.DEBUG, logger="tierkv"):
+        bad = open_store(seaweed.url("wrong-secret", retries="1"), LAYOUT)
+        assert bad._heads is not None
+        for _ in range(2):
+            assert bad.contains_many([b.hash for b in ids]) == [False] * 8
+    errors = bad.stats()["errors"]
+    # the first and the last block's HEAD, twice: denied (403) is the service answering, so
+    # counted as io and the breaker stays closed
+    assert errors["io"] == 4 and errors["unavailable"] == 0 and errors["timeout"] == 0
+    assert good.contains_many([b.hash for b in ids]) == [True] * 8
+    assert "not-the-secret" not in caplog.text and S3_SECRET not in caplog.text
+    good.close()
+    bad.close()
+
+
+def test_fast_heads_sign_with_refreshed_credentials(seaweed):
+    ids, pays = block_chain(LAYOUT, 4, seed=23)
+    s = open_store(seaweed.url("refresh"), LAYOUT)
+    assert s.put_many(ids, pays) == [True] * 4
+    now = datetime.now(timezone.utc)
+    fresh = {"access_key": S3_KEY, "secret_key": S3_SECRET, "token": None,
+             "expiry_time": (now + timedelta(hours=1)).isoformat()}
+    expired = {**fresh, "secret_key": "expired-secret", "expiry_time": (now - timedelta(minutes=1)).isoformat()}
+    s._heads._credentials = RefreshableCredentials.create_from_metadata(expired, lambda: fresh, "test")
+    assert s.contains_many([b.hash for b in ids]) == [True] * 4
+    assert sum(s.stats()["errors"].values()) == 0
+    s.close()
+
+
+@pytest.mark.parametrize(
+    "url, base, region",
+    [
+        # the default AWS form: virtual-host addressing, regional endpoint, the prefix quoted
+        ("s3://my-bucket/a b?region=us-west-2", "https://my-bucket.s3.us-west-2.amazonaws.com/a%20b/", "us-west-2"),
+        ("s3://my-bucket/kv?region=us-east-1", "https://my-bucket.s3.amazonaws.com/kv/", "us-east-1"),
+        ("s3://my-bucket/kv?region=us-west-2&addressing=path", "https://s3.us-west-2.amazonaws.com/my-bucket/kv/",
+         "us-west-2"),
+        # a bucket name with dots cannot be a TLS host name: botocore falls back to path style
+        ("s3://my.dotted.bucket/kv?region=eu-west-1", "https://s3.eu-west-1.amazonaws.com/my.dotted.bucket/kv/",
+         "eu-west-1"),
+        ("s3://b/kv?endpoint=https://minio.example:9000&region=us-east-1", "https://minio.example:9000/b/kv/",
+         "us-east-1"),
+        ("s3://b?endpoint=http://127.0.0.1:1&region=eu-central-1", "http://127.0.0.1:1/b/", "eu-central-1"),
+    ],
+)
+def test_head_urls_are_the_ones_botocore_builds(s3_env, url, base, region):
+    s = open_store(url, LAYOUT)  # nothing is sent: the URL is captured before it would leave
+    assert (s._heads.base, s._heads.region) == (base, region)
+    s.close()
+
+
+@pytest.mark.parametrize(
+    "opts, message",
+    [
+        ("addressing=sideways", "addressing='sideways'; accepted: auto, path, virtual"),
+        ("endpoint=ftp://host:21", "endpoint 'ftp://host:21' is not an http(s) URL"),
+        ("endpoint=127.0.0.1:8333", "is not an http(s) URL; use endpoint=http://host:port"),
+        ("threads=0", "threads and retries must be at least 1"),
+        ("retries=0", "threads and retries must be at least 1"),
+        ("timeout=0", "timeout and connect_timeout above 0"),
+        ("timeout=soon", "option timeout='soon' is not valid"),
+    ],
+)
+def test_bad_options_are_config_errors_that_say_what_to_change(opts, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        open_store(f"s3://bucket/kv?{opts}", LAYOUT)
+
+
+def test_fast_heads_retry_5xx_then_count_it_and_follow_a_bucket_to_botocore(s3_env, caplog):
+    """Against a stub that answers every HEAD with one status: what SeaweedFS cannot be made to say."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    seen: list[str] = []
+
+    class Stub(BaseHTTPRequestHandler):
+        status = 503
+
+        def do_HEAD(self):
+            seen.append(self.path)
+            self.send_response(Stub.status)
+            if Stub.status == 301:
+                self.send_header("x-amz-bucket-region", "eu-west-1")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Stub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        endpoint = f"http://127.0.0.1:{server.server_port}"
+        s = open_store(f"s3://stub/kv?endpoint={endpoint}&region=us-east-1&retries=2", LAYOUT)
+        ids, _ = block_chain(LAYOUT, 1, seed=24)
+        assert s.contains_many([ids[0].hash]) == [False]
+        assert len(seen) == 2  # one retry, as botocore's standard mode retries a 503
+        errors = s.stats()["errors"]
+        assert errors["io"] == 1 and errors["unavailable"] == 0  # the service answered: no back-off
+        Stub.status = 301
+        with caplog.at_level(logging.WARNING, logger="tierkv"):
+            assert s.contains_many([ids[0].hash]) == [False]
+        assert s._heads is None and "answers from region eu-west-1, not us-east-1" in caplog.text
+        s.close()
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_heads_stay_on_botocore_where_it_would_use_a_proxy(s3_env, monkeypatch):
+    for var in ("https_proxy", "HTTPS_PROXY", "no_proxy", "NO_PROXY"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.example:3128")
+    s = open_store("s3://my-bucket/kv?region=us-west-2", LAYOUT)
+    assert s._heads is None
+    s.close()
+    monkeypatch.setenv("NO_PROXY", "amazonaws.com")
+    s = open_store("s3://my-bucket/kv?region=us-west-2", LAYOUT)
+    assert s._heads is not None
+    s.close()

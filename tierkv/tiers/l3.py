@@ -46,13 +46,19 @@ c*K..e is named after block e, and
     of its block hashes read first, would serve partial sharers too; that is the next step.
 Lookups by probing (S3). The cache wants the longest stored prefix, and a match stops at the
 first miss, so a store may answer by prefix: S3 sets `probe_lookup` and probe_prefix checks the
-first and the last chunk name in one round (a full hit or a full miss: 2 HEADs, 3.5 ms for 64
-blocks on loopback SeaweedFS, against 64 HEADs and ~130 ms before), then narrows a run that ends
-inside in rounds of PROBES (64 blocks: at most 3 rounds, 18 HEADs). Nothing here assumes more
-than what a HEAD sees at that moment: two writers of one chain write the same names and bytes,
-branches differ in name, a write is atomic, and a hole (a deleted or evicted object, a writer
-that died mid-run) is reported present, then misses on its read and is recomputed (the plan
-loads what it read, up to the first block it did not: tests/test_cache_l3.py). Time, never data.
+first and the last chunk name in one round (a full hit or a full miss: 2 HEADs), then narrows a
+run that ends inside in rounds of PROBES = 3 (64 blocks: at most 4 rounds, 11 HEADs; 64 HEADs
+before probing). Why 3: on loopback a round (thread hand-offs, waiting for its last answer) and a
+HEAD (signing, sending, parsing: s3.py) each cost about the same ~0.5 ms, and for 64 blocks 1, 2
+or 3 probes a round all come to ~15 of them (8 a round: 3 rounds + 16 HEADs), 3 with the fewest
+rounds; measured, the first 37 of 64 stored: 7.5-8.6 ms with 3, 7.8-11.1 ms with 8. Remote S3,
+where a round costs a HEAD's latency, pays one round more than with 8 a round, and only for a run
+that ends inside, whose loads take far longer; one a round (binary search: 8 HEADs, 7 rounds)
+would make remote lookups round-trip bound. Nothing here assumes more than what a HEAD sees at
+that moment: two writers of one chain write the same names and bytes, branches differ in name, a
+write is atomic, and a hole (a deleted or evicted object, a writer that died mid-run) is
+reported present, then misses on its read and is recomputed (the plan loads what it read, up to
+the first block it did not: tests/test_cache_l3.py). Time, never data.
 Why not a LIST over chain-ordered names or a manifest per chain: a name must then carry an
 anchor earlier in the chain than the blocks a lookup or a write is given (the cache asks from
 the first block L1 and L2 lack), a listing under an anchor shared by thousands of branches off
@@ -113,28 +119,34 @@ DEFAULT_CHUNK_TOKENS = 0
 _WHERE_MAX = 1 << 16  # block hashes whose object name a lookup found, kept for the reads after it
 
 
-PROBES = 8  # existence checks per round after the first, when a store probes (probe_prefix)
+PROBES = 3  # existence checks per round after the first, when a store probes (probe_prefix; why 3: above)
 
 
-def probe_prefix(n: int, present: Callable[[list[int]], list[bool]]) -> int:
+def probe_prefix(n: int, present: Callable[[list[int]], list[bool]], probes: int = PROBES) -> int:
     """How many leading items of `n` are present, taking presence to be prefix-closed (a chain
     is written from its start, and a lookup stops at the first miss anyway). `present(indices)`
     is one round of parallel checks. Round one asks for the first and the last item, so a full
-    hit or a full miss costs one round of two; each later round asks for up to PROBES evenly
-    spaced items between the last one known present and the first known absent (64 items: at
-    most 3 rounds and 18 checks). A hole inside the run is reported present: its read misses
-    and the cache recomputes from there, which costs time, never data."""
-    lo, hi = 0, n  # items before lo are taken as present; item hi is absent (or hi == n)
+    hit or a full miss costs one round of two; each later round splits what is still unknown
+    into `probes` + 1 even parts (64 items, probes=3: at most 4 rounds and 11 checks). A hole
+    inside the run is reported present: its read misses and the cache recomputes from there,
+    which costs time, never data."""
+    if n <= 0:
+        return 0
+    lo, hi = 0, n  # the answer lies in [lo, hi]: items before lo taken as present, item hi absent (or hi == n)
     ask = sorted({0, n - 1})
-    while lo < hi:
+    while True:
         for j, ok in zip(ask, present(ask)):
             if not ok:
                 hi = j
                 break
             lo = j + 1
-        span = hi - lo
-        ask = list(range(lo, hi)) if span <= PROBES else sorted({lo + span * i // PROBES for i in range(PROBES)})
-    return lo
+        span = hi - lo  # unknown items lo..hi-1: span + 1 possible answers
+        if span <= 0:
+            return lo
+        if span <= probes:
+            ask = list(range(lo, hi))
+        else:
+            ask = [lo - 1 + (span + 1) * i // (probes + 1) for i in range(1, probes + 1)]
 
 
 class L3Store(ABC):
