@@ -181,7 +181,9 @@ def quantize_fp8(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> None
     for part in _pieces(x):
         xf = x[part].float()
         amax = xf.abs().amax(dim=(-3, -1))                           # [k, ..., H]
-        scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        # divided by a tensor: torch on CUDA turns `/ 448` (a Python number) into `* (1 / 448)`,
+        # a scale one ulp off the exact quotient that the CPU and the Triton kernel compute
+        scale = torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
         scales[part].copy_(scale)
         # clamp: x / (amax / 448) may round a hair above 448, which e4m3fn (no inf) cannot hold
         q[part].copy_((xf / scale[..., None, :, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn))

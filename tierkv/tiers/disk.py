@@ -1,4 +1,4 @@
-"""disk: the local-directory L3 store (`file:///path?size=100GiB&threads=8&writers=2&direct=0&fsync=1&chunk=256`).
+"""disk: the local-directory L3 store (`file:///path?size=100GiB&threads=8&direct=0&fsync=1&chunk=256`).
 
 One file per chunk object (l3.py), `<dir>/<2 hex>/<32 hex>.c<K>.kv`, its records page-aligned,
 written atomically (temp file in the same directory, one writev that O_DSYNC makes durable,
@@ -6,11 +6,10 @@ rename) so that a crash never leaves a half object under a real name. A read of 
 preadv: headers into scratch pages, payloads straight into the caller's buffers. The size budget
 is enforced with an in-memory LRU of objects that a restart rebuilds from file names, sizes and
 mtimes, never by reading payloads; files of the one-block format 1 (`<32 hex>.kv`) are never read
-and are the first evicted. Reads run in parallel on a thread pool; at most `writers` files are
-written at once, because every syscall's return is one more thread asking for the GIL, and eight
-threads cycling through open/write/rename took half the engine thread's time (the L1 hit of a 12K
-prompt ran ~2x slower while the prompt was being written). This file never serves a block it has
-not verified and never deletes a file it did not name (foreign files are left alone).
+and are the first evicted. Reads and writes run in parallel on a thread pool; each syscall's
+return is a thread asking for the GIL that the engine's thread runs under, so a write makes as
+few as it can (no random temp name, no separate fsync). This file never serves a block it has not
+verified and never deletes a file it did not name (foreign files are left alone).
 """
 
 from __future__ import annotations
@@ -76,7 +75,7 @@ class DiskStore(L3Store):
     align = ALIGN
 
     def __init__(self, url: str, layout: KVLayout) -> None:
-        opts = UrlOptions(url, ("size", "threads", "writers", "direct", "fsync", "chunk"))
+        opts = UrlOptions(url, ("size", "threads", "direct", "fsync", "chunk"))
         self.root = unquote(urlsplit(url).path)
         if os.path.exists(self.root) and not os.path.isdir(self.root):
             raise ConfigError(f"L3 URL {opts.url}: {self.root} exists and is not a directory")
@@ -88,12 +87,6 @@ class DiskStore(L3Store):
         self.capacity = opts.get("size", free // 2, UrlOptions.size)
         self.direct = opts.get("direct", False, UrlOptions.boolean) and _O_DIRECT != 0
         self.fsync = opts.get("fsync", True, UrlOptions.boolean)
-        writers = opts.get("writers", 2, int)
-        if writers < 1:
-            raise ConfigError(f"L3 URL {opts.url}: writers={writers} must be at least 1")
-        # Two files in flight keep the disk busy (each write is one large request, synced), and the
-        # pool threads beyond them sleep on this instead of contending for the GIL.
-        self._writing = threading.BoundedSemaphore(writers)
         super().__init__(layout, url, opts.get("threads", 8, int), opts.get("chunk", DEFAULT_CHUNK_TOKENS, int))
         self._lru: OrderedDict[str, int] = OrderedDict()  # object name -> file size, oldest access first
         self._used = 0  # bytes of the files in _lru
@@ -257,14 +250,13 @@ class DiskStore(L3Store):
         sub, path = self._path(name)
         tmp = os.path.join(sub, f".{name}.{os.getpid()}.{_TMP_TAG}{next(_tmp_ids):x}.tmp")
         try:
-            with self._writing:
-                if sub not in self._subdirs:
-                    os.makedirs(sub, exist_ok=True)
-                    self._subdirs.add(sub)
-                # with fsync, O_DSYNC: the data is on disk when the write returns, before the name
-                # makes it visible (as fdatasync would make it, one syscall less)
-                os.close(self._write_file(tmp, parts))
-                os.rename(tmp, path)  # atomic: readers see the old object, the new one or none
+            if sub not in self._subdirs:
+                os.makedirs(sub, exist_ok=True)
+                self._subdirs.add(sub)
+            # with fsync, O_DSYNC: the data is on disk when the write returns, before the name
+            # makes it visible (as fdatasync would make it, one syscall less)
+            os.close(self._write_file(tmp, parts))
+            os.rename(tmp, path)  # atomic: readers see the old object, the new one or none
         except OSError:
             try:
                 os.unlink(tmp)
