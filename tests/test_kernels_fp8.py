@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fp8_cases import rounding_sweep
 
 import tierkv.kernels as K
 from tierkv.kernels import ShapeError
@@ -114,19 +115,8 @@ def test_triton_writes_the_reference_bytes_both_ways(dtype, shape):
 def test_triton_rounds_every_kind_of_value_as_torch_does():
     from tierkv.kernels import fp8
 
-    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
-    values = codes[torch.isfinite(codes) & (codes >= 0)].sort().values
-    mids = (values[1:] + values[:-1]) / 2
-    up, down = torch.nextafter(mids, torch.tensor(1e9)), torch.nextafter(mids, torch.tensor(-1e9))
-    sweep = torch.cat([values, mids, up, down, torch.logspace(-14, 2.65, 100_000), torch.tensor([2**-10, 1e-30, 0.0])])
-    sweep = sweep[sweep <= 448]
-    sweep = torch.cat([sweep, -sweep])
-    per = 16 * 128 - 1
-    n = -(-sweep.numel() // per)
-    x = torch.zeros(n * per)
-    x[: sweep.numel()] = sweep
-    x = torch.cat([torch.full((n, 1), 448.0), x.view(n, per)], 1).view(n, 1, 1, 16, 1, 128)
-    x = x.expand(n, 1, 2, 16, 1, 128).contiguous().cuda()
+    x = rounding_sweep(100_000).cuda()
+    n = x.shape[0]
     q, scales = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device="cuda"), torch.empty(n, 1, 2, 1, device="cuda")
     fp8.quantize_fp8(x, q, scales)
     assert (scales == 1).all()

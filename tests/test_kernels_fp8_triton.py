@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fp8_cases import rounding_sweep
 from interpreted import INTERPRETED, in_child, kernel_modules, leave_only_the_child_run
 
 if not INTERPRETED:
@@ -94,22 +95,10 @@ def test_one_layer_of_packed_rows_dequantises_like_the_reference(fp8):
 
 
 def test_rounding_to_fp8_matches_torch_on_every_kind_of_value(fp8):
-    """Every fp8 value, every midpoint between neighbours and one fp32 step either side of it
-    (ties go to even), values down to fp8's subnormals and below, both signs; a 448 in each head
-    makes its scale exactly 1, so q must be torch's own cast of x."""
-    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
-    values = codes[torch.isfinite(codes) & (codes >= 0)].sort().values
-    mids = (values[1:] + values[:-1]) / 2
-    up, down = torch.nextafter(mids, torch.tensor(1e9)), torch.nextafter(mids, torch.tensor(-1e9))
-    sweep = torch.cat([values, mids, up, down, torch.logspace(-14, 2.65, 3000), torch.tensor([2**-10, 1e-30, 0.0])])
-    sweep = sweep[sweep <= 448]
-    sweep = torch.cat([sweep, -sweep])
-    per = 16 * 128 - 1  # one head of one block, less the 448
-    n = -(-sweep.numel() // per)
-    x = torch.zeros(n * per)
-    x[: sweep.numel()] = sweep
-    x = torch.cat([torch.full((n, 1), 448.0), x.view(n, per)], 1).view(n, 1, 1, 16, 1, 128)
-    x = x.expand(n, 1, 2, 16, 1, 128).contiguous()
+    """fp8_cases.rounding_sweep: every kind of value, each head's scale exactly 1, so q must be
+    torch's own cast of x."""
+    x = rounding_sweep(3000)
+    n = x.shape[0]
     q, scales = torch.empty(x.shape, dtype=torch.float8_e4m3fn), torch.empty(n, 1, 2, 1)
     fp8.quantize_fp8(x, q, scales)
     assert (scales == 1).all()
