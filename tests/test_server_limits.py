@@ -245,7 +245,12 @@ def test_500_idle_and_20_slow_loris_clients_while_a_normal_client_gets_answers(s
                     await asyncio.sleep(0.25)
 
             dripping = asyncio.ensure_future(drip())
-            reply = await r.read()  # until the server closes
+            try:
+                reply = await r.read()  # until the server closes
+            except ConnectionResetError:
+                # cut off too: a server that closes a socket holding unread dripped bytes sends
+                # a reset, which can discard its 408 before this side reads it (seen under load)
+                reply = b""
             dripping.cancel()
             w.close()
             if reply:
