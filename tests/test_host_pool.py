@@ -97,6 +97,21 @@ def test_a_cuda_runtime_error_is_pageable_with_one_warning(monkeypatch, caplog):
     assert driver.unpinned == []
 
 
+def test_limit_leaves_the_first_slots_and_still_unpins_the_whole_pool(monkeypatch):
+    """Tensor-parallel ranks all use as many L2 slots as the rank that pinned the fewest."""
+    driver = FakeDriver(monkeypatch, limit=None)
+    pool = HostPool(LAYOUT, 100, pin=True)
+    base = pool.kv.data_ptr()
+    pool.limit(60)
+    assert pool.num_blocks == 60 and len(pool.free) == 60 and pool.kv.shape[0] == 60
+    assert pool.rows.shape == (60, BPB) and pool.rows.data_ptr() == base
+    assert pool.free.take(60) == list(range(60))
+    with pytest.raises(RuntimeError, match="before any slot is taken"):
+        pool.limit(10)
+    pool.close()
+    assert driver.unpinned == [base]
+
+
 def test_no_cuda_means_pageable_and_silent(monkeypatch, caplog):
     driver = FakeDriver(monkeypatch, limit=None)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

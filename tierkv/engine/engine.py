@@ -95,6 +95,8 @@ class Engine:
         # made after the weights: with l1 None the cache sizes L1 from the memory they left
         self.cache = TieredKVCache(layout, config.cache_config(), device=dev, model=self.lm.fingerprint,
                                    exchange=exchange)
+        if self.workers is not None:
+            self.workers.agree_l2_blocks(self.cache)
         self.config = config = self._fit_context(config, explicit=explicit_len)
         self.max_model_len = config.max_model_len
         self.scheduler = Scheduler(

@@ -137,6 +137,9 @@ class Workers:
     def agree_sizes(self, l1_blocks: int, l2_bytes: int, max_model_len: int, max_tokens: int) -> tuple[int, ...]:
         return self._guard(agree_sizes, self.control, l1_blocks, l2_bytes, max_model_len, max_tokens)
 
+    def agree_l2_blocks(self, cache) -> None:
+        self._guard(agree_l2_blocks, self.control, cache)
+
     def ready(self) -> None:
         """Wait until every worker has built its cache and runner (after rank 0 built its own)."""
         self._guard(dist.barrier, group=self.control)
@@ -221,6 +224,15 @@ class Workers:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
+def agree_l2_blocks(control: dist.ProcessGroup, cache) -> None:
+    """After every rank built its cache: each uses as many L2 slots as the rank with the fewest
+    (a rank whose pinning fell short holds fewer than the bytes agreed, and slots must mirror)."""
+    n = torch.tensor([cache.l2.num_blocks if cache.l2 is not None else 0], dtype=torch.int64)
+    dist.all_reduce(n, op=dist.ReduceOp.MIN, group=control)
+    if cache.l2 is not None:
+        cache.l2.limit(int(n))
+
+
 def _l3_groups(config: EngineConfig) -> tuple:
     """The put and get groups of head_exchange.py (every rank makes them, in this order); none without an L3."""
     return (dist.new_group(backend="gloo"), dist.new_group(backend="gloo")) if config.l3 else (None, None)
@@ -290,6 +302,7 @@ def _serve(rank: int, size: int, init_file: str, config: EngineConfig, messages)
     config = dataclasses.replace(config, l1=l1_blocks * layout.bytes_per_block, l2=l2_bytes, l3=(),
                                  max_model_len=max_model_len, max_num_batched_tokens=max_tokens)
     cache = TieredKVCache(layout, config.cache_config(), device=device, model=lm.fingerprint, tp_rank=rank)
+    agree_l2_blocks(control, cache)
     runner = ModelRunner(lm, cache, config)
     # with an L3 (rank 0's), moves wait where a read lands, and two threads serve the reads and writes
     replay = HeadFollower(cache.tiers, *l3_groups).replay if l3_groups[0] is not None else cache.tiers.replay

@@ -103,6 +103,16 @@ class HostPool:
         self.num_blocks, self.pinned = 0, False
         self.free = FreeSlots(0)
 
+    def limit(self, num_blocks: int) -> None:
+        """Use only the first `num_blocks` slots (tensor-parallel ranks all use as many as the rank
+        that could pin the fewest). Only before any slot is taken."""
+        if len(self.free) != self.num_blocks:
+            raise RuntimeError("HostPool.limit must come before any slot is taken")
+        if num_blocks < self.num_blocks:
+            self.kv = self.kv[:num_blocks]
+            self.num_blocks = num_blocks
+            self.free = FreeSlots(num_blocks)
+
     @property
     def rows(self) -> torch.Tensor:
         """The pool's memory as [num_blocks, bytes_per_block] uint8 (a view: writes land in the slots)."""
