@@ -6,15 +6,21 @@ served from L3 to the other, which then gives TP=1's greedy tokens. With L1 and 
 every prefix block the second engine uses came through L3; a rank whose heads were lost or put in
 the wrong place changes the tokens. Rank 0's L2 slots hold exactly its heads of the stored bytes.
 `tierkv-serve -tp 2` under write_back fills L3 only by its shutdown flush, and one rank reads it.
+A worker killed while L3 writes go on fails the call, and the engine still closes.
 """
 
 from __future__ import annotations
+
+import os
+import signal
+import time
 
 import pytest
 import torch
 from models import save_tiny_checkpoint
 
 from tierkv import LLM, SamplingParams
+from tierkv.errors import TensorParallelError
 from tierkv.hashing import hash_blocks, token_bytes
 from tierkv.heads import HeadSplit
 from tierkv.tiering import block_id
@@ -115,3 +121,21 @@ def test_tierkv_serve_over_two_ranks_flushes_whole_blocks_to_l3_on_sigterm(check
         assert one.cache.stats()["tiers"]["l3"]["hit_tokens"] == out.cached_tokens
     finally:
         one.close()
+
+
+def test_a_worker_killed_with_l3_writes_in_flight_fails_the_call_and_close_returns(checkpoints, tmp_path):
+    """The L3 threads on rank 0 wait on the worker's heads: a dead worker must fail them, not hang
+    the engine's shutdown."""
+    llm = LLM(checkpoints["llama"], device="cpu", tensor_parallel_size=2, block_size=4, l2="2MiB",
+              l3=[f"file://{tmp_path}/l3"])
+    worker = llm.engine.workers.procs[0]
+    llm.generate(batch(), GREEDY, use_tqdm=False)  # ranks up, L3 written through
+    os.kill(worker.pid, signal.SIGKILL)
+    long = [batch()[1] + list(range(n, n + 40)) for n in range(8)]
+    with pytest.raises(TensorParallelError, match="tierkv-tp-rank1 exited with code -9"):
+        llm.generate(long, SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True), use_tqdm=False)
+    start = time.monotonic()
+    llm.close()
+    assert time.monotonic() - start < 30
+    worker.join(10)
+    assert not worker.is_alive()
