@@ -1,10 +1,11 @@
 """bench_tp_exchange: how fast L3 blocks cross between tensor-parallel ranks (CPU, gloo, 2 processes).
 
 Under tensor parallelism rank 0 does all L3 I/O in whole-model blocks; the other ranks' KV heads
-of every block written or read travel over gloo on loopback (tierkv/engine/head_exchange.py).
-This runs that code itself, HeadExchange on rank 0 against HeadFollower on rank 1 (a real Tiering
-with an L2 pool), for Llama-3.1-8B blocks (2 MiB whole, 1 MiB a rank at TP=2): a write's gather
-(rank 1's pieces in, joined) and a read's scatter (split, rank 1's pieces out). The figure is
+of every block written or read pass through shared-memory staging, paced by gloo on loopback
+(tierkv/engine/head_exchange.py). This runs that code itself, HeadExchange on rank 0 against
+HeadFollower on rank 1 (a real Tiering with an L2 pool), for Llama-3.1-8B blocks (2 MiB whole,
+1 MiB a rank at TP=2): a write's gather (rank 1's pieces in, joined) and a read's scatter (split,
+rank 1's pieces out). The figure is
 whole-model GB/s, against this host's single-thread memcpy of the same bytes in the same run (the
 copy every block needs anyway). Writes benchmarks/results/bench_tp_exchange-<h200|cpu>.json.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -27,7 +29,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_results  # noqa: E402
 
 from tierkv.config import CacheConfig  # noqa: E402
-from tierkv.engine.head_exchange import HeadExchange, HeadFollower  # noqa: E402
+from tierkv.engine.head_exchange import (  # noqa: E402
+    HeadExchange,
+    HeadFollower,
+    create_staging,
+    open_staging,
+    staging_dir,
+)
 from tierkv.engine.parallel import TensorParallel  # noqa: E402
 from tierkv.heads import HeadSplit  # noqa: E402
 from tierkv.layout import KVLayout  # noqa: E402
@@ -48,12 +56,16 @@ def rank_main(rank: int, size: int, init: str, blocks: int, rounds: int, results
     config = CacheConfig(l1=s.part.bytes_per_block, l2=blocks * s.part.bytes_per_block)
     tiering = Tiering(s.part, config, torch.device("cpu"))
     slots = list(range(blocks))
+    shm = staging_dir(init)  # /dev/shm, as the engine's
+    staging = create_staging(shm, s) if rank == 0 else None
+    dist.barrier()  # rank 0 made the staging files
     if rank:
-        HeadFollower(tiering, *groups)  # serves on its threads until rank 0 is done
+        # serves on its threads until rank 0 is done
+        HeadFollower(tiering, *groups, open_staging(shm, rank, s.part.bytes_per_block))
         dist.barrier()
         dist.barrier()
         os._exit(0)
-    exchange = HeadExchange(s, lambda moves: 0, *groups)
+    exchange = HeadExchange(s, lambda moves: 0, *groups, staging)
     own = tiering.l2.rows[: blocks].clone()
     whole = torch.randint(0, 255, (blocks, WHOLE.bytes_per_block), dtype=torch.uint8)
     dist.barrier()
@@ -71,6 +83,7 @@ def rank_main(rank: int, size: int, init: str, blocks: int, rounds: int, results
         times["memcpy"].append(time.perf_counter() - t)
     nbytes = blocks * WHOLE.bytes_per_block
     results.put({k: nbytes / statistics.median(v) / 1e9 for k, v in times.items()})
+    shutil.rmtree(shm, ignore_errors=True)
     dist.barrier()
     os._exit(0)
 

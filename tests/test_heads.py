@@ -41,6 +41,10 @@ def test_split_then_join_gives_the_same_bytes(layout, size):
     pieces = [split.split(blocks, r) for r in range(size)]
     assert all(p.shape == (5, split.part.bytes_per_block) for p in pieces)
     assert torch.equal(split.join(pieces), blocks)
+    # into a buffer that held other bytes (a staging buffer): the same parts, its padding untouched
+    out = torch.full_like(pieces[-1], 7)
+    split.split(blocks, size - 1, out=out)
+    assert torch.equal(split.join(pieces[:-1] + [out]), blocks)
     # each piece is exactly that rank's heads, read in the rank's own (smaller) layout
     for r, piece in enumerate(pieces):
         heads = ranks(4, size)[r]

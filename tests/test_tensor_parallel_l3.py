@@ -20,7 +20,7 @@ import torch
 from models import save_tiny_checkpoint
 
 from tierkv import LLM, SamplingParams
-from tierkv.errors import TensorParallelError
+from tierkv.errors import ConfigError, TensorParallelError
 from tierkv.hashing import hash_blocks, token_bytes
 from tierkv.heads import HeadSplit
 from tierkv.tiering import block_id
@@ -139,3 +139,14 @@ def test_a_worker_killed_with_l3_writes_in_flight_fails_the_call_and_close_retur
     assert time.monotonic() - start < 30
     worker.join(10)
     assert not worker.is_alive()
+
+
+def test_no_room_for_the_shared_memory_staging_is_a_clear_error(checkpoints, tmp_path, monkeypatch):
+    """The ranks' KV heads of L3 blocks pass through shared memory; where it cannot be had, the
+    engine says how much it needs and how to get it."""
+    blocked = tmp_path / "not-a-directory"
+    blocked.write_text("")
+    monkeypatch.setenv("TIERKV_SHM_DIR", str(blocked))  # staging directories cannot be made under a file
+    with pytest.raises(ConfigError, match=r"stages the ranks' KV heads in shared memory: \d+ MiB .*--shm-size"):
+        LLM(checkpoints["llama"], device="cpu", tensor_parallel_size=2, block_size=4, l2="2MiB",
+            l3=[f"file://{tmp_path}/l3"])

@@ -66,18 +66,20 @@ class HeadSplit:
         n = rows.shape[0]
         return [rows[:, off : off + r * heads * unit].view(n, r, heads, unit) for off, r, unit in head_parts(layout)]
 
-    def split(self, blocks: torch.Tensor, rank: int) -> torch.Tensor:
-        """Whole blocks [n, whole bytes] -> rank `rank`'s piece [n, part bytes] (a new tensor)."""
+    def split(self, blocks: torch.Tensor, rank: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Whole blocks [n, whole bytes] -> rank `rank`'s piece [n, part bytes]: a new tensor, or
+        `out` (contiguous; its bytes outside the parts, alignment padding, are left as they are)."""
         heads = self.ranks[rank]
-        piece = torch.zeros((blocks.shape[0], self.part.bytes_per_block), dtype=torch.uint8)
+        piece = torch.zeros((blocks.shape[0], self.part.bytes_per_block), dtype=torch.uint8) if out is None else out
         for dst, src in zip(self._views(piece, self.part), self._views(blocks, self.whole)):
             dst.copy_(src[:, :, heads])
         return piece
 
-    def join(self, pieces: list[torch.Tensor]) -> torch.Tensor:
-        """Every rank's pieces [n, part bytes] (rank order) -> whole blocks [n, whole bytes]; a head
-        that several ranks hold is taken from the first."""
-        out = torch.zeros((pieces[0].shape[0], self.whole.bytes_per_block), dtype=torch.uint8)
+    def join(self, pieces: list[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+        """Every rank's pieces [n, part bytes] (rank order) -> whole blocks [n, whole bytes]: a new
+        tensor, or `out` (contiguous, its padding zero); a head several ranks hold is taken from the first."""
+        if out is None:
+            out = torch.zeros((pieces[0].shape[0], self.whole.bytes_per_block), dtype=torch.uint8)
         outs = self._views(out, self.whole)
         taken = -1  # heads below this are in `out` already
         for heads, piece in zip(self.ranks, pieces):

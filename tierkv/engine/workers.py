@@ -5,8 +5,9 @@ per other rank (torch.multiprocessing, spawn: CUDA cannot be forked) and joins t
 group: NCCL on GPUs (gloo on CPU) for the model's collectives, and a gloo group beside it for
 control (StepPlans, sizes, stats), which never waits on a GPU. A worker loads its shard of the
 model, builds its own cache (the same L1/L2 block counts, its own KV heads, no L3) and runner,
-then repeats every StepPlan rank 0 sends until it is told to stop. With an L3, two more gloo
-groups carry the workers' heads of the blocks rank 0 writes and reads (head_exchange.py).
+then repeats every StepPlan rank 0 sends until it is told to stop. With an L3, the workers'
+heads of the blocks rank 0 writes and reads pass through shared memory, paced by two more gloo
+groups (head_exchange.py).
 
 A failure ends every rank. A worker that raises sends its traceback to rank 0 and exits; rank 0's
 next collective with it fails, and rank 0 raises TensorParallelError naming the rank and stops
@@ -39,7 +40,7 @@ from ..layout import KVLayout, OffloadLayout
 from ..tiering import default_l1_bytes
 from ..tiers.pool import blocks_for
 from .config import EngineConfig
-from .head_exchange import HeadExchange, HeadFollower
+from .head_exchange import HeadExchange, HeadFollower, create_staging, open_staging, staging_dir
 from .parallel import TensorParallel, init_process_group
 from .step_plan import MOVES, STATS, STEP, STOP, StepPlan
 
@@ -98,6 +99,7 @@ class Workers:
         ctx = mp.get_context("spawn")
         self._dir = tempfile.mkdtemp(prefix="tierkv-tp-")
         init_file = os.path.join(self._dir, "rendezvous")
+        self._staging = staging_dir(init_file)  # shared memory for L3's KV heads (head_exchange.py)
         self._messages = ctx.Queue()  # (rank, "joining" | "error", text) from the workers
         self.procs = [
             ctx.Process(target=_worker_main, name=f"tierkv-tp-rank{rank}", daemon=True,
@@ -144,6 +146,7 @@ class Workers:
         """Wait until every worker has built its cache and runner (after rank 0 built its own)."""
         self._guard(dist.barrier, group=self.control)
         self.serving = True
+        shutil.rmtree(self._staging, ignore_errors=True)  # every rank mapped its staging: drop the names
 
     def send(self, plan: StepPlan) -> None:
         """Broadcast `plan` to every worker (they repeat it); raises TensorParallelError if one died."""
@@ -163,7 +166,7 @@ class Workers:
         """Rank 0's way to the workers' KV heads of blocks of `whole` (every head), for L3 I/O."""
         heads = (whole.kv if isinstance(whole, OffloadLayout) else whole).num_kv_heads
         split = HeadSplit(whole, [TensorParallel(r, self.size).kv_heads(heads) for r in range(self.size)])
-        return HeadExchange(split, self.send_moves, *self.l3_groups)
+        return HeadExchange(split, self.send_moves, *self.l3_groups, create_staging(self._staging, split))
 
     def stats(self) -> list[dict]:
         """Each worker's cache stats (ranks 1..N-1, in order)."""
@@ -222,6 +225,7 @@ class Workers:
         if dist.is_initialized():
             dist.destroy_process_group()
         shutil.rmtree(self._dir, ignore_errors=True)
+        shutil.rmtree(self._staging, ignore_errors=True)
 
 
 def agree_l2_blocks(control: dist.ProcessGroup, cache) -> None:
@@ -305,7 +309,10 @@ def _serve(rank: int, size: int, init_file: str, config: EngineConfig, messages)
     agree_l2_blocks(control, cache)
     runner = ModelRunner(lm, cache, config)
     # with an L3 (rank 0's), moves wait where a read lands, and two threads serve the reads and writes
-    replay = HeadFollower(cache.tiers, *l3_groups).replay if l3_groups[0] is not None else cache.tiers.replay
+    replay = cache.tiers.replay
+    if l3_groups[0] is not None:
+        staging = open_staging(staging_dir(init_file), rank, cache.l2.layout.bytes_per_block)
+        replay = HeadFollower(cache.tiers, *l3_groups, staging).replay
     dist.barrier(group=control)  # ready: rank 0 built its own
     while True:
         plan = _receive(control)
