@@ -42,7 +42,7 @@ from ..tiering import L3_LANDED, Tiering
 log = logging.getLogger(__name__)
 
 ROUND_BYTES = 16 * 2**20  # whole-model bytes per round: the staging of all ranks holds one round
-SHM_ROOT = "/dev/shm"  # where the staging files live (a RAM file system; only names are left on disk)
+SHM_ROOT = "/dev/shm"  # where the staging files live: a RAM file system every rank of the host maps
 
 
 def staging_dir(init_file: str) -> str:
