@@ -499,7 +499,8 @@ class Tiering:
     def count(self, tier: str, n: int, *, into: bool) -> None:
         """Count `n` blocks into or out of `tier`, in the bytes that tier holds them in."""
         c = self.counters.tiers[tier]
-        nbytes = n * {"l1": self.layout, "l2": self.offload}.get(tier, self.l3_layout).bytes_per_block
+        layout = self.layout if tier == "l1" else self.offload if tier == "l2" else self.l3_layout
+        nbytes = n * layout.bytes_per_block
         if into:
             c.blocks_in += n
             c.bytes_in += nbytes

@@ -255,7 +255,7 @@ class DiskStore(L3Store):
                 self._subdirs.add(sub)
             # with fsync, O_DSYNC: the data is on disk when the write returns, before the name
             # makes it visible (as fdatasync would make it, one syscall less)
-            os.close(self._write_file(tmp, parts))
+            self._write_file(tmp, parts)
             os.rename(tmp, path)  # atomic: readers see the old object, the new one or none
         except OSError:
             try:
@@ -296,8 +296,8 @@ class DiskStore(L3Store):
                 return None
         return out
 
-    def _write_file(self, tmp: str, parts: list[Any]) -> int:
-        """Create `tmp` and write the parts (durably when fsync is on); return the open fd (the caller closes)."""
+    def _write_file(self, tmp: str, parts: list[Any]) -> None:
+        """Create `tmp` and write the parts (durably when fsync is on)."""
         direct = self.direct and (aligned := self._direct_parts(parts)) is not None
         if direct:
             parts = aligned
@@ -319,10 +319,8 @@ class DiskStore(L3Store):
                     views.pop(0)
                 if views and n:
                     views[0] = views[0][n:]
-        except BaseException:
+        finally:
             os.close(fd)
-            raise
-        return fd
 
     def _extra_stats(self) -> dict:
         with self._lock:
