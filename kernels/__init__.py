@@ -31,6 +31,8 @@ __all__ = [
     "gather_blocks",
     "scatter_blocks",
     "copy_blocks",
+    "PlaneTable",
+    "copy_planes",
     "quantize_fp8",
     "dequantize_fp8",
     "gather_quantize_fp8",
@@ -51,6 +53,7 @@ _TRITON_HOME: dict[str, str] = {
     "gather_blocks": "block_copy",
     "scatter_blocks": "block_copy",
     "copy_blocks": "block_copy",
+    "copy_planes": "plane_copy",
     "quantize_fp8": "fp8",
     "dequantize_fp8": "fp8",
     "gather_quantize_fp8": "fp8",
@@ -70,11 +73,13 @@ def backend_for(tensor: torch.Tensor) -> str:
     return "triton" if tensor.is_cuda else "reference"
 
 
-def __getattr__(name: str) -> ModuleType:
+def __getattr__(name: str):
     # torch loads with the first kernel call (or `kernels.reference`), not with the package, so
     # that tierkv.errors, which builds on ShapeError, and config validation stay light to import.
     if name == "reference":
         return _reference()
+    if name == "PlaneTable":
+        return importlib.import_module(".planes", __name__).PlaneTable
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -135,6 +140,19 @@ def scatter_blocks(src: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor) -
 def copy_blocks(src: torch.Tensor, src_slots: torch.Tensor, dst: torch.Tensor, dst_slots: torch.Tensor) -> torch.Tensor:
     """dst[dst_slots[i]] = src[src_slots[i]] along dim 0; src may be pinned host (see reference.copy_blocks)."""
     return _impl("copy_blocks", dst)(src, src_slots, dst, dst_slots)
+
+
+def copy_planes(src, src_slots: torch.Tensor, dst, dst_slots: torch.Tensor, planes: tuple[int, int] | None = None):
+    """For p in planes [first, end) (default all): dst.planes[p][dst_slots[i]] = src.planes[p][src_slots[i]].
+
+    src, dst: PlaneTables (any paged KV layout, GPU or pinned host; see kernels/planes.py). Runs
+    the Triton kernel where either table is addressed from CUDA, the reference otherwise.
+    """
+    ptrs = [getattr(table, "ptrs", None) for table in (src, dst)]
+    at = next((p for p in ptrs if getattr(p, "is_cuda", False)), ptrs[0] if ptrs[0] is not None else ptrs[1])
+    if at is None:  # neither is a PlaneTable: the reference's checks say so
+        return _reference().copy_planes(src, src_slots, dst, dst_slots, planes)
+    return _impl("copy_planes", at)(src, src_slots, dst, dst_slots, planes)
 
 
 def quantize_fp8(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> None:

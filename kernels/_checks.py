@@ -244,3 +244,79 @@ def check_gather_quantize(pool, slots, q, scales) -> None:
     if tuple(scales.shape) != want[:3] + want[4:5]:
         _fail(f"scales must be [n, layers, 2, kv_heads] = {want[:3] + want[4:5]}, got {tuple(scales.shape)}")
     check_same_device(pool=pool, slots=slots, q=q, scales=scales)
+
+
+def check_plane_views(planes, device) -> torch.device:
+    """P views [N, bs, H, D] of one dtype, shape and strides, last axis dense, on one device that
+    `device` (None: theirs) can address; returns that device (a PlaneTable's, where its pointers live)."""
+    if not isinstance(planes, tuple) or not planes:
+        _fail("a PlaneTable needs at least one plane [num_blocks, block_size, kv_heads, head_dim]")
+    first = planes[0]
+    for i, plane in enumerate(planes):
+        if not isinstance(plane, torch.Tensor) or plane.dim() != 4:
+            _fail(f"plane {i} must be a tensor [num_blocks, block_size, kv_heads, head_dim], "
+                  f"got {getattr(plane, 'shape', type(plane).__name__)}")
+        for what, mine, theirs in (("shape", plane.shape, first.shape), ("strides", plane.stride(), first.stride()),
+                                   ("dtype", plane.dtype, first.dtype), ("device", plane.device, first.device)):
+            if mine != theirs:
+                _fail(f"plane {i} has {what} {_show(mine)} but plane 0 has {_show(theirs)}: "
+                      "all planes of one table must share shape, strides, dtype and device")
+    if first.shape[3] > 1 and first.stride(3) != 1:
+        _fail(f"planes must be dense along head_dim (stride 1), got strides {tuple(first.stride())}: "
+              "pass views whose last axis is the head dimension")
+    if first.element_size() not in (1, 2, 4, 8):
+        _fail(f"planes of dtype {first.dtype} ({first.element_size()} bytes) cannot be copied "
+              "as 1, 2, 4 or 8-byte words")
+    where = first.device if device is None else torch.device(device)
+    if where.type == "cuda" and where.index is None and torch.cuda.is_available():
+        where = torch.device("cuda", torch.cuda.current_device())
+    if first.device.type == "cuda" and where != first.device:
+        _fail(f"planes on {first.device} are addressed from their own GPU, not from {where}")
+    if first.device.type == "cpu" and where.type == "cuda":
+        unpinned = [i for i, plane in enumerate(planes) if not plane.is_pinned()]
+        if unpinned:
+            _fail(f"plane(s) {unpinned[:8]} are pageable host memory, which {where} cannot address: "
+                  "pin them (tensor.pin_memory()) or build the table with device='cpu'")
+    elif where.type != first.device.type:
+        _fail(f"planes on {first.device} cannot be addressed from {where}")
+    return where
+
+
+def _show(value) -> str:
+    return str(tuple(value)) if isinstance(value, (torch.Size, tuple)) else str(value)
+
+
+def check_copy_planes(src, src_slots, dst, dst_slots, planes) -> tuple[int, int]:
+    """Two PlaneTables of one block geometry and dtype (N may differ), a plane range inside both
+    (None: all, when both hold as many), and slot lists of equal length on the device the copy
+    runs on (the GPU where either table lives). Returns the range (first, end)."""
+    from .planes import PlaneTable
+
+    for name, table in (("src", src), ("dst", dst)):
+        if not isinstance(table, PlaneTable):
+            _fail(f"{name} must be a PlaneTable, got {type(table).__name__}")
+    if src.block_shape != dst.block_shape or src.dtype != dst.dtype:
+        _fail(f"src blocks [bs, H, D] = {list(src.block_shape)} {src.dtype} differ from dst blocks "
+              f"{list(dst.block_shape)} {dst.dtype}")
+    if planes is None:
+        if src.num_planes != dst.num_planes:
+            _fail(f"src holds {src.num_planes} planes and dst {dst.num_planes}: pass planes=(first, end)")
+        first, end = 0, src.num_planes
+    else:
+        if (not isinstance(planes, tuple) or len(planes) != 2
+                or not all(isinstance(x, int) and not isinstance(x, bool) for x in planes)):
+            _fail(f"planes must be a (first, end) tuple of ints, got {planes!r}")
+        first, end = planes
+        room = min(src.num_planes, dst.num_planes)
+        if not 0 <= first <= end <= room:
+            _fail(f"plane range [{first}, {end}) is outside [0, {room}) (src holds {src.num_planes} "
+                  f"planes, dst {dst.num_planes})")
+    check_tensor("src_slots", src_slots, 1, INDEX_DTYPES)
+    check_tensor("dst_slots", dst_slots, 1, INDEX_DTYPES)
+    if src_slots.shape[0] != dst_slots.shape[0]:
+        _fail(f"src_slots lists {src_slots.shape[0]} blocks but dst_slots {dst_slots.shape[0]}")
+    runs_on = src.device if src.device.type == "cuda" else dst.device
+    for name, slots in (("src_slots", src_slots), ("dst_slots", dst_slots)):
+        if slots.device != runs_on:
+            _fail(f"{name} must be on {runs_on}, where the copy runs, got {slots.device}")
+    return first, end

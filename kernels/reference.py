@@ -165,6 +165,24 @@ def copy_blocks(src: torch.Tensor, src_slots: torch.Tensor, dst: torch.Tensor, d
     return dst
 
 
+
+def copy_planes(src, src_slots: torch.Tensor, dst, dst_slots: torch.Tensor,
+                planes: tuple[int, int] | None = None):
+    """dst.planes[p][dst_slots[i]] = src.planes[p][src_slots[i]] for p in `planes` (default all).
+
+    src, dst: PlaneTables (kernels/planes.py), planes [N, bs, H, D] / [M, bs, H, D] of one block
+    geometry and dtype; src_slots, dst_slots: [n] (dst_slots distinct). Moves bits (each plane
+    viewed as the integer type of its element size), so any dtype, fp8 too, copies exactly.
+    Returns dst, written in place.
+    """
+    first, end = _checks.check_copy_planes(src, src_slots, dst, dst_slots, planes)
+    src_idx = src_slots.to(src.planes[0].device).long()       # [n]
+    dst_idx = dst_slots.to(dst.planes[0].device).long()       # [n]
+    for p in range(first, end):
+        rows = src.planes[p].view(src.word_dtype).index_select(0, src_idx)  # [n, bs, H, D]
+        dst.planes[p].view(dst.word_dtype).index_copy_(0, dst_idx, rows.to(dst_idx.device))
+    return dst
+
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 

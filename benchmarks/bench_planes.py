@@ -1,0 +1,172 @@
+"""bench_planes: copy_planes (kernels/plane_copy.py) between paged KV layouts and a pinned L2, vs memcpy.
+
+Llama-3.1-8B KV (32 layers, 8 kv heads, head_dim 128, bf16, 16-token blocks: 2 MiB a block), 512
+blocks (1 GiB) a move. L2 is a pinned host block-first pool [N, layers, 2, bs, h, d], read or
+written by the GPU itself (unified addressing, no copy engine). L1 is tierkv's layer-first pool
+or vLLM's per-layer tensors [2, N, bs, h, d], at scattered slots. Cases:
+  h2d / d2h, whole blocks (all 64 planes in one launch) or per layer (32 launches of 2 planes,
+  back to back on one stream), L2 slots in one run or scattered;
+  d2d: vLLM layout -> a block-first device staging buffer, vs a torch d2d copy of the same bytes.
+Each against one contiguous copy of the same bytes (torch .copy_(non_blocking=True), pinned host
+<-> device, or device -> device), timed with CUDA events after warm-up: best and median of
+--repeats. GB/s = bytes copied / time. Writes benchmarks/results/bench_planes-<machine>.json (or
+--out DIR) and prints a table. Needs CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from common import write_results
+from tierkv.kernels import PlaneTable, copy_planes
+
+LAYERS, HEADS, DIM, BS, DTYPE = 32, 8, 128, 16, torch.bfloat16
+PLANES = 2 * LAYERS
+
+
+def cuda_times(fn, repeats: int, warmup: int = 2) -> tuple[float, float]:
+    """(best, median) seconds of fn() on the current stream, CUDA events around each call."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    times.sort()
+    return times[0], times[len(times) // 2]
+
+
+def layer_first(pool: torch.Tensor) -> PlaneTable:
+    """tierkv's L1 pool [layers, N, 2, bs, h, d]."""
+    return PlaneTable([pool[l, :, c] for l in range(LAYERS) for c in range(2)])
+
+
+def per_layer(tensors: list[torch.Tensor]) -> PlaneTable:
+    """vLLM: one tensor [2, N, bs, h, d] per layer, each its own allocation."""
+    return PlaneTable([t[c] for t in tensors for c in range(2)])
+
+
+def block_first(blocks: torch.Tensor) -> PlaneTable:
+    """[N, layers, 2, bs, h, d]: tierkv's L2 pool (pinned host) or a device staging buffer."""
+    device = "cuda" if blocks.is_pinned() else None
+    return PlaneTable([blocks[:, l, c] for l in range(LAYERS) for c in range(2)], device=device)
+
+
+def whole(src, src_slots, dst, dst_slots):
+    return lambda: copy_planes(src, src_slots, dst, dst_slots)
+
+
+def layer_by_layer(src, src_slots, dst, dst_slots):
+    def go():
+        for l in range(LAYERS):
+            copy_planes(src, src_slots, dst, dst_slots, (2 * l, 2 * l + 2))
+    return go
+
+
+def check(src: PlaneTable, src_slots, dst: PlaneTable, dst_slots) -> None:
+    """What was timed moved the right bytes: a few blocks of a few planes compared on the GPU."""
+    torch.cuda.synchronize()
+    n = src_slots.shape[0]
+    for i in (0, n // 3, n - 1):
+        for p in (0, 33, PLANES - 1):
+            got = dst.planes[p][int(dst_slots[i])].to("cuda")
+            want = src.planes[p][int(src_slots[i])].to("cuda")
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (i, p)
+
+
+def launch_us(fn, times: int = 20) -> float:
+    """Host microseconds a call of fn takes to return (launches only; the GPU runs behind)."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(times):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / times * 1e6
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--blocks", type=int, default=512)
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_planes needs CUDA")
+    n = args.blocks
+    block_bytes = PLANES * BS * HEADS * DIM * DTYPE.itemsize
+    nbytes = n * block_bytes
+    g = torch.Generator().manual_seed(0)
+
+    l2 = torch.empty(n, LAYERS, 2, BS, HEADS, DIM, dtype=DTYPE, pin_memory=True)
+    l2.copy_(torch.randn(l2.shape, dtype=DTYPE, device="cuda"))
+    l1_blocks = 2 * n
+    pool = torch.randn(LAYERS, l1_blocks, 2, BS, HEADS, DIM, dtype=DTYPE, device="cuda")
+    vllm = [torch.randn(2, l1_blocks, BS, HEADS, DIM, dtype=DTYPE, device="cuda") for _ in range(LAYERS)]
+    staging = torch.empty(n, LAYERS, 2, BS, HEADS, DIM, dtype=DTYPE, device="cuda")
+    host_flat = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev_flat = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dev_flat2 = torch.empty_like(dev_flat)
+    tables = {"tierkv_l1": layer_first(pool), "vllm": per_layer(vllm)}
+    l2_table, staging_table = block_first(l2), block_first(staging)
+
+    l1_slots = torch.randperm(l1_blocks, generator=g)[:n].cuda()  # scattered, as after churn
+    l2_slots = {"run": torch.arange(n).cuda(), "scattered": torch.randperm(n, generator=g).cuda()}
+
+    seconds: dict[str, tuple[float, float]] = {}
+    seconds["memcpy_h2d"] = cuda_times(lambda: dev_flat.copy_(host_flat, non_blocking=True), args.repeats)
+    seconds["memcpy_d2h"] = cuda_times(lambda: host_flat.copy_(dev_flat, non_blocking=True), args.repeats)
+    seconds["memcpy_d2d"] = cuda_times(lambda: dev_flat2.copy_(dev_flat, non_blocking=True), args.repeats)
+    launches = {}
+    for l1_name, l1 in tables.items():
+        for order, slots in l2_slots.items():
+            for how, make in (("whole", whole), ("per_layer", layer_by_layer)):
+                h2d = make(l2_table, slots, l1, l1_slots)
+                seconds[f"h2d_{how}_{l1_name}_l2_{order}"] = cuda_times(h2d, args.repeats)
+                check(l2_table, slots, l1, l1_slots)
+                d2h = make(l1, l1_slots, l2_table, slots)
+                seconds[f"d2h_{how}_{l1_name}_l2_{order}"] = cuda_times(d2h, args.repeats)
+                check(l1, l1_slots, l2_table, slots)
+                if order == "run" and l1_name == "vllm":
+                    launches[how] = launch_us(h2d, 5)
+    staged = torch.arange(n).cuda()
+    for how, make in (("whole", whole), ("per_layer", layer_by_layer)):
+        d2d = make(tables["vllm"], l1_slots, staging_table, staged)
+        seconds[f"d2d_{how}_vllm_to_block_first"] = cuda_times(d2d, args.repeats)
+        check(tables["vllm"], l1_slots, staging_table, staged)
+
+    gbps = {k: {"best": nbytes / best / 1e9, "median": nbytes / median / 1e9} for k, (best, median) in seconds.items()}
+    ratio = {}
+    print(f"{n} blocks of {block_bytes >> 20} MiB ({nbytes / 2**30:.2f} GiB) a move; GB/s of bytes copied")
+    print(f"{'case':<44}{'best GB/s':>10}{'median':>9}{'memcpy':>9}{'ratio':>8}")
+    for k, v in gbps.items():
+        base = gbps["memcpy_" + k.removeprefix("memcpy_").split("_")[0]]
+        ratio[k] = {"best": v["best"] / base["best"], "median": v["median"] / base["median"]}
+        print(f"{k:<44}{v['best']:>10.1f}{v['median']:>9.1f}{base['best']:>9.1f}{ratio[k]['best']:>8.1%}")
+    print(f"host time to launch one h2d move: whole {launches['whole']:.0f} us, "
+          f"per layer (32 launches) {launches['per_layer']:.0f} us")
+    figures = {
+        "shape": {"layers": LAYERS, "kv_heads": HEADS, "head_dim": DIM, "block_size": BS, "dtype": str(DTYPE),
+                  "block_bytes": block_bytes, "blocks": n, "bytes_per_move": nbytes, "l1_blocks": l1_blocks},
+        "method": "CUDA events around each move after 2 warm-up calls; best and median of "
+                  f"{args.repeats}; GB/s = bytes copied / time; ratio to the same direction's memcpy "
+                  "(one contiguous torch .copy_ of the same bytes)",
+        "seconds": {k: {"best": b, "median": m} for k, (b, m) in seconds.items()},
+        "GBps": gbps,
+        "ratio_to_memcpy": ratio,
+        "host_launch_us": launches,
+    }
+    path = write_results("bench_planes", figures, args.out)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
