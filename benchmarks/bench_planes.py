@@ -21,7 +21,7 @@ import time
 import torch
 
 from common import write_results
-from tierkv.kernels import PlaneTable, copy_planes
+from tierkv.kernels import PlaneTable, copy_planes, plane_copy
 
 LAYERS, HEADS, DIM, BS, DTYPE = 32, 8, 128, 16, torch.bfloat16
 PLANES = 2 * LAYERS
@@ -143,6 +143,17 @@ def main() -> None:
         seconds[f"d2d_{how}_vllm_to_block_first"] = cuda_times(d2d, args.repeats)
         check(tables["vllm"], l1_slots, staging_table, staged)
 
+    # bytes a program moves (plane_copy._TILE_BYTES): whole-block moves at other tile sizes
+    sweep = {}
+    default_tile = plane_copy._TILE_BYTES
+    for kib in (4, 8, 16, 32):  # 32 KiB is one whole plane of a block here
+        plane_copy._TILE_BYTES = kib << 10
+        for name, fn in (("h2d", whole(l2_table, l2_slots["scattered"], tables["vllm"], l1_slots)),
+                         ("d2h", whole(tables["vllm"], l1_slots, l2_table, l2_slots["scattered"])),
+                         ("d2d", whole(tables["vllm"], l1_slots, staging_table, staged))):
+            sweep[f"{name}_whole_vllm_tile_{kib}kib"] = nbytes / cuda_times(fn, args.repeats)[0] / 1e9
+    plane_copy._TILE_BYTES = default_tile
+
     gbps = {k: {"best": nbytes / best / 1e9, "median": nbytes / median / 1e9} for k, (best, median) in seconds.items()}
     ratio = {}
     print(f"{n} blocks of {block_bytes >> 20} MiB ({nbytes / 2**30:.2f} GiB) a move; GB/s of bytes copied")
@@ -151,6 +162,7 @@ def main() -> None:
         base = gbps["memcpy_" + k.removeprefix("memcpy_").split("_")[0]]
         ratio[k] = {"best": v["best"] / base["best"], "median": v["median"] / base["median"]}
         print(f"{k:<44}{v['best']:>10.1f}{v['median']:>9.1f}{base['best']:>9.1f}{ratio[k]['best']:>8.1%}")
+    print("tile size sweep (best GB/s): " + ", ".join(f"{k} {v:.1f}" for k, v in sweep.items()))
     print(f"host time to launch one h2d move: whole {launches['whole']:.0f} us, "
           f"per layer (32 launches) {launches['per_layer']:.0f} us")
     figures = {
@@ -163,6 +175,7 @@ def main() -> None:
         "GBps": gbps,
         "ratio_to_memcpy": ratio,
         "host_launch_us": launches,
+        "tile_sweep_best_GBps": sweep,
     }
     path = write_results("bench_planes", figures, args.out)
     print(f"wrote {path}")
