@@ -8,12 +8,12 @@ from prefix_kv import prefix_kv, write_into_slots
 from tierkv import CacheConfig, KVLayout, TieredKVCache
 from tierkv.errors import CacheFullError, ConfigError, OutOfMemoryError, ShapeError
 
-LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float16, block_size=4)
+LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=4, dtype=torch.float16, block_size=4)
 BPB = LAYOUT.bytes_per_block
 
 
 def make(l1=8, l2=0, **kw) -> TieredKVCache:
-    return TieredKVCache(LAYOUT, CacheConfig(l1=l1 * BPB, l2=l2 * BPB, **kw), device="cpu")
+    return TieredKVCache(LAYOUT, CacheConfig(l1=l1 * BPB, l2=l2 * BPB, **kw), device="cpu", model="cache-test")
 
 
 def store(cache, tokens, salt=None):
@@ -155,10 +155,10 @@ def test_block_table_pads_with_minus_one():
 def test_store_rejects_wrong_shape_and_dtype_naming_the_expected_shape():
     cache = make()
     tokens = list(range(8))
-    with pytest.raises(ShapeError, match=r"\(2, 2, 8, 2, 4\)"):
-        cache.store(tokens, torch.zeros(2, 2, 7, 2, 4, dtype=torch.float16))
+    with pytest.raises(ShapeError, match=r"\(3, 2, 8, 2, 4\)"):
+        cache.store(tokens, torch.zeros(3, 2, 7, 2, 4, dtype=torch.float16))
     with pytest.raises(ShapeError, match="float16"):
-        cache.store(tokens, torch.zeros(2, 2, 8, 2, 4, dtype=torch.float32))
+        cache.store(tokens, torch.zeros(3, 2, 8, 2, 4, dtype=torch.float32))
 
 
 def test_too_much_memory_fails_at_construction_with_sizes():

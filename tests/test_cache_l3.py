@@ -13,7 +13,7 @@ from prefix_kv import prefix_kv, read_slots, write_into_slots
 from tierkv import CacheConfig, KVLayout, TieredKVCache
 from tierkv.errors import ConfigError
 
-LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float16, block_size=4)
+LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, dtype=torch.float16, block_size=4)
 BPB = LAYOUT.bytes_per_block
 
 
@@ -39,7 +39,7 @@ def push_out(cache, rounds=3):
 
 def test_l3_needs_l2():
     with pytest.raises(ConfigError, match="needs an L2 pool"):
-        TieredKVCache(LAYOUT, CacheConfig(l1=4 * BPB, l3=["file:///tmp/x"]), device="cpu")
+        TieredKVCache(LAYOUT, CacheConfig(l1=4 * BPB, l3=["file:///tmp/x"]), device="cpu", model="m")
 
 
 @pytest.mark.parametrize("policy", ["write_through", "write_back"])
@@ -211,7 +211,7 @@ SECOND_PROCESS = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     from prefix_kv import prefix_kv
     from tierkv import CacheConfig, KVLayout, TieredKVCache
-    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float16, block_size=4)
+    layout = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, dtype=torch.float16, block_size=4)
     cache = TieredKVCache(layout, CacheConfig(l1=4 * layout.bytes_per_block, l2=4 * layout.bytes_per_block,
                           l3=[{url!r}]), device="cpu", model="l3-test")
     doc = list(range(13))

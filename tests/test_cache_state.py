@@ -19,7 +19,7 @@ from tierkv import CacheConfig, KVLayout, TieredKVCache
 from tierkv.config import EVICTION_POLICIES, WRITE_POLICIES
 from tierkv.errors import CacheFullError
 
-LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=2, dtype=torch.float32, block_size=2)
+LAYOUT = KVLayout(num_layers=3, num_kv_heads=1, head_dim=2, dtype=torch.float32, block_size=2)
 BS = LAYOUT.block_size
 
 # A 3-token alphabet and block size 2: prompts share prefixes all the time.

@@ -160,7 +160,7 @@ def test_blocks_served_from_l2_are_within_the_bound(device):
     cache = fp8_cache(l1_blocks=4, l2_blocks=16, device=device)
     tokens = list(range(160))  # 10 blocks: 4 fit L1 (and are written through), the rest spill into L2
     kv = cache_kv(160).to(device)
-    assert cache.store(tokens, kv) == 160
+    assert cache.store(tokens, kv.unbind(1)) == 160  # a 2-layer layout takes (k, v)
     cache.evict("l1")  # everything now comes from L2
     n, got = cache.retrieve(tokens, limit=160)  # read out of L2, dequantised on the device
     assert n == 160
@@ -182,7 +182,7 @@ def test_blocks_served_from_a_disk_l3_are_within_the_bound_and_formats_never_mix
     tokens = list(range(100, 228))  # 8 blocks
     kv = cache_kv(128, seed=1)
     writer = fp8_cache(2, 4, [url], write_policy="write_through")
-    assert writer.store(tokens, kv) == 128
+    assert writer.store(tokens, kv.unbind(1)) == 128
     assert writer.tiers.flush(timeout=30)
     writer.close()
 

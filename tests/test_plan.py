@@ -6,7 +6,7 @@ import torch
 from prefix_kv import prefix_kv
 from tierkv import CacheConfig, KVLayout, TieredKVCache
 
-LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float16, block_size=4)
+LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, dtype=torch.float16, block_size=4)
 BPB = LAYOUT.bytes_per_block
 
 

@@ -12,12 +12,12 @@ import torch
 from prefix_kv import prefix_kv
 from tierkv import CacheConfig, KVLayout, TieredKVCache
 
-LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float16, block_size=4)
+LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=4, dtype=torch.float16, block_size=4)
 BPB = LAYOUT.bytes_per_block
 
 
 def make(l1: int, l2: int = 0, **kw) -> TieredKVCache:
-    return TieredKVCache(LAYOUT, CacheConfig(l1=l1 * BPB, l2=l2 * BPB, **kw), device="cpu")
+    return TieredKVCache(LAYOUT, CacheConfig(l1=l1 * BPB, l2=l2 * BPB, **kw), device="cpu", model="spill-test")
 
 
 def round_trip(cache: TieredKVCache, tokens: list[int]) -> tuple[int, int]:

@@ -32,6 +32,16 @@ class CacheFullError(TierKVError):
     """L1 has no free or evictable block left for a request (everything is pinned)."""
 
 
+class UsageError(TierKVError, ValueError):
+    """The cache was called in a way that cannot be right: a match made for other tokens or
+    another salt, a sequence that was freed or belongs to another cache, tokens that do not
+    extend a sequence. The message says what to change; the call changed nothing."""
+
+
+class CacheClosedError(UsageError):
+    """A call on a TieredKVCache after its close(): make a new cache."""
+
+
 class TensorParallelError(TierKVError, RuntimeError):
     """A tensor-parallel rank failed or exited; the message names the rank and its error. Every
     rank is stopped when this is raised: the engine cannot go on."""

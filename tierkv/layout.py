@@ -11,6 +11,7 @@ With `CacheConfig.kv_offload_dtype` set, L2 and L3 hold blocks in another format
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -38,8 +39,13 @@ class KVLayout:
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            try:  # any integer type (numpy's, a config's) counts, stored as a plain int; bool does not
+                number = operator.index(value)
+            except TypeError:
+                number = None
+            if number is None or isinstance(value, bool) or number <= 0:
                 raise ConfigError(f"KVLayout.{name} must be a positive int, got {value!r}")
+            object.__setattr__(self, name, number)
         if self.dtype not in _DTYPE_NAMES:
             accepted = ", ".join(f"torch.{n}" for n in _DTYPE_NAMES.values())
             raise ConfigError(f"KVLayout.dtype {self.dtype!r} is not supported; use one of {accepted}")

@@ -36,6 +36,7 @@ class Match:
     # Blocks [j, m) of the prompt that L3 holds but that are cheaper to load in the background
     # while blocks up to j are recomputed than to load first or to recompute (see `match`).
     tail: tuple[int, int] | None = None
+    owner: object = field(default=None, repr=False)  # the cache that made it
 
 
 @dataclass(slots=True)

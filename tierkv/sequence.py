@@ -33,8 +33,12 @@ class SequenceBlocks:
     num_tokens: int  # tokens the slots are reserved for
     num_cached_tokens: int  # prefix tokens that came from the cache at allocation
     pending: list[Transfer]  # loads into these slots still in flight
+    # the token ids the sequence is known to hold, little-endian int32 (its prompt, then what
+    # commit() entered): commit checks new blocks against them
+    token_bytes: bytearray = field(default_factory=bytearray, repr=False)
     l2_slots: list[int] = field(default_factory=list)  # L2 slot of each offloaded leading block
     freed: bool = False
+    owner: object = field(default=None, repr=False)  # the cache that made it
 
     @property
     def offloaded(self) -> int:

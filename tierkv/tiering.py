@@ -12,8 +12,9 @@ HeadExchange) brings the other ranks' KV heads of an L2 slot to a write and take
 back to them; the moves those need travel first (`_l3_ticket`), and a read's landing is a point in
 the moves that the other ranks wait for (`L3_LANDED`).
 
-Single-threaded by design: only the caller's thread touches the index. L3 threads work on L2
-slots that are held for them and report back through a queue that `reap()` drains. This file
+One caller at a time: the cache's guard (guard.py) serialises every call that gets here. L3
+threads never touch the index: they work on L2 slots that are held for them and report back
+through a queue that `reap()` drains. This file
 never knows about sequences or requests.
 """
 
@@ -27,6 +28,7 @@ import torch
 from . import kernels
 from .config import CacheConfig
 from .errors import CacheFullError, ConfigError
+from .guard import Guard
 from .index import BlockEntry, BlockIndex
 from .layout import KVLayout, stored_layout
 from .metrics import CacheCounters
@@ -73,11 +75,14 @@ class Prefetch:
     def done(self) -> bool:
         if self._job is None:
             return True
-        self._tiering.reap()
-        return self._job.landed
+        with self._tiering.guard.lock:  # reaping changes the index: one caller at a time
+            self._tiering.guard.check("Prefetch.done")
+            self._tiering.reap()
+            return self._job.landed
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Block until the blocks landed (or `timeout` seconds passed); True if they did."""
+        """Block until the blocks landed (or `timeout` seconds passed); True if they did. The wait
+        itself holds no lock: other threads use the cache meanwhile."""
         if self._job is None:
             return True
         self._job.finished.wait(timeout)
@@ -89,8 +94,10 @@ class Prefetch:
 
 
 class Tiering:
-    def __init__(self, layout: KVLayout, config: CacheConfig, device: torch.device, exchange=None) -> None:
+    def __init__(self, layout: KVLayout, config: CacheConfig, device: torch.device, exchange=None,
+                 guard: Guard | None = None) -> None:
         self.layout, self.config, self.device = layout, config, device
+        self.guard = guard if guard is not None else Guard()  # the cache's: held by every call that gets here
         # how L2 holds a block: L1's layout, or fp8 + scales (config.kv_offload_dtype)
         self.offload = stored_layout(layout, config.kv_offload_dtype)
         # how L3 holds one: the same, but of every KV head under tensor parallelism (`exchange`)
@@ -428,13 +435,14 @@ class Tiering:
         if self.exchange is not None:
             self._move(L3_LANDED, [job.number], [])
 
-    def flush(self, timeout: float | None = None) -> bool:
-        """Write every block that L3 lacks (L1 and L2) to L3 and wait; True if all landed in time."""
+    def flush(self, timeout: float | None = None, owed_only: bool = False) -> bool:
+        """Write every block that L3 lacks (L1 and L2) to L3 and wait; True if all landed in time.
+        `owed_only`: only those the write policy sends to L3 (selective: enough hits)."""
         if self.l3 is None:
             return True
         end = None if timeout is None else time.monotonic() + timeout
         self.reap()
-        dirty = [e for e in self.index.entries.values() if e.l3 in ("", "failed")]  # one more try for failures
+        dirty = self._unwritten(owed_only)  # failures get one more try
         in_l2 = [e for e in dirty if e.l2 >= 0]
         self._flush(in_l2, self.mover.last)
         only_l1 = [e for e in dirty if e.l2 < 0]
@@ -449,6 +457,11 @@ class Tiering:
             if not self.wait_l3(end):
                 return False
         return True
+
+    def _unwritten(self, owed_only: bool) -> list[BlockEntry]:
+        """Indexed blocks L3 does not hold (or whose write failed); `owed_only`: those the policy admits."""
+        return [e for e in self.index.entries.values()
+                if e.l3 in ("", "failed") and (not owed_only or self._admits(e))]
 
     def wait_l3(self, end: float | None) -> bool:
         """Wait for one L3 job to finish and reap it; False once `end` has passed."""
@@ -508,9 +521,20 @@ class Tiering:
             c.blocks_out += n
             c.bytes_out += nbytes
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> None:
+        """Finish the moves in flight, write to L3 what the write policy still owes it (waiting at
+        most `timeout` seconds; what is left is logged, never raised), and close the stores."""
         if self.mover is not None:
             self.mover.last.synchronize()
-        if self.l3 is not None:
-            self.l3.close()
-            self.reap()
+        if self.l3 is None:
+            return
+        try:
+            self.flush(timeout, owed_only=True)
+        except Exception:  # a closing cache must still release its stores
+            log.exception("flushing L3 at close failed")
+        self.l3.close()
+        self.reap()
+        lost = [e for e in self._unwritten(owed_only=True) if e.l3 != "written"]
+        if lost:
+            log.warning("close(): %d blocks (%d tokens) that L3 lacks could not be written within %s s; other "
+                        "processes will recompute them", len(lost), len(lost) * self.layout.block_size, timeout)

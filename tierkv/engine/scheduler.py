@@ -188,7 +188,7 @@ class Scheduler:
                     continue
                 break  # first come first served: nobody overtakes a request that does not fit yet
             try:
-                req.seq = self.cache.allocate(req.all_ids, req.salt, priority=req.priority, match=plan.match,
+                req.seq = self.cache.allocate(None, req.salt, priority=req.priority, match=plan.match,
                                               stream=plan.stream, reserve=plan.reserve)
             except CacheFullError:
                 break  # starting its fetch freed L2 room by dropping blocks of its own match: next step
