@@ -32,6 +32,7 @@ from .plan import Match
 from .sequence import SequenceBlocks
 from .streaming import LayerStreamer
 from .tiering import Prefetch, Tiering
+from .tiers import DevicePool
 
 __all__ = ["TieredKVCache", "SequenceBlocks", "Match", "Prefetch", "max_sequence_tokens", "stream_window_blocks"]
 
@@ -58,17 +59,36 @@ class TieredKVCache(PagedCache):
         *,
         model: str = "",
         tp_rank: int = 0,
+        kv_caches=None,
+        kv_layout: str = "tierkv",
         exchange=None,
     ) -> None:
         """`model` names the weights whose KV this is: the L3 tiers are shared between processes
         and machines, and blocks are named by it, so a cache with an L3 needs one (the Hub id
-        and revision, a path, or `tierkv.engine.loader`'s fingerprint of the weights)."""
+        and revision, a path, or `tierkv.engine.loader`'s fingerprint of the weights).
+
+        `kv_caches`: the engine's own paged KV tensors, to use as L1 instead of a pool of
+        tierkv's (CacheConfig.l1 stays unset): blocks then move between them and L2/L3 where they
+        are. `kv_layout` names their layout (tiers.gpu.KV_LAYOUTS): "vllm" (one tensor per layer
+        [2, N, block_size, kv_heads, head_dim], a list or a dict in layer order), "flashinfer_nhd"
+        ([N, 2, block_size, kv_heads, head_dim] per layer), "flashinfer_hnd" ([N, 2, kv_heads,
+        block_size, head_dim] per layer) or "tierkv" (one tensor [layers, N, 2, block_size,
+        kv_heads, head_dim]). Block slot s of the cache is block s of those tensors."""
         self.layout = layout
         self.config = config = config if config is not None else CacheConfig()
         if config.l3 and not (isinstance(model, str) and model.strip()):
             raise ConfigError("a TieredKVCache with an L3 (CacheConfig.l3) needs model=: a name for the weights "
                               "(e.g. the Hub id and revision), since L3 is shared between processes and machines "
                               "and two models with the same KV layout would read each other's blocks")
+        l1 = None
+        if kv_caches is not None:
+            if config.l1 is not None:
+                raise ConfigError("CacheConfig.l1 sizes tierkv's own L1 pool; with kv_caches the engine's buffers "
+                                  "are L1: leave CacheConfig.l1 unset")
+            l1 = DevicePool.of_buffers(layout, kv_caches, kv_layout)
+            if device is not None and torch.device(device).type != l1.device.type:
+                raise ConfigError(f"device={device!r} but the kv_caches are on {l1.device}")
+            device = l1.device
         self.device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -76,7 +96,7 @@ class TieredKVCache(PagedCache):
         self.block_size = layout.block_size
         self._guard = Guard()
         # exchange: tensor parallel rank 0's way to the other ranks' KV heads (engine/head_exchange.py)
-        self.tiers = Tiering(layout, config, self.device, exchange, guard=self._guard)
+        self.tiers = Tiering(layout, config, self.device, exchange, guard=self._guard, l1=l1)
         # The parts engines and tests look at directly.
         self.l1, self.l2, self.index, self.counters = self.tiers.l1, self.tiers.l2, self.tiers.index, self.tiers.counters
         self.streamer = LayerStreamer(self.l1, self.l2) if self.l2 is not None else None
@@ -137,8 +157,7 @@ class TieredKVCache(PagedCache):
             slots = self.tiers.take_l1(len(missing), partial=True)
             first, rest = missing[: len(slots)], missing[len(slots) :]
             if first:
-                blocks = by_block[torch.tensor(first, device=kv.device)].to(self.device, non_blocking=True)
-                self.l1.kv[:, torch.tensor(slots, device=self.device)] = blocks.transpose(0, 1)
+                self.l1.write(slots, by_block[torch.tensor(first, device=kv.device)])
                 self.tiers.stored(self._enter(hashes, tb, ns, first, "l1", slots, priority))
             if rest and self.l2 is not None:
                 self._spill(by_block, hashes, tb, ns, rest, priority, held=in_l2)
@@ -246,9 +265,8 @@ class TieredKVCache(PagedCache):
             if m.blocks[i].loading is not None:
                 m.blocks[i].loading.wait()
         if in_l1:
-            slots = torch.tensor([m.blocks[i].l1 for i in in_l1], device=self.device)
-            # [L, k, 2, bs, H, D] -> [L, 2, k, bs, H, D]
-            _put_blocks(out, in_l1, self.l1.kv[:, slots].transpose(1, 2))
+            # [k, L, 2, bs, H, D] -> [L, 2, k, bs, H, D]
+            _put_blocks(out, in_l1, self.l1.read([m.blocks[i].l1 for i in in_l1]).permute(1, 2, 0, 3, 4, 5))
         if in_l2:
             # [k, L, 2, bs, H, D] -> [L, 2, k, bs, H, D]
             l2_blocks = self.tiers.mover.read_l2([m.blocks[i].l2 for i in in_l2])

@@ -30,6 +30,7 @@ class BlockEntry:
     ref: int = 0  # running sequences holding it in L1; never evicted from L1 while > 0
     hits: int = 0  # times a request reused it (selective write policy)
     loading: Any = None  # Transfer filling its L1 slot, None once known complete
+    reading: Any = None  # Transfer copying its L1 slot down to L2: the slot is reused only after it
     held: int = 0  # holds on its L2 slot (an L3 write in flight, a load being set up); not evictable from L2 while > 0
     l3: str = ""  # what this process knows of it in L3: "", "writing", "written" (or read from there), "failed"
     pos: int = -1  # position in its chain (0 = first block): L3 stores group blocks into chunks by it
@@ -105,7 +106,7 @@ class BlockIndex:
         slot = entry.slot(tier)
         self.policies[tier].remove(entry.hash)
         if tier == "l1":
-            entry.l1, entry.loading = -1, None
+            entry.l1, entry.loading, entry.reading = -1, None, None
         else:
             entry.l2 = -1
         if entry.l1 < 0 and entry.l2 < 0:

@@ -26,7 +26,7 @@ from .index import BlockEntry, BlockIndex
 from .layout import KVLayout
 from .metrics import CacheCounters
 from .plan import AdmissionPlan, Match, tail_to_read, worth_loading
-from .sequence import SequenceBlocks, fill_block_table
+from .sequence import LayerSave, SequenceBlocks, fill_block_table
 from .streaming import LayerStream, LayerStreamer, StreamPlan
 from .tiering import Prefetch, Tiering
 from .tiers import DevicePool, HostPool
@@ -173,8 +173,10 @@ class PagedCache:
 
     def must_stream(self, num_tokens: int) -> bool:
         """Whether a sequence of `num_tokens` (and its next token) is larger than all of L1, so
-        that it streams its older blocks from L2 (when there is an L2)."""
-        return self.l2 is not None and self.blocks_needed(num_tokens + 1) > self.l1.num_blocks
+        that it streams its older blocks from L2 (when there is an L2, and L1 is in tierkv's
+        layout, which streamed attention reads)."""
+        return (self.l2 is not None and self.l1.kv is not None
+                and self.blocks_needed(num_tokens + 1) > self.l1.num_blocks)
 
     def max_tokens(self) -> int:
         """The longest sequence the tiers can ever hold (see `max_sequence_tokens`)."""
@@ -240,7 +242,7 @@ class PagedCache:
             plan = make_plan()  # what landed is found in L2 now; what did not is recomputed
         if plan.stream:
             raise CacheFullError(f"a prompt of {len(plan.match.token_bytes) // 4} tokens needs more than all "
-                                 f"{self.l1.num_blocks} L1 blocks; raise CacheConfig.l1, or use tierkv's engine, "
+                                 f"{self.l1.num_blocks} L1 blocks; give L1 more blocks, or use tierkv's engine, "
                                  "which streams such prompts from L2")
         return self.allocate(None, salt, priority=priority, match=plan.match)
 
@@ -453,8 +455,33 @@ class PagedCache:
             self.index.place(entry, "l1", seq.slots[i])
             seq.entries[i] = entry
         seq.committed = full
-        self.tiers.stored(new)
+        if seq.saving is not None:
+            self._saved(seq, new, full)
+        self.tiers.stored(new)  # under write-through, copies down what a layer-by-layer save did not
         return full - start
+
+    def _saved(self, seq: SequenceBlocks, new: list[BlockEntry], full: int) -> None:
+        """Commit of blocks that `save_layer` copied: the copy is finished (the layers not saved
+        yet go now, after the forward that wrote them) and the new entries live in the L2 slots
+        it filled; slots of blocks that stayed private or were not committed are given back."""
+        save, seq.saving = seq.saving, None
+        layers = self.layout.num_layers
+        l1_slots = [seq.slots[i] for i in save.blocks]
+        if save.layers < layers:
+            save.moved = self.tiers.save_layers(l1_slots, save.l2_slots, range(save.layers, layers))
+        at = dict(zip(save.blocks, save.l2_slots))
+        placed = [(e, at.pop(e.pos)) for e in new if e.pos in at]
+        if placed:
+            self.tiers.copied_down([e for e, _ in placed], [slot for _, slot in placed], save.moved)
+        if at:
+            self._drop_save(save, list(at.values()))
+
+    def _drop_save(self, save: LayerSave, l2_slots: list[int]) -> None:
+        """Give back L2 slots a layer-by-layer save filled for nothing, once its copy has ended (an
+        L3 read may write them from another thread next, and the copy reads the sequence's L1
+        slots). A host wait, on a rare path: blocks another request entered first, or not committed."""
+        save.moved.synchronize()
+        self.tiers.give_l2(l2_slots)
 
     @guarded
     def fork(self, seq: SequenceBlocks, n: int, num_tokens: int) -> list[SequenceBlocks]:
@@ -513,6 +540,9 @@ class PagedCache:
     def free(self, seq: SequenceBlocks) -> None:
         """Release everything `seq` holds: shared blocks become evictable (tail first), private ones free."""
         self._check_seq(seq, "free")
+        if seq.saving is not None:  # saved layer by layer but never committed
+            self._drop_save(seq.saving, seq.saving.l2_slots)
+            seq.saving = None
         k = seq.offloaded
         if k:
             self.streamer.synchronize()  # its L2 slots may be read by a streamed load in flight
@@ -599,3 +629,54 @@ class PagedCache:
         width = width if width is not None else max((len(s.slots) for s in seqs), default=0)
         table = fill_block_table([s.slots for s in seqs], np.empty((len(seqs), width), dtype=np.int32))
         return torch.from_numpy(table).to(device if device is not None else self.device, non_blocking=True)
+
+    # ------------------------------------------------------------------ per-layer hooks
+
+    @guarded
+    def wait_for_layer(self, layer: int, seqs: list[SequenceBlocks]) -> None:
+        """Order the current stream after the L2 loads of layer `layer` of `seqs`' blocks, and no
+        more (no host sync): call it before that layer's attention, in place of `seq.wait()`, so
+        that the first layers compute while the later ones still load. Loads go in
+        LOAD_LAYER_GROUPS groups of layers (transfer.py), so waiting for layer 0 waits for its group."""
+        if not 0 <= layer < self.layout.num_layers:
+            raise UsageError(f"wait_for_layer() takes a layer in 0..{self.layout.num_layers - 1}, got {layer}")
+        for seq in seqs:
+            self._check_seq(seq, "wait_for_layer")
+            for load in seq.pending:
+                load.wait_layer(layer)
+
+    @guarded
+    def save_layer(self, layer: int, seqs: list[SequenceBlocks]) -> None:
+        """Copy layer `layer` of the blocks this step fills to L2 now, right after the forward
+        wrote them (call it after that layer's K/V write, layers in order from 0), so that the
+        copy down overlaps the rest of the forward; `commit` then enters the blocks in L1 and L2
+        (and, write-through, L3) without another copy. The step's full blocks are those up to
+        the room `append` made (`seq.num_tokens`). Only write-through copies down at commit:
+        under write-back and selective, blocks go down later, and this does nothing."""
+        if not 0 <= layer < self.layout.num_layers:
+            raise UsageError(f"save_layer() takes a layer in 0..{self.layout.num_layers - 1}, got {layer}")
+        for seq in seqs:
+            self._check_seq(seq, "save_layer")
+        if self.l2 is None or self.config.write_policy != "write_through":
+            return
+        l1_slots, l2_slots, saves = [], [], []
+        for seq in seqs:
+            save = seq.saving
+            if save is None and layer == 0:
+                bs = self.block_size
+                blocks = [i for i in range(seq.committed, seq.num_tokens // bs) if seq.slots[i] >= 0]
+                slots = self.tiers.take_l2(len(blocks))  # fewer when L2 is full: the rest go down at commit
+                save = seq.saving = LayerSave(blocks[: len(slots)], slots) if slots else None
+            if save is None:
+                continue
+            if save.layers != layer:
+                raise UsageError(f"save_layer() takes the layers in order from 0: this sequence's next is "
+                                 f"{save.layers}, got {layer}")
+            l1_slots += [seq.slots[i] for i in save.blocks]
+            l2_slots += save.l2_slots
+            saves.append(save)
+        if not saves:
+            return
+        moved = self.tiers.save_layers(l1_slots, l2_slots, range(layer, layer + 1))
+        for save in saves:
+            save.layers, save.moved = layer + 1, moved

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .index import BlockEntry
-from .transfer import Transfer
+from .transfer import DONE, Transfer
 
 
 @dataclass(slots=True, eq=False)
@@ -37,6 +37,7 @@ class SequenceBlocks:
     # commit() entered): commit checks new blocks against them
     token_bytes: bytearray = field(default_factory=bytearray, repr=False)
     l2_slots: list[int] = field(default_factory=list)  # L2 slot of each offloaded leading block
+    saving: LayerSave | None = None  # this step's full blocks, copied to L2 layer by layer (save_layer)
     freed: bool = False
     owner: object = field(default=None, repr=False)  # the cache that made it
 
@@ -58,6 +59,17 @@ class SequenceBlocks:
 
     def slot_of(self, position: int, block_size: int) -> int:
         return self.slots[position // block_size] * block_size + position % block_size
+
+
+@dataclass(slots=True)
+class LayerSave:
+    """A sequence's blocks that the running step fills, copied to L2 a layer at a time as the
+    forward writes them (TieredKVCache.save_layer); `commit` then enters them in both tiers."""
+
+    blocks: list[int]  # block numbers in the sequence
+    l2_slots: list[int]  # the L2 slot each is copied into, taken for it
+    layers: int = 0  # layers copied so far (0..layers-1)
+    moved: Transfer = DONE  # the copy of the latest layer: the earlier ones are complete when it is
 
 
 def fill_block_table(slots: list[list[int]], out: np.ndarray) -> np.ndarray:

@@ -95,7 +95,9 @@ class Prefetch:
 
 class Tiering:
     def __init__(self, layout: KVLayout, config: CacheConfig, device: torch.device, exchange=None,
-                 guard: Guard | None = None) -> None:
+                 guard: Guard | None = None, l1: DevicePool | None = None) -> None:
+        """`l1`: an engine's own KV buffers as L1 (DevicePool.of_buffers); by default tierkv makes
+        its pool, of CacheConfig.l1 bytes."""
         self.layout, self.config, self.device = layout, config, device
         self.guard = guard if guard is not None else Guard()  # the cache's: held by every call that gets here
         # how L2 holds a block: L1's layout, or fp8 + scales (config.kv_offload_dtype)
@@ -106,14 +108,15 @@ class Tiering:
         if exchange is not None and exchange.split.part != self.offload:
             raise ConfigError(f"the tensor-parallel L3 exchange splits blocks into {exchange.split.part}, "
                               f"but this rank's L2 holds {self.offload}")
-        l1_bytes = config.l1 if config.l1 is not None else default_l1_bytes(device)
-        l1_blocks = blocks_for(l1_bytes, layout.bytes_per_block, "CacheConfig.l1")
-        if l1_blocks == 0:
-            raise ConfigError(f"CacheConfig.l1 must hold at least one block of {layout.bytes_per_block} bytes, got 0")
+        if l1 is None:
+            l1_bytes = config.l1 if config.l1 is not None else default_l1_bytes(device)
+            l1_blocks = blocks_for(l1_bytes, layout.bytes_per_block, "CacheConfig.l1")
+            if l1_blocks == 0:
+                raise ConfigError(f"CacheConfig.l1 must hold at least one block of {layout.bytes_per_block} bytes, got 0")
         l2_blocks = blocks_for(config.l2, self.offload.bytes_per_block, "CacheConfig.l2")
         if config.l3 and not l2_blocks:
             raise ConfigError("CacheConfig.l3 needs an L2 pool to stage blocks through: set CacheConfig.l2 > 0")
-        self.l1 = DevicePool(layout, l1_blocks, device)
+        self.l1 = l1 if l1 is not None else DevicePool(layout, l1_blocks, device)
         self.l2 = HostPool(self.offload, l2_blocks) if l2_blocks else None
         self.mover = BlockMover(self.l1, self.l2) if self.l2 else None
         self.l3 = (L3Mover([open_store(url, self.l3_layout) for url in config.l3], self.l2, exchange)
@@ -169,12 +172,8 @@ class Tiering:
         self._move(FENCE, [], [])
 
     def _copy_l1(self, src: list[int], dst: list[int]) -> None:
-        kv = self.l1.kv  # [L, N, 2, bs, H, D]: as [L * N, 2, bs, H, D], block s of layer l is l * N + s
-        layers, n = kv.shape[:2]
-        base = torch.arange(layers)[:, None] * n  # [L, 1]
-        rows = [(base + torch.tensor(slots)).flatten().to(self.device) for slots in (src, dst)]
-        flat = kv.view(layers * n, *kv.shape[2:])
-        kernels.copy_blocks(flat, rows[0], flat, rows[1])
+        slots = [torch.tensor(s, dtype=torch.int64).to(self.device, non_blocking=True) for s in (src, dst)]
+        kernels.copy_planes(self.l1.planes, slots[0], self.l1.planes, slots[1])
 
     # ------------------------------------------------------------------ L1
 
@@ -210,6 +209,11 @@ class Tiering:
 
     def _evict_l1(self, victims: list[BlockEntry]) -> None:
         copied = self.write_down([e for e in victims if e.l2 < 0 and self._admits(e)])
+        # a victim still being copied down (write-through, a layer-by-layer save) keeps its slot
+        # until that copy has read it: the copies run in order, so waiting for the last will do
+        reading = [t for e in victims if (t := e.reading) is not None and not t.done()]
+        if reading and not copied:
+            reading[-1].wait()
         for e in victims:
             if e.l2 < 0:
                 self.counters.tiers["l1"].drops += 1
@@ -234,14 +238,26 @@ class Tiering:
         slots = self.take_l2(len(entries))
         entries = entries[: len(slots)]
         if entries:
-            moved = self._move(L1_TO_L2, [e.l1 for e in entries], slots)
-            for e, slot in zip(entries, slots):
-                self.index.place(e, "l2", slot)
-            self.count("l2", len(entries), into=True)
-            self.count("l1", len(entries), into=False)
-            if self.l3 is not None and self.config.write_policy == "write_through":
-                self._flush(entries, moved)
+            self.copied_down(entries, slots, self._move(L1_TO_L2, [e.l1 for e in entries], slots))
         return len(entries)
+
+    def copied_down(self, entries: list[BlockEntry], l2_slots: list[int], moved: Transfer) -> None:
+        """L1 blocks `entries` are copied into L2 `l2_slots` by `moved`: they live there now,
+        and under write-through go on to L3."""
+        for e, slot in zip(entries, l2_slots):
+            self.index.place(e, "l2", slot)
+            e.reading = moved
+        self.count("l2", len(entries), into=True)
+        self.count("l1", len(entries), into=False)
+        if self.l3 is not None and self.config.write_policy == "write_through":
+            self._flush(entries, moved)
+
+    def save_layers(self, l1_slots: list[int], l2_slots: list[int], layers: range) -> Transfer:
+        """Copy `layers` of L1 blocks into L2 slots the caller took (a save issued layer by layer,
+        as the forward writes them); the caller places them with `copied_down` once all are."""
+        if self.moves is not None:
+            raise ConfigError("layer-by-layer saves are not available under tensor parallelism")
+        return self.mover.l1_to_l2(l1_slots, l2_slots, layers)
 
     def take_l2(self, n: int) -> list[int]:
         """Up to `n` free L2 slots. A victim that L3 admits but does not have yet is first
@@ -343,7 +359,7 @@ class Tiering:
 
     def _host_copy(self, e: BlockEntry) -> torch.Tensor:
         """L1 block `e` as one contiguous host block in L2's format (ordered after the writes queued into the slot)."""
-        return self.mover.to_host(self.l1.kv[:, e.l1 : e.l1 + 1].transpose(0, 1))[0]
+        return self.mover.to_host(self.l1.read([e.l1]))[0]
 
     def _with_chunk_heads(self, entries: list[BlockEntry]) -> list[BlockEntry]:
         """`entries` and, before each, the earlier blocks of its L3 chunk that L2 or L1 holds and

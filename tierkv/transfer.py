@@ -2,13 +2,16 @@
 
 L1<->L2: on CUDA every move runs on one dedicated copy stream, so moves never block the compute
 stream and are ordered among themselves (a slot written by one move and read by a later one
-needs no extra sync). L1 blocks are gathered into a device staging buffer by one kernel, then
-copied to host as one DMA per run of neighbouring L2 slots (and the reverse for loads). On CPU
-a move is a plain copy that is done on return. When L2 holds another format than L1 (an
-OffloadLayout: fp8 and scales), one kernel gathers and quantises the blocks into packed rows
-before the DMA, and one dequantises and scatters them after it, so PCIe carries the small format
-and a chunk costs one launch, not a pass of torch ops; `to_host` / `from_host` convert blocks that
-bypass L2 (spills, direct L3 reads) the same way.
+needs no extra sync). Where L2 holds L1's format, one kernel (kernels.copy_planes) copies the
+blocks straight between the pools, the GPU reading and writing pinned host memory through
+unified addressing, whatever L1's layout (tierkv's own or an engine's registered buffers) and
+however scattered the slots; a load goes in groups of layers, each with its own event, so that
+attention can wait for its layer alone. When L2 holds another format (an OffloadLayout: fp8 and
+scales), or could not be pinned, blocks go through a device staging buffer and one DMA per run
+of neighbouring L2 slots: one kernel gathers and quantises them into packed rows before the DMA,
+and one dequantises and scatters them after it, so PCIe carries the small format. On CPU a move
+is a plain copy that is done on return. `to_host` / `from_host` convert blocks that bypass L2
+(spills, direct L3 reads).
 
 L2<->L3: one writer and one reader thread call the stores' batched, internally parallel APIs on
 L2 slots that the caller holds for them, and post each finished job to a queue the caller
@@ -20,6 +23,7 @@ about which blocks move, and never touches the index.
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -35,6 +39,7 @@ import torch
 from . import kernels
 from .layout import OffloadLayout
 from .tiers import DevicePool, HostPool
+from .tiers.gpu import block_planes
 from .tiers.codec import BlockId
 from .tiers.l3 import L3Store
 
@@ -42,15 +47,24 @@ log = logging.getLogger(__name__)
 EWMA_ALPHA = 0.2  # weight of the newest bandwidth sample
 
 STAGING_BYTES = 256 * 2**20  # device staging buffer: big enough for full-speed DMA, small next to L1
+# Loads are issued in this many groups of layers, each with its own event: layer l's attention may
+# start once its group has landed (Transfer.wait_layer). More groups overlap more finely, at ~46 us
+# of host time per launch (H200, bench_planes).
+LOAD_LAYER_GROUPS = 4
 
 
 class Transfer:
-    """A batch of copies in flight; `wait()` orders the current stream after it without blocking the host."""
+    """A batch of copies in flight; `wait()` orders the current stream after it without blocking the host.
 
-    __slots__ = ("event",)
+    A load issued in layer groups (`BlockMover.l2_to_l1`) also has an event per group, so that
+    layer `l`'s attention can wait for that layer alone (`wait_layer`)."""
 
-    def __init__(self, event: torch.cuda.Event | None = None) -> None:
-        self.event = event
+    __slots__ = ("event", "groups", "layers")
+
+    def __init__(self, event: torch.cuda.Event | None = None, groups: list[torch.cuda.Event] | None = None,
+                 layers: int = 0) -> None:
+        self.event = event  # the last of the copies: every one is complete when it is
+        self.groups, self.layers = groups, layers  # per layer group: its event, over `layers` layers
 
     def done(self) -> bool:
         return self.event is None or self.event.query()
@@ -59,6 +73,14 @@ class Transfer:
         """Make the current CUDA stream wait for this transfer (no host sync)."""
         if self.event is not None:
             torch.cuda.current_stream().wait_event(self.event)
+
+    def wait_layer(self, layer: int) -> None:
+        """Make the current CUDA stream wait for the copies of layer `layer` (all of them when
+        the transfer was not issued by layer)."""
+        if self.groups is None:
+            self.wait()
+        elif self.event is not None:
+            torch.cuda.current_stream().wait_event(self.groups[layer * len(self.groups) // self.layers])
 
     def wait_on(self, stream: torch.cuda.Stream) -> None:
         """Make `stream` wait for this transfer (no host sync)."""
@@ -88,6 +110,7 @@ class BlockMover:
         self.l1, self.l2 = l1, l2
         self.device = l1.device
         self.cuda = self.device.type == "cuda"
+        self.layers = l1.layout.num_layers
         self.last = DONE  # the most recent move; every earlier one is complete when it is
         # Bytes/second of finished moves (EWMA), for load-or-recompute. Starts at a typical
         # figure (pinned PCIe Gen5 / a host memcpy) so that the first loads happen and measure.
@@ -97,31 +120,48 @@ class BlockMover:
         self._timings: deque[tuple[torch.cuda.Event, torch.cuda.Event, int]] = deque(maxlen=64)
         # L2's format when it differs from L1's (fp8 + scales); None: L2 holds L1's blocks as they are
         self.fmt = l2.layout if isinstance(l2.layout, OffloadLayout) else None
+        # L2 in L1's format: the GPU copies blocks straight between the pools' planes, reading and
+        # writing pinned host memory through unified addressing (no staging, no DMA per run of
+        # slots; 92% / 94% of a pinned memcpy on the H200, scattered slots alike: bench_planes)
+        self.l2_planes = block_planes(l2.kv, self.device) if self.fmt is None and (l2.pinned or not self.cuda) else None
         if self.cuda:
             self.stream = torch.cuda.Stream(self.device)
-            # the device side of every DMA: blocks [n, layers, 2, bs, h, d] in L1's dtype, or with
-            # an fp8 L2 packed rows [n, bytes_per_block] uint8 (the fused kernels need no other buffer)
-            shape, dtype = l2.layout.block_storage
-            n = max(1, min(l1.num_blocks, STAGING_BYTES // l2.layout.bytes_per_block))
-            self.staging = torch.empty((n, *shape), dtype=dtype, device=self.device)
             self._compile()
 
     def _compile(self) -> None:
-        """Launch every kernel a move may use once, on a one-block scratch pool, so that Triton
-        compiles them now: the first L2 hit of a process waited ~0.1 s for it (12K tokens, H200)."""
-        block = self.l1.layout.block_shape  # [layers, 2, bs, h, d]
+        """Launch every kernel a move may use once, so that Triton compiles them now: the first L2
+        hit of a process waited ~0.1 s for it (12K tokens, H200). Both pools' slot 0 are free at
+        this point: copying between them is harmless."""
+        zero = self._index([0])
         with torch.cuda.stream(self.stream):
-            pool = torch.zeros((block[0], 1, *block[1:]), dtype=self.l1.layout.dtype, device=self.device)
-            slot, rows = torch.zeros(1, dtype=torch.int64, device=self.device), self.staging[:1]
-            if self.fmt is None:
-                kernels.gather_blocks(pool, slot, rows)
-                kernels.scatter_blocks(rows, pool, slot)
-            else:
-                q, scales = self.fmt.payload(rows), self.fmt.scales(rows)
-                kernels.gather_quantize_fp8(pool, slot, q, scales)
-                kernels.dequantize_scatter_fp8(q, scales, pool, slot)
-                kernels.quantize_fp8(pool.transpose(0, 1), q, scales)  # to_host, read_l2, from_host
-                kernels.dequantize_fp8(q, scales, pool.transpose(0, 1))
+            if self.l2_planes is not None:
+                kernels.copy_planes(self.l1.planes, zero, self.l2_planes, zero)
+                kernels.copy_planes(self.l2_planes, zero, self.l1.planes, zero, (0, 2))
+                return
+            self._d2h([0], [0])
+            self._h2d([0], [0])
+            if self.fmt is not None:
+                out = self.staging[:1]
+                kernels.quantize_fp8(self._blocks(1), self.fmt.payload(out), self.fmt.scales(out))  # to_host
+                kernels.dequantize_fp8(self.fmt.payload(out), self.fmt.scales(out), self._blocks(1))  # read_l2
+        self.stream.synchronize()
+
+    @functools.cached_property
+    def staging(self) -> torch.Tensor:
+        """The device side of every DMA where the GPU cannot copy straight into L2: packed rows
+        [n, bytes_per_block] uint8 when L2 holds fp8, blocks [n, layers, 2, bs, h, d] when it is
+        pageable (its pinning failed)."""
+        shape, dtype = self.l2.layout.block_storage
+        n = max(1, min(self.l1.num_blocks, STAGING_BYTES // self.l2.layout.bytes_per_block))
+        return torch.empty((n, *shape), dtype=dtype, device=self.device)
+
+    @functools.cached_property
+    def _staging_planes(self):
+        return block_planes(self.staging)
+
+    def _blocks(self, n: int) -> torch.Tensor:
+        """Scratch blocks [n, layers, 2, bs, h, d] in L1's dtype on the device."""
+        return torch.empty((n, *self.l1.layout.block_shape), dtype=self.l1.layout.dtype, device=self.device)
 
     def estimate_seconds(self, num_blocks: int) -> float:
         """Expected seconds to move `num_blocks` blocks between L2 and L1 now."""
@@ -138,47 +178,70 @@ class BlockMover:
         """`slots` as a device tensor, without a host sync: built in pinned memory and copied
         asynchronously (a copy from pageable memory would wait for the copy stream to drain, so
         the host would sit out every chunk's DMA instead of launching the compute meanwhile)."""
-        return torch.tensor(slots, dtype=torch.int64).pin_memory().to(self.device, non_blocking=True)
+        index = torch.tensor(slots, dtype=torch.int64)
+        return index.pin_memory().to(self.device, non_blocking=True) if self.cuda else index
 
-    def l1_to_l2(self, l1_slots: list[int], l2_slots: list[int]) -> Transfer:
-        """Copy L1 blocks `l1_slots` into L2 slots `l2_slots` (same length)."""
+    def l1_to_l2(self, l1_slots: list[int], l2_slots: list[int], layers: range | None = None) -> Transfer:
+        """Copy L1 blocks `l1_slots` into L2 slots `l2_slots` (same length); `layers`: only these
+        layers of them (a save issued layer by layer), where L2 holds L1's format."""
         assert len(l1_slots) == len(l2_slots)
         if not l1_slots:
             return DONE
         if not self.cuda:
             t = time.perf_counter()
-            # [layers, n, 2, bs, h, d] -> [n, layers, 2, bs, h, d]
-            self.l2.kv[torch.tensor(l2_slots)] = self._encode(self.l1.kv[:, torch.tensor(l1_slots)].transpose(0, 1))
+            if self.l2_planes is not None:
+                kernels.copy_planes(self.l1.planes, self._index(l1_slots), self.l2_planes, self._index(l2_slots),
+                                    _planes(layers))
+            else:
+                self.l2.kv[torch.tensor(l2_slots)] = self._encode(self.l1.read(l1_slots))
             self._sample(len(l1_slots) * self.l1.layout.bytes_per_block, time.perf_counter() - t)
             return DONE
-        return self._on_stream(self._d2h, l1_slots, l2_slots)
+        if self.l2_planes is not None:
+            return self._on_stream(len(l1_slots), [lambda: kernels.copy_planes(
+                self.l1.planes, self._index(l1_slots), self.l2_planes, self._index(l2_slots), _planes(layers))])
+        assert layers is None, "L2 in another format than L1 is written whole blocks at a time"
+        return self._on_stream(len(l1_slots), self._chunks(self._d2h, l1_slots, l2_slots))
 
     def l2_to_l1(self, l2_slots: list[int], l1_slots: list[int]) -> Transfer:
-        """Copy L2 blocks `l2_slots` into L1 slots `l1_slots` (same length)."""
+        """Copy L2 blocks `l2_slots` into L1 slots `l1_slots` (same length). Where L2 holds L1's
+        format, the copy goes in LOAD_LAYER_GROUPS groups of layers, each with its own event."""
         assert len(l1_slots) == len(l2_slots)
         if not l1_slots:
             return DONE
         if not self.cuda:
             t = time.perf_counter()
-            self.l1.kv[:, torch.tensor(l1_slots)] = self._decode(self.l2.kv[torch.tensor(l2_slots)]).transpose(0, 1)
+            if self.l2_planes is not None:
+                kernels.copy_planes(self.l2_planes, self._index(l2_slots), self.l1.planes, self._index(l1_slots))
+            else:
+                self.l1.write(l1_slots, self._decode(self.l2.kv[torch.tensor(l2_slots)]))
             self._sample(len(l1_slots) * self.l1.layout.bytes_per_block, time.perf_counter() - t)
             return DONE
-        return self._on_stream(self._h2d, l2_slots, l1_slots)
+        if self.l2_planes is None:
+            return self._on_stream(len(l1_slots), self._chunks(self._h2d, l2_slots, l1_slots))
+        src, dst = self._index(l2_slots), self._index(l1_slots)
+        groups = min(self.layers, LOAD_LAYER_GROUPS)
+        bounds = [g * self.layers // groups for g in range(groups + 1)]
+        return self._on_stream(len(l1_slots), [
+            lambda a=a, b=b: kernels.copy_planes(self.l2_planes, src, self.l1.planes, dst, (2 * a, 2 * b))
+            for a, b in zip(bounds, bounds[1:])
+        ], by_layer=True)
 
     def read_l2(self, l2_slots: list[int]) -> torch.Tensor:
         """L2 blocks copied to the L1 device: [n, layers, 2, bs, h, d]. Ordered after earlier moves."""
         if not self.cuda:
             return self._decode(self.l2.kv.index_select(0, torch.tensor(l2_slots, dtype=torch.int64)))
-        out = torch.empty((len(l2_slots), *self.l1.layout.block_shape), dtype=self.l1.layout.dtype, device=self.device)
-        # packed blocks land in `rows` first and are dequantised into `out` on the copy stream
-        rows = out if self.fmt is None else torch.empty((len(l2_slots), self.fmt.bytes_per_block),
-                                                        dtype=torch.uint8, device=self.device)
+        out = self._blocks(len(l2_slots))
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
-            for pos, first, n in runs(l2_slots):
-                rows[pos : pos + n].copy_(self.l2.kv[first : first + n], non_blocking=True)
-            if self.fmt is not None:
-                kernels.dequantize_fp8(self.fmt.payload(rows), self.fmt.scales(rows), out)
+            if self.l2_planes is not None:
+                kernels.copy_planes(self.l2_planes, self._index(l2_slots), block_planes(out),
+                                    self._index(range(len(l2_slots))))
+            else:  # packed blocks land in `rows` first and are dequantised into `out` on the copy stream
+                rows = torch.empty((len(l2_slots), *self.staging.shape[1:]), dtype=self.staging.dtype,
+                                   device=self.device)
+                for pos, first, n in runs(l2_slots):
+                    rows[pos : pos + n].copy_(self.l2.kv[first : first + n], non_blocking=True)
+                self._decode(rows, out)
                 rows.record_stream(self.stream)
             out.record_stream(torch.cuda.current_stream(self.device))
         event = torch.cuda.Event()
@@ -190,7 +253,7 @@ class BlockMover:
         """blocks [n, layers, 2, bs, h, d] in L1's dtype -> L2's format on the same device: the
         blocks themselves, or packed rows [n, bytes_per_block] (into `out` when given)."""
         if self.fmt is None:
-            return blocks
+            return blocks if out is None else out.copy_(blocks)
         if out is None:
             out = torch.empty((blocks.shape[0], self.fmt.bytes_per_block), dtype=torch.uint8, device=blocks.device)
         kernels.quantize_fp8(blocks, self.fmt.payload(out), self.fmt.scales(out))
@@ -222,28 +285,41 @@ class BlockMover:
         """Make the current stream wait for every move issued so far (before reusing an evicted L1 slot)."""
         self.last.wait()
 
-    def _on_stream(self, chunk_fn, src: list[int], dst: list[int]) -> Transfer:
+    def _chunks(self, chunk_fn, src: list[int], dst: list[int]) -> list:
+        """The staged copy of src -> dst as launches of at most a staging buffer each."""
+        cap = self.staging.shape[0]
+        return [lambda i=i: chunk_fn(src[i : i + cap], dst[i : i + cap]) for i in range(0, len(src), cap)]
+
+    def _on_stream(self, num_blocks: int, launches: list, by_layer: bool = False) -> Transfer:
+        """Run `launches` in order on the copy stream, each followed by an event; `by_layer`: they
+        copy consecutive groups of layers (a load), which Transfer.wait_layer tells apart."""
         # The copy stream must see everything the compute stream wrote to these blocks so far,
         # and must not overwrite an L1 slot the compute stream may still be reading.
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start = torch.cuda.Event(enable_timing=True)
         start.record(self.stream)
-        cap = self.staging.shape[0]
+        events = []
         with torch.cuda.stream(self.stream):
-            for i in range(0, len(src), cap):
-                chunk_fn(src[i : i + cap], dst[i : i + cap])
-        end.record(self.stream)
-        self._timings.append((start, end, len(src) * self.l1.layout.bytes_per_block))
-        self.last = Transfer(end)
+            for launch in launches:
+                launch()
+                events.append(torch.cuda.Event(enable_timing=True))
+                events[-1].record(self.stream)
+        self._timings.append((start, events[-1], num_blocks * self.l1.layout.bytes_per_block))
+        self.last = Transfer(events[-1], events, self.layers) if by_layer else Transfer(events[-1])
         return self.last
 
     def _d2h(self, l1_slots: list[int], l2_slots: list[int]) -> None:
+        """One staged chunk L1 -> L2 in L2's format (fp8: quantised on the device, so the DMA
+        carries packed rows)."""
         staged = self.staging[: len(l1_slots)]
-        if self.fmt is None:
-            kernels.gather_blocks(self.l1.kv, self._index(l1_slots), staged)
-        else:  # quantised on the device: the DMA carries the packed rows
+        if self.fmt is None:  # a pageable L2: gathered into staging blocks, then DMA
+            kernels.copy_planes(self.l1.planes, self._index(l1_slots), self._staging_planes,
+                                self._index(range(len(l1_slots))))
+        elif self.l1.kv is not None:
             kernels.gather_quantize_fp8(self.l1.kv, self._index(l1_slots), self.fmt.payload(staged),
                                         self.fmt.scales(staged))
+        else:  # an engine's own layout: gathered into tierkv's block layout first
+            self._encode(self.l1.read(l1_slots), staged)
         for pos, first, n in runs(l2_slots):
             self.l2.kv[first : first + n].copy_(staged[pos : pos + n], non_blocking=True)
 
@@ -252,10 +328,18 @@ class BlockMover:
         for pos, first, n in runs(l2_slots):
             staged[pos : pos + n].copy_(self.l2.kv[first : first + n], non_blocking=True)
         if self.fmt is None:
-            kernels.scatter_blocks(staged, self.l1.kv, self._index(l1_slots))
-        else:  # dequantised on the device, straight into the L1 slots
+            kernels.copy_planes(self._staging_planes, self._index(range(len(l1_slots))), self.l1.planes,
+                                self._index(l1_slots))
+        elif self.l1.kv is not None:  # dequantised on the device, straight into the L1 slots
             kernels.dequantize_scatter_fp8(self.fmt.payload(staged), self.fmt.scales(staged), self.l1.kv,
                                            self._index(l1_slots))
+        else:
+            self.l1.write(l1_slots, self._decode(staged))
+
+
+def _planes(layers: range | None) -> tuple[int, int] | None:
+    """The planes (K and V of each layer) of `layers`; None: all."""
+    return None if layers is None else (2 * layers.start, 2 * layers.stop)
 
 
 @dataclass(slots=True, eq=False)

@@ -1,33 +1,149 @@
-"""L1: the paged KV pool in device memory, allocated once.
+"""L1: the paged KV pool in device memory: tierkv's own, allocated once, or an engine's own buffers.
+
+tierkv's layout (its own pool, and the one its engine's attention reads):
 
     kv: [num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim]
 
 Layer-first, so each layer's view `kv[layer]` is one contiguous paged cache the attention
-kernels index through block tables. This file owns memory and free slots, never policy.
+kernels index through block tables. An engine may instead register the KV tensors it already
+has (`DevicePool.of_buffers`), in one of KV_LAYOUTS; tierkv then moves blocks in and out of
+them where they are. Every layout is seen the same way by the moves: `planes`, a PlaneTable of
+2 * num_layers views [num_blocks, block_size, kv_heads, head_dim] (K and V of each layer).
+This file owns memory, free slots and the layouts' shapes, never policy.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 import torch
 
+from .. import kernels
+from ..errors import ConfigError
+from ..kernels.planes import PlaneTable
 from ..layout import KVLayout
 from .pool import FreeSlots, check_fits
+
+# Layouts an engine's KV buffers may have, with one layer's shape in them (N: blocks).
+KV_LAYOUTS = {
+    "tierkv": "one tensor [layers, N, 2, block_size, kv_heads, head_dim]",
+    "vllm": "one tensor per layer [2, N, block_size, kv_heads, head_dim]",
+    "flashinfer_nhd": "one tensor per layer [N, 2, block_size, kv_heads, head_dim]",
+    "flashinfer_hnd": "one tensor per layer [N, 2, kv_heads, block_size, head_dim]",
+}
 
 
 class DevicePool:
     def __init__(self, layout: KVLayout, num_blocks: int, device: torch.device | str) -> None:
-        self.layout = layout
-        self.device = torch.device(device)
-        self.num_blocks = num_blocks
-        check_fits(num_blocks * layout.bytes_per_block, self.device, "CacheConfig.l1")
+        """tierkv's own pool of `num_blocks` blocks on `device`."""
+        device = torch.device(device)
+        check_fits(num_blocks * layout.bytes_per_block, device, "CacheConfig.l1")
         shape = (layout.num_layers, num_blocks, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
-        self.kv = torch.empty(shape, dtype=layout.dtype, device=self.device)
-        self.free = FreeSlots(num_blocks)
+        self._adopt(layout, torch.empty(shape, dtype=layout.dtype, device=device), None, "tierkv")
+
+    @classmethod
+    def of_buffers(cls, layout: KVLayout, buffers, kv_layout: str) -> DevicePool:
+        """An engine's own KV tensors as L1, in the layout `kv_layout` names (see KV_LAYOUTS):
+        a tensor for "tierkv"; a list (or a dict in layer order, as vLLM's register_kv_caches
+        gets) of one tensor per layer otherwise. Their shapes, dtype and device are checked
+        against `layout`; their blocks' contents are the engine's."""
+        pool = cls.__new__(cls)
+        if kv_layout not in KV_LAYOUTS:
+            raise ConfigError(f"kv_layout {kv_layout!r} is unknown; accepted: "
+                              + "; ".join(f"{k!r} ({v})" for k, v in KV_LAYOUTS.items()))
+        if kv_layout == "tierkv":
+            kv = _checked([buffers] if isinstance(buffers, torch.Tensor) else buffers, layout, kv_layout)[0]
+            pool._adopt(layout, kv, None, kv_layout)
+        else:
+            layers = _checked(list(buffers.values()) if isinstance(buffers, Mapping) else buffers, layout, kv_layout)
+            pool._adopt(layout, None, layers, kv_layout)
+        return pool
+
+    def _adopt(self, layout: KVLayout, kv: torch.Tensor | None, layers: list[torch.Tensor] | None,
+               kv_layout: str) -> None:
+        self.layout, self.kv_layout = layout, kv_layout
+        # kv: the pool in tierkv's layout, which its attention kernels and streaming read; None
+        # when an engine's buffers have another layout (only the moves below reach them)
+        self.kv = kv
+        self.layers = layers  # an engine's per-layer tensors, kept alive with the pool
+        planes = _planes(kv if kv is not None else layers, kv_layout, layout.num_layers)
+        self.device = planes[0].device
+        self.planes = PlaneTable(planes)  # [2 * layers] x [N, bs, H, D]
+        self.num_blocks = self.planes.num_blocks
+        self.free = FreeSlots(self.num_blocks)
 
     def layer(self, i: int) -> torch.Tensor:
-        """[num_blocks, 2, block_size, kv_heads, head_dim] view of layer i."""
+        """[num_blocks, 2, block_size, kv_heads, head_dim] view of layer i (tierkv's layout)."""
         return self.kv[i]
+
+    def read(self, slots: list[int]) -> torch.Tensor:
+        """Blocks `slots` copied out: [n, layers, 2, bs, h, d] on the pool's device, in the
+        current stream's order (after what it wrote there)."""
+        out = torch.empty((len(slots), *self.layout.block_shape), dtype=self.layout.dtype, device=self.device)
+        kernels.copy_planes(self.planes, self._index(slots), block_planes(out), self._index(range(len(slots))))
+        return out
+
+    def write(self, slots: list[int], blocks: torch.Tensor) -> None:
+        """blocks [n, layers, 2, bs, h, d] (any device) into slots `slots`, on the current stream."""
+        blocks = blocks.to(self.device).contiguous()
+        kernels.copy_planes(block_planes(blocks), self._index(range(len(slots))), self.planes, self._index(slots))
+
+    def _index(self, slots) -> torch.Tensor:
+        return torch.tensor(list(slots), dtype=torch.int64).to(self.device, non_blocking=True)
 
     @property
     def nbytes(self) -> int:
-        return self.kv.numel() * self.kv.element_size()
+        return self.num_blocks * self.layout.bytes_per_block
+
+
+def block_planes(blocks: torch.Tensor, device: torch.device | str | None = None) -> PlaneTable:
+    """The planes of block-first storage [n, layers, 2, bs, h, d] (L2, staging, a read's output);
+    `device`: where the copies that address it run (a GPU, for pinned host memory)."""
+    layers = blocks.shape[1]
+    return PlaneTable([blocks[:, l, c] for l in range(layers) for c in (0, 1)], device)
+
+
+def _planes(buffers, kv_layout: str, num_layers: int) -> list[torch.Tensor]:
+    """K and V of every layer as views [N, bs, H, D], layer by layer: plane 2 * l + c."""
+    if kv_layout == "tierkv":
+        return [buffers[l, :, c] for l in range(num_layers) for c in (0, 1)]
+    if kv_layout == "vllm":
+        return [t[c] for t in buffers for c in (0, 1)]
+    if kv_layout == "flashinfer_nhd":
+        return [t[:, c] for t in buffers for c in (0, 1)]
+    return [t[:, c].transpose(1, 2) for t in buffers for c in (0, 1)]  # flashinfer_hnd
+
+
+def _checked(buffers, layout: KVLayout, kv_layout: str) -> list[torch.Tensor]:
+    """`buffers` as a list of tensors whose shapes, dtype and device fit `layout` in `kv_layout`."""
+    L, _, bs, H, D = layout.block_shape
+    expected = {"tierkv": (L, None, 2, bs, H, D), "vllm": (2, None, bs, H, D),
+                "flashinfer_nhd": (None, 2, bs, H, D), "flashinfer_hnd": (None, 2, H, bs, D)}[kv_layout]
+    want = 1 if kv_layout == "tierkv" else L
+    if not isinstance(buffers, Sequence) or len(buffers) != want or not all(isinstance(t, torch.Tensor) for t in buffers):
+        raise ConfigError(f"kv_layout {kv_layout!r} takes {KV_LAYOUTS[kv_layout]}: {want} tensor(s) for "
+                          f"{L} layers, got {_describe(buffers)}")
+    blocks = None
+    for i, t in enumerate(buffers):
+        shape = tuple(t.shape)
+        n = shape[expected.index(None)] if len(shape) == len(expected) else None
+        if n is None or shape != tuple(n if e is None else e for e in expected) or n == 0:
+            shown = tuple("N" if e is None else e for e in expected)
+            raise ConfigError(f"KV buffer {i} has shape {shape}; kv_layout {kv_layout!r} with this KVLayout needs "
+                              f"{shown} (N blocks of {bs} tokens, {H} KV heads of {D})")
+        if t.dtype != layout.dtype:
+            raise ConfigError(f"KV buffer {i} is {t.dtype} but the KVLayout says {layout.dtype}")
+        if blocks is not None and n != blocks:
+            raise ConfigError(f"KV buffer {i} holds {n} blocks, buffer 0 {blocks}: every layer needs the same count")
+        if t.device != buffers[0].device:
+            raise ConfigError(f"KV buffer {i} is on {t.device}, buffer 0 on {buffers[0].device}: put them on one device")
+        blocks = n
+    return list(buffers)
+
+
+def _describe(buffers) -> str:
+    if isinstance(buffers, torch.Tensor):
+        return f"one tensor of shape {tuple(buffers.shape)}"
+    if isinstance(buffers, Sequence):
+        return f"{len(buffers)} items"
+    return type(buffers).__name__

@@ -1,0 +1,148 @@
+"""An engine's own KV tensors as L1 (TieredKVCache(kv_caches=..., kv_layout=...), tiers/gpu.py):
+blocks move between them and L2/L3 bit for bit in every layout, the layer-by-layer save lands the
+same bytes as a whole-block copy, and a bad buffer is a ConfigError that names the shape it needs."""
+
+import pytest
+import torch
+
+from prefix_kv import prefix_kv
+from tierkv import CacheConfig, KVLayout, TieredKVCache
+from tierkv.errors import ConfigError, UsageError
+
+LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=4, dtype=torch.float16, block_size=4)
+L, _, BS, H, D = LAYOUT.block_shape
+N = 12  # blocks in the engine's buffers
+
+
+def engine_buffers(kind: str):
+    """Buffers an engine of that kind allocates, and a function (layer, slot) -> [2, bs, H, D] that
+    reads one block of one layer back the engine's way (K then V, tokens then heads)."""
+    if kind == "tierkv":
+        kv = torch.zeros(L, N, 2, BS, H, D, dtype=LAYOUT.dtype)
+        return kv, lambda l, s: kv[l, s]
+    if kind == "vllm":
+        layers = {f"model.layers.{l}.self_attn": torch.zeros(2, N, BS, H, D, dtype=LAYOUT.dtype) for l in range(L)}
+        return layers, lambda l, s: list(layers.values())[l][:, s]
+    if kind == "flashinfer_nhd":
+        layers = [torch.zeros(N, 2, BS, H, D, dtype=LAYOUT.dtype) for _ in range(L)]
+        return layers, lambda l, s: layers[l][s]
+    layers = [torch.zeros(N, 2, H, BS, D, dtype=LAYOUT.dtype) for _ in range(L)]  # flashinfer_hnd
+    return layers, lambda l, s: layers[l][s].transpose(1, 2)
+
+
+KINDS = ["tierkv", "vllm", "flashinfer_nhd", "flashinfer_hnd"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_blocks_move_in_and_out_of_an_engines_own_buffers(kind):
+    buffers, block = engine_buffers(kind)
+    cache = TieredKVCache(LAYOUT, CacheConfig(l2=16 * LAYOUT.bytes_per_block, write_policy="write_through"),
+                          kv_caches=buffers, kv_layout=kind, model="registered")
+    assert cache.l1.num_blocks == N
+    tokens = list(range(17))
+    kv = prefix_kv(LAYOUT, tokens)  # [L, 2, 17, H, D]
+    assert cache.store(tokens, kv) == 16
+    seq = cache.allocate(tokens)
+    assert seq.num_cached_tokens == 16
+    for b in range(4):  # the engine reads its own buffers: the stored tokens are there
+        for layer in range(L):
+            assert torch.equal(block(layer, seq.slots[b]), kv[layer, :, 4 * b : 4 * b + 4])
+    cache.free(seq)
+    cache.evict("l1")  # out of the engine's buffers (they stay in L2), then back into other slots
+    seq = cache.allocate(tokens)
+    seq.wait()
+    assert cache.match(tokens).by_tier == {"l1": 16, "l2": 0, "l3": 0}
+    for b in range(4):
+        for layer in range(L):
+            assert torch.equal(block(layer, seq.slots[b]), kv[layer, :, 4 * b : 4 * b + 4])
+    n, back = cache.retrieve(tokens)
+    assert n == 16 and torch.equal(back, kv[:, :, :16])
+    cache.close()
+
+
+def write_step(block, seq, tokens, start):
+    """Play the engine: write the KV of tokens[start:] into its own buffers, the engine's way."""
+    kv = prefix_kv(LAYOUT, tokens)
+    for p in range(start, len(tokens)):
+        for layer in range(L):
+            block(layer, seq.slots[p // BS])[:, p % BS] = kv[layer, :, p]
+
+
+@pytest.mark.parametrize("kind", ["vllm", "flashinfer_hnd"])
+def test_a_layer_by_layer_save_lands_what_a_whole_copy_would(kind, tmp_path):
+    buffers, block = engine_buffers(kind)
+    url = f"file://{tmp_path}"
+    cache = TieredKVCache(LAYOUT, CacheConfig(l2=16 * LAYOUT.bytes_per_block, l3=[url]), kv_caches=buffers,
+                          kv_layout=kind, model="registered")
+    tokens = list(range(14))
+    seq = cache.admit(tokens)
+    for layer in range(L):  # the forward: each layer waits for its loads, writes, and saves
+        cache.wait_for_layer(layer, [seq])
+        write_step(block, seq, tokens, 0)
+        if layer < 2:  # the last layer is left to commit, as an engine that stops early would
+            cache.save_layer(layer, [seq])
+    with pytest.raises(UsageError, match="in order"):
+        cache.save_layer(0, [seq])
+    assert cache.commit(seq, tokens) == 3
+    # the blocks are in L1 and L2 already (no second copy) and on their way to L3
+    assert all(e.l2 >= 0 for e in seq.entries[:3])
+    assert cache.stats()["tiers"]["l2"]["blocks_in"] == 3
+    cache.free(seq)
+    assert cache.flush(timeout=30)
+    cache.close()
+    with TieredKVCache(LAYOUT, CacheConfig(l1=8 * LAYOUT.bytes_per_block, l2=16 * LAYOUT.bytes_per_block,
+                                           l3=[url]), device="cpu", model="registered") as fresh:
+        n, kv = fresh.retrieve(tokens)
+        assert n == 12 and torch.equal(kv, prefix_kv(LAYOUT, tokens)[:, :, :12])
+
+
+def test_a_save_of_blocks_someone_else_entered_first_gives_its_l2_slots_back():
+    buffers, block = engine_buffers("vllm")
+    cache = TieredKVCache(LAYOUT, CacheConfig(l2=16 * LAYOUT.bytes_per_block), kv_caches=buffers,
+                          kv_layout="vllm", model="registered")
+    tokens = list(range(9))
+    a, b = cache.allocate(tokens), cache.allocate(tokens)
+    for seq in (a, b):
+        write_step(block, seq, tokens, 0)
+        for layer in range(L):
+            cache.save_layer(layer, [seq])
+    cache.commit(a, tokens)
+    cache.commit(b, tokens)  # a entered these blocks: b's stay private, its saved copies unused
+    for seq in (a, b):
+        cache.free(seq)
+    cache.evict("l1")
+    cache.evict("l2")
+    assert cache.stats()["tiers"]["l2"]["used_blocks"] == 0 and len(cache.l2.free) == 16
+
+
+def test_bad_buffers_are_config_errors_that_name_the_expected_shape():
+    good = [torch.zeros(2, N, BS, H, D, dtype=LAYOUT.dtype) for _ in range(L)]
+
+    def register(buffers, kind="vllm", **kw):
+        return TieredKVCache(LAYOUT, CacheConfig(**kw), kv_caches=buffers, kv_layout=kind, model="m")
+
+    with pytest.raises(ConfigError, match="unknown"):
+        register(good, "paged")
+    with pytest.raises(ConfigError, match="3 tensor"):
+        register(good[:2])
+    with pytest.raises(ConfigError, match=r"needs \(2, 'N', 4, 2, 4\)"):
+        register([torch.zeros(N, 2, BS, H, D, dtype=LAYOUT.dtype)] * L)
+    with pytest.raises(ConfigError, match="float32"):
+        register([t.float() for t in good])
+    with pytest.raises(ConfigError, match="same count"):
+        register(good[:2] + [torch.zeros(2, N + 1, BS, H, D, dtype=LAYOUT.dtype)])
+    with pytest.raises(ConfigError, match="leave CacheConfig.l1 unset"):
+        register(good, l1=LAYOUT.bytes_per_block)
+    with pytest.raises(ConfigError, match=r"\(3, 'N', 2, 4, 2, 4\)"):
+        register(torch.zeros(2, N, 2, BS, H, D, dtype=LAYOUT.dtype), "tierkv")
+
+
+def test_a_prompt_larger_than_registered_buffers_is_a_clear_cache_full_error():
+    from tierkv.errors import CacheFullError
+
+    buffers, _ = engine_buffers("vllm")
+    cache = TieredKVCache(LAYOUT, CacheConfig(l2=64 * LAYOUT.bytes_per_block), kv_caches=buffers,
+                          kv_layout="vllm", model="registered")
+    with pytest.raises(CacheFullError):
+        cache.admit(list(range(N * BS + 5)))
+    assert len(cache.l1.free) == N
