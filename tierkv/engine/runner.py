@@ -185,8 +185,10 @@ class ModelRunner:
         built = self.inputs.load(plan.arrays, plan.width, plan.is_decode, plan.context)
         self.tp.broadcast(built.input_ids)
         if plan.streamed_from is not None:
+            # rank 0's streamed sequences, as this rank's cache holds them (same slots, its own heads)
             seqs = [SequenceBlocks(ns=b"", priority=0, slots=slots, entries=[None] * len(slots), hashes=[],
-                                   committed=0, num_tokens=0, num_cached_tokens=0, pending=[], l2_slots=l2)
+                                   committed=0, num_tokens=0, num_cached_tokens=0, pending=[], l2_slots=l2,
+                                   owner=self.cache)
                     for slots, l2 in plan.streamed]
             built.meta.streamed = self._streamed(built, plan.streamed_from, seqs)
         self._forward(built)
