@@ -146,3 +146,64 @@ def test_a_prompt_larger_than_registered_buffers_is_a_clear_cache_full_error():
     with pytest.raises(CacheFullError):
         cache.admit(list(range(N * BS + 5)))
     assert len(cache.l1.free) == N
+
+
+def cuda_buffers(kind: str, layout: KVLayout, blocks: int):
+    L_, _, bs, h, d = layout.block_shape
+    shape = {"vllm": (2, blocks, bs, h, d), "flashinfer_nhd": (blocks, 2, bs, h, d),
+             "flashinfer_hnd": (blocks, 2, h, bs, d)}
+    if kind == "tierkv":
+        return torch.zeros(L_, blocks, 2, bs, h, d, dtype=layout.dtype, device="cuda")
+    return [torch.zeros(shape[kind], dtype=layout.dtype, device="cuda") for _ in range(L_)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run through the device tool)")
+@pytest.mark.parametrize("offload", [None, "fp8_e4m3"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_registered_buffers_on_the_gpu_round_trip_through_pinned_l2(kind, offload):
+    layout = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16, block_size=16)
+    cache = TieredKVCache(layout, CacheConfig(l2=64 * layout.bytes_per_block, kv_offload_dtype=offload),
+                          kv_caches=cuda_buffers(kind, layout, 32), kv_layout=kind, model="gpu-registered")
+    assert cache.l2.pinned
+    tokens = list(range(16 * 10 + 3))
+    seq = cache.admit(tokens)
+    want = torch.randn(10, *layout.block_shape, device="cuda").to(layout.dtype)
+    for layer in range(layout.num_layers):  # the forward writes, and each layer is saved as it is written
+        cache.wait_for_layer(layer, [seq])
+        cache.l1.write(seq.slots[:10], want)
+        cache.save_layer(layer, [seq])
+    cache.commit(seq, tokens)
+    cache.free(seq)
+    cache.evict("l1")
+    cache.l1.write(list(range(32)), torch.zeros(32, *layout.block_shape, device="cuda", dtype=layout.dtype))
+    seq = cache.admit(tokens)
+    assert seq.num_cached_tokens == 160
+    for layer in range(layout.num_layers):
+        cache.wait_for_layer(layer, [seq])
+    got = cache.l1.read(seq.slots[:10])
+    if offload is None:
+        assert torch.equal(got, want)
+    else:  # fp8 rounding: at most 1/16 of a value, within its head's scale
+        assert (got.float() - want.float()).abs().max() <= want.float().abs().max() / 8
+    n, kv = cache.retrieve(tokens)
+    assert n == 160
+    cache.close()
+
+
+def test_fp8_l2_under_registered_buffers_rounds_like_tierkvs_own_pool():
+    """With kv_offload_dtype, blocks leave an engine's buffers as fp8 and come back as they would from
+    tierkv's own pool: the same bytes in L2, the same values back."""
+    config = dict(l2=16 * LAYOUT.bytes_per_block, kv_offload_dtype="fp8_e4m3")
+    tokens = list(range(17))
+    backs = []
+    for kind in ("vllm", "tierkv"):
+        buffers, _ = engine_buffers(kind)
+        cache = TieredKVCache(LAYOUT, CacheConfig(**config), kv_caches=buffers, kv_layout=kind, model="fp8")
+        cache.store(tokens, prefix_kv(LAYOUT, tokens))
+        cache.evict("l1")
+        seq = cache.admit(tokens)
+        backs.append(cache.l1.read(seq.slots[:4]))
+    assert torch.equal(backs[0], backs[1])
+    assert (backs[0].float() - prefix_kv(LAYOUT, tokens)[:, :, :16].float().reshape(L, 2, 4, BS, H, D)
+            .permute(2, 0, 1, 3, 4, 5)).abs().max() > 0  # it did go through fp8
