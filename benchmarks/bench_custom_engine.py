@@ -132,11 +132,75 @@ def check_bytes(kind: str) -> bool:
     return ok
 
 
+def host_memory(blocks: int, repeats: int) -> dict:
+    """GB/s of one copy_planes of `blocks` blocks from pinned host memory into vLLM buffers, and of
+    the DMA memcpy, for host memory made three ways: tierkv's HostPool (malloc'd, faulted in on
+    all cores, cudaHostRegister), torch's pinned allocator (cudaHostAlloc), and the HostPool's
+    way with transparent huge pages asked for first (madvise). Says whether the GPU's reads of L2
+    depend on how its memory was made."""
+    import ctypes
+
+    from tierkv import kernels
+    from tierkv.tiers import HostPool
+    from tierkv.tiers.gpu import DevicePool, block_planes
+
+    nbytes = blocks * LAYOUT.bytes_per_block
+    l1 = DevicePool.of_buffers(LAYOUT, buffers("vllm", blocks), "vllm")
+
+    def thp() -> torch.Tensor:
+        raw = torch.empty(nbytes + 2**21, dtype=torch.uint8)
+        start = (-raw.data_ptr()) % 2**21  # 2 MiB aligned, so that whole huge pages fit
+        t = raw[start : start + nbytes]
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        rc = libc.madvise(ctypes.c_void_p(t.data_ptr()), ctypes.c_size_t(nbytes), 14)  # MADV_HUGEPAGE
+        t[::4096].fill_(0)
+        assert torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 1) == 0
+        return t, rc, raw
+
+    out = {}
+    pool = HostPool(LAYOUT, blocks, pin=True)
+    made = {"hostpool": pool.kv.view(torch.uint8).view(-1),
+            "torch_pinned": torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)}
+    huge, rc, keep = thp()
+    made["hostpool_thp"] = huge
+    slots = torch.randperm(blocks, device="cuda")
+    rows = torch.arange(blocks, device="cuda")
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    for name, host in made.items():
+        table = block_planes(host.view(LAYOUT.dtype).view(blocks, *LAYOUT.block_shape), "cuda")
+        res = {}
+        for what, fn in (("copy_planes_h2d", lambda: kernels.copy_planes(table, rows, l1.planes, slots)),
+                         ("copy_planes_d2h", lambda: kernels.copy_planes(l1.planes, slots, table, rows)),
+                         ("memcpy_h2d", lambda: dev.copy_(host, non_blocking=True)),
+                         ("memcpy_d2h", lambda: host.copy_(dev, non_blocking=True))):
+            best = float("inf")
+            for _ in range(repeats + 1):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fn()
+                b.record()
+                b.synchronize()
+                best = min(best, a.elapsed_time(b) / 1e3)
+            res[what] = nbytes / best / 1e9
+        out[name] = res
+        print(f"host memory {name:<13} " + "  ".join(f"{k} {v:.1f}" for k, v in res.items()) + " GB/s")
+    out["madvise_rc"] = rc
+    try:
+        out["thp_enabled"] = open("/sys/kernel/mm/transparent_hugepage/enabled").read().strip()
+    except OSError:
+        pass
+    torch.cuda.cudart().cudaHostUnregister(huge.data_ptr())
+    pool.close()
+    del keep
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--blocks", type=int, default=1024, help="blocks of the prompt (2 MiB each)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--layouts", default="vllm,flashinfer_hnd,tierkv")
+    ap.add_argument("--host-memory", action="store_true", help="also compare ways of making the pinned L2")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -160,12 +224,13 @@ def main() -> None:
             print(f"{'':<27}layer 0 usable after {s['load_layer0']:.0%} of the load")
             results[f"{kind}-{'scattered' if scattered else 'in_order'}"] = row
     checks = {kind: check_bytes(kind) for kind in args.layouts.split(",")}
+    memory = host_memory(args.blocks, args.repeats) if args.host_memory else None
     print(f"bytes checked: {checks}")
     path = write_results("bench_custom_engine", {
         "target": ">= 90% of one contiguous pinned memcpy, both ways, into registered buffers",
         "blocks": args.blocks, "bytes": nbytes, "bytes_per_block": LAYOUT.bytes_per_block,
         "memcpy_seconds": memcpy, "memcpy_GBps": {k: nbytes / v / 1e9 for k, v in memcpy.items()},
-        "results": results, "bytes_checked": checks,
+        "results": results, "bytes_checked": checks, "host_memory_GBps": memory,
         "timing": "save/save_by_layer/load: wall clock from the API call (commit, admit) until the copy is "
                   "complete (cache.synchronize / seq.wait plus a device sync), hashing and bookkeeping included; "
                   "save_copy/load_copy: the copy's own CUDA events; best of the repeats after a warm-up round; "

@@ -652,12 +652,13 @@ class PagedCache:
         copy down overlaps the rest of the forward; `commit` then enters the blocks in L1 and L2
         (and, write-through, L3) without another copy. The step's full blocks are those up to
         the room `append` made (`seq.num_tokens`). Only write-through copies down at commit:
-        under write-back and selective, blocks go down later, and this does nothing."""
+        under write-back and selective, blocks go down later, and this does nothing; nor does it
+        when L2 holds another format (fp8), whose blocks are converted whole at commit."""
         if not 0 <= layer < self.layout.num_layers:
             raise UsageError(f"save_layer() takes a layer in 0..{self.layout.num_layers - 1}, got {layer}")
         for seq in seqs:
             self._check_seq(seq, "save_layer")
-        if self.l2 is None or self.config.write_policy != "write_through":
+        if self.l2 is None or self.config.write_policy != "write_through" or self.tiers.mover.l2_planes is None:
             return
         l1_slots, l2_slots, saves = [], [], []
         for seq in seqs:
