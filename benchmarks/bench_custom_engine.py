@@ -134,12 +134,9 @@ def check_bytes(kind: str) -> bool:
 
 def host_memory(blocks: int, repeats: int) -> dict:
     """GB/s of one copy_planes of `blocks` blocks from pinned host memory into vLLM buffers, and of
-    the DMA memcpy, for host memory made three ways: tierkv's HostPool (malloc'd, faulted in on
-    all cores, cudaHostRegister), torch's pinned allocator (cudaHostAlloc), and the HostPool's
-    way with transparent huge pages asked for first (madvise). Says whether the GPU's reads of L2
-    depend on how its memory was made."""
-    import ctypes
-
+    the DMA memcpy, for host memory made two ways: tierkv's HostPool (malloc'd, huge pages asked
+    for, faulted in on all cores, cudaHostRegister) and torch's pinned allocator (cudaHostAlloc).
+    Says whether the GPU's reads of L2 depend on how its memory was made."""
     from tierkv import kernels
     from tierkv.tiers import HostPool
     from tierkv.tiers.gpu import DevicePool, block_planes
@@ -147,22 +144,10 @@ def host_memory(blocks: int, repeats: int) -> dict:
     nbytes = blocks * LAYOUT.bytes_per_block
     l1 = DevicePool.of_buffers(LAYOUT, buffers("vllm", blocks), "vllm")
 
-    def thp() -> torch.Tensor:
-        raw = torch.empty(nbytes + 2**21, dtype=torch.uint8)
-        start = (-raw.data_ptr()) % 2**21  # 2 MiB aligned, so that whole huge pages fit
-        t = raw[start : start + nbytes]
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        rc = libc.madvise(ctypes.c_void_p(t.data_ptr()), ctypes.c_size_t(nbytes), 14)  # MADV_HUGEPAGE
-        t[::4096].fill_(0)
-        assert torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 1) == 0
-        return t, rc, raw
-
     out = {}
     pool = HostPool(LAYOUT, blocks, pin=True)
     made = {"hostpool": pool.kv.view(torch.uint8).view(-1),
             "torch_pinned": torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)}
-    huge, rc, keep = thp()
-    made["hostpool_thp"] = huge
     slots = torch.randperm(blocks, device="cuda")
     rows = torch.arange(blocks, device="cuda")
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
@@ -184,14 +169,13 @@ def host_memory(blocks: int, repeats: int) -> dict:
             res[what] = nbytes / best / 1e9
         out[name] = res
         print(f"host memory {name:<13} " + "  ".join(f"{k} {v:.1f}" for k, v in res.items()) + " GB/s")
-    out["madvise_rc"] = rc
     try:
+        out["anon_huge_pages"] = next(line.split(":")[1].strip() for line in open("/proc/meminfo")
+                                      if line.startswith("AnonHugePages"))
         out["thp_enabled"] = open("/sys/kernel/mm/transparent_hugepage/enabled").read().strip()
     except OSError:
         pass
-    torch.cuda.cudart().cudaHostUnregister(huge.data_ptr())
     pool.close()
-    del keep
     return out
 
 
