@@ -134,8 +134,8 @@ def check_bytes(kind: str) -> bool:
 
 def host_memory(blocks: int, repeats: int) -> dict:
     """GB/s of one copy_planes of `blocks` blocks from pinned host memory into vLLM buffers, and of
-    the DMA memcpy, for host memory made two ways: tierkv's HostPool (malloc'd, huge pages asked
-    for, faulted in on all cores, cudaHostRegister) and torch's pinned allocator (cudaHostAlloc).
+    the DMA memcpy, for host memory made two ways: tierkv's HostPool (malloc'd, faulted in on all
+    cores, cudaHostRegister) and torch's pinned allocator (cudaHostAlloc).
     Says whether the GPU's reads of L2 depend on how its memory was made."""
     from tierkv import kernels
     from tierkv.tiers import HostPool

@@ -13,7 +13,6 @@ stays pageable. This file owns memory and free slots, never policy.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import threading
 import weakref
@@ -27,27 +26,12 @@ log = logging.getLogger(__name__)
 
 _PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context, not only the current one
 _PAGE = 4096
-_HUGE = 2**21  # a transparent huge page on x86-64
-_MADV_HUGEPAGE = 14
 _ADVICE = "raise the locked-memory limit (ulimit -l, memlock) or free host memory, or lower CacheConfig.l2"
-
-
-def _huge_pages(kv: torch.Tensor) -> None:
-    """Ask for transparent huge pages over `kv`'s memory before it is first touched. The GPU reads
-    and writes L2 itself (kernels over unified addressing), one address translation per page:
-    with 4 KiB pages it moved 49.5 / 50.3 GB/s where memory from cudaHostAlloc moved 51.3 / 52.4
-    (H200, bench_custom_engine --host-memory). Best effort: where the kernel says no, 4 KiB pages stay."""
-    start = -(-kv.data_ptr() // _HUGE) * _HUGE  # whole 2 MiB pages inside the range
-    end = (kv.data_ptr() + kv.nbytes) // _HUGE * _HUGE
-    if end > start:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE)
 
 
 def _register(kv: torch.Tensor) -> bool:
     """Page-lock `kv`'s memory for DMA; False where the driver refuses. Tests replace this."""
     cudart = torch.cuda.cudart()  # raises where there is no CUDA runtime
-    _huge_pages(kv)
     # Fault every page in on all cores: the driver alone does it on one (H200 box, 100 GiB:
     # ~10 s this way, ~40 s without).
     kv.view(-1).view(torch.uint8)[::_PAGE].fill_(0)
