@@ -194,3 +194,19 @@ def test_kvlayout_takes_numpy_integers():
         KVLayout(num_layers=2.0, num_kv_heads=2, head_dim=4)
     with pytest.raises(ConfigError, match="positive int"):
         KVLayout(num_layers=True, num_kv_heads=2, head_dim=4)
+
+
+def test_admit_waits_for_l2_room_held_by_blocks_on_their_way_to_l3(tmp_path):
+    """Under write-back an L2 full of blocks L3 lacks has no room for an L3 read until their writes
+    end: admit waits for them (within its deadline) instead of recomputing the hit. (Found by the
+    API state machine: L1 3 blocks, L2 2, a disk.)"""
+    url = f"file://{tmp_path}"
+    with make(l1=3, l2=2, l3=[url], write_policy="write_back") as first:
+        store(first, [0, 1, 2, 3, 4])
+    with make(l1=3, l2=2, l3=[url], write_policy="write_back") as cache:
+        store(cache, list(range(50, 70)))  # fills L1 and L2 with blocks owed to L3
+        prompt = [0, 1, 2, 3, 4, 5]
+        assert cache.match(prompt).by_tier["l3"] == 4
+        seq = cache.admit(prompt, deadline_s=30)
+        assert seq.num_cached_tokens == 4
+        assert torch.equal(read_slots(cache, seq, 4), prefix_kv(LAYOUT, prompt)[:, :, :4])

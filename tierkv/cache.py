@@ -22,7 +22,7 @@ import time
 import torch
 
 from .config import CacheConfig
-from .errors import ConfigError, ShapeError
+from .errors import ConfigError, ShapeError, UsageError
 from .guard import Guard, guarded
 from .hashing import hash_blocks, token_bytes
 from .index import BlockEntry
@@ -304,7 +304,7 @@ class TieredKVCache(PagedCache):
         would (L1 demotes to L2 by the write policy, L2 writes to L3 first where it admits them).
         For operators and benchmarks: cached prefixes then hit the tier below."""
         if tier not in ("l1", "l2"):
-            raise ValueError(f"evict() takes 'l1' or 'l2', got {tier!r}")
+            raise UsageError(f"evict() takes 'l1' or 'l2', got {tier!r}")
         self.tiers.evict_all(tier)
 
     def close(self, timeout: float = CLOSE_FLUSH_TIMEOUT_S) -> None:

@@ -17,6 +17,8 @@ import numpy as np
 import torch
 import xxhash
 
+from .errors import UsageError
+
 HASH_FORMAT_VERSION = 1
 _INT32 = np.iinfo(np.int32)
 
@@ -38,9 +40,9 @@ def token_bytes(tokens: Sequence[int] | np.ndarray | torch.Tensor) -> bytes:
         tokens = tokens.detach().cpu().numpy()
     arr = np.asarray(tokens)
     if arr.ndim != 1:
-        raise ValueError(f"tokens must be a flat sequence of ints, got shape {arr.shape}")
+        raise UsageError(f"tokens must be a flat sequence of ints, got shape {arr.shape}")
     if arr.size and (arr.dtype.kind not in "iu" or arr.min() < _INT32.min or arr.max() > _INT32.max):
-        raise ValueError("token ids must be integers that fit in int32")
+        raise UsageError("token ids must be integers that fit in int32")
     return arr.astype("<i4", copy=False).tobytes()
 
 

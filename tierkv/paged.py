@@ -236,19 +236,39 @@ class PagedCache:
             return self.plan(tokens, salt, budget=len(tokens), deadline_s=deadline_s,
                              recompute_seconds_per_token=recompute_seconds_per_token)
 
+        end = time.monotonic() + deadline_s
         plan = make_plan()
-        if plan.fetch is not None:
-            self.prefetch(plan.match, deadline_s, priority=priority, blocks=plan.fetch).wait(deadline_s)
-            plan = make_plan()  # what landed is found in L2 now; what did not is recomputed
+        while plan.fetch is not None and (left := end - time.monotonic()) > 0:
+            fetch = self.prefetch(plan.match, left, priority=priority, blocks=plan.fetch)
+            if fetch.num_blocks:
+                fetch.wait(left)
+            elif not self._wait_for_l3_write(end):
+                break  # no L2 room, and no L3 write in flight that would make some
+            had, plan = len(plan.match.blocks), make_plan()  # what landed is found in L2 now
+            if len(plan.match.blocks) <= had and fetch.num_blocks:
+                break  # nothing arrived (misses): the rest is recomputed
         if plan.stream:
             raise CacheFullError(f"a prompt of {len(plan.match.token_bytes) // 4} tokens needs more than all "
                                  f"{self.l1.num_blocks} L1 blocks; give L1 more blocks, or use tierkv's engine, "
                                  "which streams such prompts from L2")
         return self.allocate(None, salt, priority=priority, match=plan.match)
 
+    def _wait_for_l3_write(self, end: float) -> bool:
+        """Wait, outside the lock, until an L3 job ends (an L2 slot held for a write may then be
+        free), and take it in; False when none is in flight."""
+        l3 = self.tiers.l3
+        if l3 is None or l3.in_flight == 0:
+            return False
+        l3.wait_any(max(0.0, end - time.monotonic()))
+        with self._guard.lock:
+            self._guard.check("admit")
+            self.tiers.reap()
+        return True
+
     @guarded
     def can_allocate(self, num_tokens: int, match: Match, *, stream: bool = False, reserve: int | None = None) -> bool:
         """Whether `allocate` with these arguments would succeed now."""
+        self._check_match(match)
         blocks = match.blocks
         k = self._streamable(blocks) if stream else 0
         return self._shortfall(self._reserve(num_tokens, reserve, len(blocks)), blocks[k:], k) <= 0
@@ -301,7 +321,7 @@ class PagedCache:
         self.tiers.reap()
         num_tokens = len(m.token_bytes) // 4
         if num_tokens == 0:
-            raise ValueError("allocate() needs at least one token")
+            raise UsageError("allocate() needs at least one token")
         # The match's blocks, as far as the match chose to take them (load-or-recompute may stop
         # short of what the index holds), including its L3 part where a prefetch has brought it
         # into L2 since; walked again only then, or if an entry left the index since the match.
