@@ -108,7 +108,12 @@ class Scheduler:
     def _make_room(self, req: Request, n: int, step: ScheduledStep) -> bool:
         """Reserve slots for `n` more tokens of `req`, preempting others if L1 is short."""
         extra = req.num_computed + n - req.seq.num_tokens  # tokens beyond what its blocks cover
-        while extra > 0 and not self.cache.can_append(req.seq, extra):
+        while extra > 0:
+            try:  # one cache call a request and step, where room is there (almost always)
+                self.cache.append(req.seq, extra)
+                return True
+            except CacheFullError:  # nothing was taken
+                pass
             if self._offload_own(req, extra):
                 continue
             victim = self._victim(exclude=step.requests)
@@ -119,8 +124,6 @@ class Scheduler:
             self.preempt(victim)
             if victim is req:
                 return False
-        if extra > 0:
-            self.cache.append(req.seq, extra)
         return True
 
     def _streams(self, req: Request) -> bool:
