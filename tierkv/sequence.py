@@ -58,6 +58,9 @@ class SequenceBlocks:
         self.pending = [t for t in self.pending if not t.done()]
 
     def slot_of(self, position: int, block_size: int) -> int:
+        """The flat slot of token `position` as tierkv's kv_write kernels take it (block * block_size
+        + offset). With buffers of your own, the token is at block `slots[position // block_size]`,
+        offset `position % block_size`, of each layer's K and V."""
         return self.slots[position // block_size] * block_size + position % block_size
 
 
