@@ -23,6 +23,7 @@ about which blocks move, and never touches the index.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import logging
 import queue
@@ -59,12 +60,16 @@ class Transfer:
     A load issued in layer groups (`BlockMover.l2_to_l1`) also has an event per group, so that
     layer `l`'s attention can wait for that layer alone (`wait_layer`)."""
 
-    __slots__ = ("event", "groups", "layers")
+    __slots__ = ("event", "groups", "starts")
 
     def __init__(self, event: torch.cuda.Event | None = None, groups: list[torch.cuda.Event] | None = None,
-                 layers: int = 0) -> None:
+                 starts: list[int] | None = None) -> None:
         self.event = event  # the last of the copies: every one is complete when it is
-        self.groups, self.layers = groups, layers  # per layer group: its event, over `layers` layers
+        self.groups, self.starts = groups, starts  # per layer group: its event, and its first layer
+
+    def group_of(self, layer: int) -> int:
+        """Which of `groups` copies layer `layer`."""
+        return bisect.bisect_right(self.starts, layer) - 1
 
     def done(self) -> bool:
         return self.event is None or self.event.query()
@@ -80,7 +85,7 @@ class Transfer:
         if self.groups is None:
             self.wait()
         elif self.event is not None:
-            torch.cuda.current_stream().wait_event(self.groups[layer * len(self.groups) // self.layers])
+            torch.cuda.current_stream().wait_event(self.groups[self.group_of(layer)])
 
     def wait_on(self, stream: torch.cuda.Stream) -> None:
         """Make `stream` wait for this transfer (no host sync)."""
@@ -219,12 +224,11 @@ class BlockMover:
         if self.l2_planes is None:
             return self._on_stream(len(l1_slots), self._chunks(self._h2d, l2_slots, l1_slots))
         src, dst = self._index(l2_slots), self._index(l1_slots)
-        groups = min(self.layers, LOAD_LAYER_GROUPS)
-        bounds = [g * self.layers // groups for g in range(groups + 1)]
+        bounds = [*load_groups(self.layers), self.layers]
         return self._on_stream(len(l1_slots), [
             lambda a=a, b=b: kernels.copy_planes(self.l2_planes, src, self.l1.planes, dst, (2 * a, 2 * b))
             for a, b in zip(bounds, bounds[1:])
-        ], by_layer=True)
+        ], starts=bounds[:-1])
 
     def read_l2(self, l2_slots: list[int]) -> torch.Tensor:
         """L2 blocks copied to the L1 device: [n, layers, 2, bs, h, d]. Ordered after earlier moves."""
@@ -290,9 +294,9 @@ class BlockMover:
         cap = self.staging.shape[0]
         return [lambda i=i: chunk_fn(src[i : i + cap], dst[i : i + cap]) for i in range(0, len(src), cap)]
 
-    def _on_stream(self, num_blocks: int, launches: list, by_layer: bool = False) -> Transfer:
-        """Run `launches` in order on the copy stream, each followed by an event; `by_layer`: they
-        copy consecutive groups of layers (a load), which Transfer.wait_layer tells apart."""
+    def _on_stream(self, num_blocks: int, launches: list, starts: list[int] | None = None) -> Transfer:
+        """Run `launches` in order on the copy stream, each followed by an event; `starts`: they
+        copy consecutive groups of layers beginning there (a load), which Transfer.wait_layer tells apart."""
         # The copy stream must see everything the compute stream wrote to these blocks so far,
         # and must not overwrite an L1 slot the compute stream may still be reading.
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -305,7 +309,7 @@ class BlockMover:
                 events.append(torch.cuda.Event(enable_timing=True))
                 events[-1].record(self.stream)
         self._timings.append((start, events[-1], num_blocks * self.l1.layout.bytes_per_block))
-        self.last = Transfer(events[-1], events, self.layers) if by_layer else Transfer(events[-1])
+        self.last = Transfer(events[-1], events, starts) if starts is not None else Transfer(events[-1])
         return self.last
 
     def _d2h(self, l1_slots: list[int], l2_slots: list[int]) -> None:
@@ -335,6 +339,12 @@ class BlockMover:
                                            self._index(l1_slots))
         else:
             self.l1.write(l1_slots, self._decode(staged))
+
+
+def load_groups(num_layers: int) -> list[int]:
+    """The first layer of each group of layers a load is issued in (LOAD_LAYER_GROUPS, as even as can be)."""
+    groups = min(num_layers, LOAD_LAYER_GROUPS)
+    return [g * num_layers // groups for g in range(groups)]
 
 
 def _planes(layers: range | None) -> tuple[int, int] | None:
