@@ -2,8 +2,8 @@
 
 Two ways in. The simple one, for engines that keep their own KV: `store` a prefix's KV, `match`
 a prompt against every tier, `retrieve` the cached prefix back. The block-level one, for paged
-engines whose attention reads the L1 pool directly, is PagedCache's (paged.py): `admit` or
-`allocate` a sequence, `append` room, `commit` blocks as they fill, `free` at the end.
+engines, is PagedCache's: `admit` or `allocate` a sequence (admission.py), `append` room,
+`commit` blocks as they fill, `free` at the end (paged.py).
 
 This file builds the cache (the Tiering under it, the guard that serialises calls), copies the
 simple API's own tensors (store/retrieve), and runs the lifecycle: flush, evict, close, stats.
@@ -27,7 +27,8 @@ from .guard import Guard, guarded
 from .hashing import hash_blocks, token_bytes
 from .index import BlockEntry
 from .layout import KVLayout
-from .paged import DEFAULT_L3_DEADLINE_S, PagedCache, max_sequence_tokens, stream_window_blocks
+from .admission import DEFAULT_L3_DEADLINE_S, max_sequence_tokens, stream_window_blocks
+from .paged import PagedCache
 from .plan import Match
 from .sequence import SequenceBlocks
 from .streaming import LayerStreamer

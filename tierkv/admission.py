@@ -1,0 +1,355 @@
+"""Admission: how a prompt enters the cache, for tierkv's scheduler and for engines of their own.
+
+Lookups (`match`, `prefetch`) and admission (`plan`, `admit`, `allocate`): what a prompt takes
+from which tier, what is read from L3 first, and where the engine starts computing. `allocate`
+hands back the SequenceBlocks whose life paged.py runs. The arithmetic of load-or-recompute is
+plan.py's; this file applies it. Every public method runs under the cache's guard (guard.py) and
+checks its arguments before it changes anything. It never knows about requests or HTTP.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .errors import CacheFullError, UsageError
+from .guard import Guard, guarded
+from .hashing import hash_blocks, namespace, token_bytes
+from .index import BlockEntry, BlockIndex
+from .layout import KVLayout
+from .metrics import CacheCounters
+from .plan import AdmissionPlan, Match, tail_to_read, worth_loading
+from .sequence import SequenceBlocks
+from .streaming import LayerStreamer
+from .tiering import Prefetch, Tiering
+from .tiers import DevicePool, HostPool
+from .tiers.codec import BlockId
+
+DEFAULT_L3_DEADLINE_S = 5.0  # how long retrieve() and admit() wait for L3 reads before recomputing instead
+
+
+def stream_window_blocks(l1_blocks: int) -> int:
+    """L1 blocks a streamed sequence may hold at once: half of L1."""
+    return max(1, l1_blocks // 2)
+
+
+def max_sequence_tokens(l1_blocks: int, l2_blocks: int, block_size: int) -> int:
+    """The longest sequence tiers of these sizes can ever hold: all of L1, or, streamed (with an
+    L2), its window in L1 and the rest in L2. Servers size their context by it."""
+    in_l1 = l1_blocks * block_size
+    if not l2_blocks:
+        return in_l1
+    return max(in_l1, (stream_window_blocks(l1_blocks) + l2_blocks) * block_size)
+
+
+class Admission:
+    """Lookups and admission. Mixed into TieredKVCache (through PagedCache), which builds these:"""
+
+    layout: KVLayout
+    block_size: int
+    device: torch.device
+    model: str
+    tp_rank: int
+    tiers: Tiering
+    l1: DevicePool
+    l2: HostPool | None
+    index: BlockIndex
+    counters: CacheCounters
+    streamer: LayerStreamer | None
+    _guard: Guard
+
+    def namespace(self, salt: str | None = None) -> bytes:
+        # the format L3 stores: an fp8 cache and a bf16 one name their objects apart, and a
+        # tensor-parallel engine (which stores every head) names them as a single-GPU one does
+        return namespace(self.model, self.tiers.l3_layout.fingerprint, self.tp_rank, salt)
+
+    # ------------------------------------------------------------------ lookups
+
+    @guarded
+    def match(
+        self, tokens, salt: str | None = None, *, limit: int | None = None,
+        recompute_seconds_per_token: float | None = None,
+    ) -> Match:
+        """The longest prefix of `tokens` whose full blocks some tier holds.
+
+        At most `limit` tokens count; by default len(tokens) - 1, because the last token of a
+        prompt must be computed to get its logits. Pass limit=len(tokens) to match everything.
+        With `recompute_seconds_per_token`, the match stops where loading the rest of the hit
+        from its tiers is expected to take longer than recomputing it (load-or-recompute); if it
+        stops before an L3 part, `tail` says which end of that part is worth reading while the
+        start is recomputed (the two overlap: the end's KV does not depend on the start).
+        `match.tokens` counts what the tiers hold, L3 included: what a sequence allocated from it
+        starts with is `seq.num_cached_tokens` (`admit` brings the L3 part in first).
+        """
+        self.tiers.reap()
+        tb = token_bytes(tokens)
+        n = len(tb) // 4
+        limit = max(n - 1, 0) if limit is None else max(0, min(limit, n))
+        ns = self.namespace(salt)
+        # limit=0 is how an engine with prefix caching off allocates: nothing to hash or look up
+        hashes = hash_blocks(tb, self.block_size, ns) if limit else []
+        usable = hashes[: limit // self.block_size]
+        blocks = self.index.walk(usable, ns, tb, self.block_size)
+        l3_blocks = (self.tiers.l3_present(hashes[len(blocks) :], len(blocks), len(usable) - len(blocks))
+                     if len(blocks) < len(usable) else 0)
+        tail = None
+        if recompute_seconds_per_token is not None:
+            per_block = recompute_seconds_per_token * self.block_size
+            found, found_l3 = len(blocks), l3_blocks
+            blocks, l3_blocks = worth_loading(self.tiers, blocks, l3_blocks, len(usable), per_block)
+            if found_l3 and not l3_blocks and len(blocks) == found:
+                tail = tail_to_read(self.tiers, found, found + found_l3, per_block)
+        by_tier = {"l1": 0, "l2": 0, "l3": l3_blocks * self.block_size}
+        for e in blocks:
+            by_tier[e.tier()] += self.block_size
+        matched = (len(blocks) + l3_blocks) * self.block_size
+        c = self.counters
+        c.queries += 1
+        c.query_tokens += limit
+        c.hit_tokens += matched
+        for tier, hit in by_tier.items():
+            c.tiers[tier].hit_tokens += hit
+        return Match(matched, by_tier, ns, tb, hashes, blocks, self.index.removals, tail, owner=self)
+
+    @guarded
+    def prefetch(
+        self, match: Match, deadline_s: float | None = None, *, priority: int = 0,
+        blocks: tuple[int, int] | None = None,
+    ) -> Prefetch:
+        """Start bringing the match's L3 blocks into L2, in the background.
+
+        Returns at once; once `done()`, `match`/`allocate` find the blocks that arrived in L2.
+        What has not arrived `deadline_s` seconds from now is not read: the engine recomputes it.
+        `blocks=(j, m)` reads blocks j..m-1 of the prompt instead (`match.tail`), which a running
+        sequence takes with `adopt` once it has computed the blocks before them.
+        """
+        self._check_match(match)
+        deadline = None if deadline_s is None else time.monotonic() + deadline_s
+        return self.tiers.prefetch(self._l3_ids(match, *(blocks or self._l3_part(match))), deadline, priority)
+
+    def _l3_part(self, match: Match) -> tuple[int, int]:
+        """Blocks [first, end) of the match's prompt that it found in L3 (after its L1/L2 blocks)."""
+        return len(match.blocks), match.tokens // self.block_size
+
+    def _l3_ids(self, match: Match, first: int, end: int) -> list[BlockId]:
+        """BlockIds of blocks first..end-1 of the match's prompt, in chain order."""
+        stride = 4 * self.block_size
+        return [
+            BlockId(match.hashes[i], match.hashes[i - 1] if i else 0, match.ns,
+                    match.token_bytes[i * stride : (i + 1) * stride], i)
+            for i in range(first, end)
+        ]
+
+    def _check_match(self, match: Match, tokens=None, salt: str | None = None, *, salted: bool = False) -> None:
+        """A match handed back to the cache must be one of its own, for `tokens` and `salt` when given."""
+        if not isinstance(match, Match) or match.owner is not self:
+            raise UsageError("the match was not made by this cache's match() or plan(); look the tokens up here")
+        if salted and match.ns != self.namespace(salt):
+            raise UsageError("the match was made for another salt (cache_salt) than the one given; "
+                             "pass the salt it was made with, or match the tokens under this salt")
+        if tokens is not None and token_bytes(tokens) != match.token_bytes:
+            raise UsageError("the match was made for other tokens than the ones given; pass the tokens it "
+                             "was made for (or tokens=None), or match these tokens")
+
+    # ------------------------------------------------------------------ admission
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    @property
+    def stream_window(self) -> int:
+        """Most tokens a streamed sequence computes or keeps in L1 at once: half of L1, so that
+        other requests still run beside it."""
+        return stream_window_blocks(self.l1.num_blocks) * self.block_size
+
+    def must_stream(self, num_tokens: int) -> bool:
+        """Whether a sequence of `num_tokens` (and its next token) is larger than all of L1, so
+        that it streams its older blocks from L2 (when there is an L2, and L1 is in tierkv's
+        layout, which streamed attention reads)."""
+        return (self.l2 is not None and self.l1.kv is not None
+                and self.blocks_needed(num_tokens + 1) > self.l1.num_blocks)
+
+    def max_tokens(self) -> int:
+        """The longest sequence the tiers can ever hold (see `max_sequence_tokens`)."""
+        return max_sequence_tokens(self.l1.num_blocks, self.l2.num_blocks if self.l2 else 0, self.block_size)
+
+    @guarded
+    def plan(
+        self, tokens, salt: str | None = None, *, budget: int, prefix_caching: bool = True,
+        recompute_seconds_per_token: float | None = None, deadline_s: float = 1.0,
+    ) -> AdmissionPlan:
+        """How to admit `tokens` now, decided in one place (see AdmissionPlan).
+
+        `budget`: tokens the step can still compute (a streamed sequence reserves L1 for its
+        cached prefix and one chunk of at most that). `recompute_seconds_per_token`: the
+        engine's measured prefill cost, for load-or-recompute (None: load whatever is cached).
+        `deadline_s`: how long L3 reads may take before what has not arrived is recomputed.
+        Changes nothing but the lookup counters; apply it with `prefetch` and `allocate`, or let
+        `admit` do both.
+        """
+        bs = self.block_size
+        m = self.match(tokens, salt, limit=None if prefix_caching else 0,
+                       recompute_seconds_per_token=recompute_seconds_per_token)
+        num_tokens = len(m.token_bytes) // 4
+        stream = self.must_stream(num_tokens)
+        fetch = self._l3_part(m) if m.by_tier["l3"] else None
+        tail, tail_deadline_s = None, 0.0
+        if fetch is None and m.tail is not None and not stream:
+            # the start of the L3 part is recomputed while its end is read: allow the read twice
+            # the recompute's expected time before giving up on it
+            head_s = (m.tail[0] * bs - m.tokens) * (recompute_seconds_per_token or 0.0)
+            tail, tail_deadline_s = m.tail, 2 * head_s + deadline_s
+        reserve = min(num_tokens, m.tokens + min(budget, self.stream_window)) if stream else None
+        return AdmissionPlan(
+            match=m, stream=stream, reserve=reserve,
+            fits=self.can_allocate(num_tokens, m, stream=stream, reserve=reserve),
+            fetch=fetch, fetch_deadline_s=deadline_s,
+            tail=tail, tail_deadline_s=tail_deadline_s, adopt_at=None if tail is None else tail[0] * bs,
+        )
+
+    def admit(
+        self, tokens, salt: str | None = None, *, priority: int = 0, deadline_s: float = DEFAULT_L3_DEADLINE_S,
+        recompute_seconds_per_token: float | None = None,
+    ) -> SequenceBlocks:
+        """One call from a prompt to a sequence ready to compute, for engines of their own.
+
+        Looks `tokens` up in every tier, reads the L3 part into L2 (waiting up to `deadline_s`
+        seconds, outside the cache's lock; what has not arrived is recomputed), then allocates:
+        L1 hits shared, L2 hits loaded, fresh blocks for the rest. `seq.num_cached_tokens` is
+        where the engine starts computing; call `seq.wait()` (or `wait_for_layer`) before
+        attention reads the blocks. `recompute_seconds_per_token`: the engine's prefill cost, so
+        that a slow tier's hit is recomputed where that is faster (None: load whatever is cached).
+        This is the AdmissionPlan the scheduler of tierkv's engine applies, end to end. Raises
+        CacheFullError (holding nothing) when L1 cannot make room, or when the prompt is larger
+        than all of L1 (tierkv's engine streams those; see `plan`).
+        """
+        def make_plan() -> AdmissionPlan:
+            return self.plan(tokens, salt, budget=len(tokens), deadline_s=deadline_s,
+                             recompute_seconds_per_token=recompute_seconds_per_token)
+
+        end = time.monotonic() + deadline_s
+        plan = make_plan()
+        while plan.fetch is not None and (left := end - time.monotonic()) > 0:
+            fetch = self.prefetch(plan.match, left, priority=priority, blocks=plan.fetch)
+            if fetch.num_blocks:
+                fetch.wait(left)
+            elif not self._wait_for_l3_write(end):
+                break  # no L2 room, and no L3 write in flight that would make some
+            had, plan = len(plan.match.blocks), make_plan()  # what landed is found in L2 now
+            if len(plan.match.blocks) <= had and fetch.num_blocks:
+                break  # nothing arrived (misses): the rest is recomputed
+        if plan.stream:
+            raise CacheFullError(f"a prompt of {len(plan.match.token_bytes) // 4} tokens needs more than all "
+                                 f"{self.l1.num_blocks} L1 blocks; give L1 more blocks, or use tierkv's engine, "
+                                 "which streams such prompts from L2")
+        return self.allocate(None, salt, priority=priority, match=plan.match)
+
+    def _wait_for_l3_write(self, end: float) -> bool:
+        """Wait, outside the lock, until an L3 job ends (an L2 slot held for a write may then be
+        free), and take it in; False when none is in flight."""
+        l3 = self.tiers.l3
+        if l3 is None or l3.in_flight == 0:
+            return False
+        l3.wait_any(max(0.0, end - time.monotonic()))
+        with self._guard.lock:
+            self._guard.check("admit")
+            self.tiers.reap()
+        return True
+
+    @guarded
+    def can_allocate(self, num_tokens: int, match: Match, *, stream: bool = False, reserve: int | None = None) -> bool:
+        """Whether `allocate` with these arguments would succeed now."""
+        self._check_match(match)
+        blocks = match.blocks
+        k = self._streamable(blocks) if stream else 0
+        return self._shortfall(self._reserve(num_tokens, reserve, len(blocks)), blocks[k:], k) <= 0
+
+    def _shortfall(self, num_tokens: int, blocks: list[BlockEntry], offloaded: int = 0) -> int:
+        """L1 blocks missing to hold `num_tokens` tokens whose first `offloaded` blocks stay in L2
+        and whose next cached blocks are `blocks`."""
+        l1_hits = [e for e in blocks if e.l1 >= 0]
+        need = self.blocks_needed(num_tokens) - offloaded - len(l1_hits)
+        available = self.tiers.l1_room() - sum(1 for e in l1_hits if e.ref == 0)
+        return need - available
+
+    def _streamable(self, blocks: list[BlockEntry]) -> int:
+        """How many leading cached blocks L2 holds: a streamed sequence reads them from there."""
+        if self.l2 is None:
+            return 0
+        return next((i for i, e in enumerate(blocks) if e.l2 < 0), len(blocks))
+
+    def _reserve(self, num_tokens: int, reserve: int | None, cached_blocks: int) -> int:
+        """Tokens to reserve room for: all by default, never fewer than the cached prefix."""
+        if reserve is None:
+            return num_tokens
+        return min(num_tokens, max(reserve, cached_blocks * self.block_size))
+
+    @guarded
+    def allocate(
+        self, tokens=None, salt: str | None = None, *, priority: int = 0, match: Match | None = None,
+        stream: bool = False, reserve: int | None = None,
+    ) -> SequenceBlocks:
+        """Reserve L1 blocks for `tokens`: cached prefix blocks are shared (L1) or loaded (L2), the rest is fresh.
+
+        Uses what L1 and L2 hold now: L3 hits are brought up by `prefetch` first (or recomputed;
+        `admit` does both). `match`: a lookup of these tokens and salt made before (`match`,
+        `plan`), checked to be one; with it, `tokens` may be None. Raises CacheFullError,
+        changing nothing, when L1 cannot make room. Call `seq.wait()` before attention reads the
+        sequence's blocks (L2 loads run asynchronously on CUDA); `seq.num_cached_tokens` is how
+        much of the prompt need not be computed.
+
+        For sequences larger than L1: `reserve` limits the room taken now to the first `reserve`
+        tokens (`append` adds more later), and `stream=True` leaves the leading cached blocks that
+        L2 holds in L2, offloaded, instead of loading them (attention streams them).
+        """
+        if match is None:
+            if tokens is None:
+                raise UsageError("allocate() needs the prompt's tokens, or a match of them")
+            m = self.match(tokens, salt)
+        else:
+            self._check_match(match, tokens, salt, salted=True)
+            m = match
+        self.tiers.reap()
+        num_tokens = len(m.token_bytes) // 4
+        if num_tokens == 0:
+            raise UsageError("allocate() needs at least one token")
+        # The match's blocks, as far as the match chose to take them (load-or-recompute may stop
+        # short of what the index holds), including its L3 part where a prefetch has brought it
+        # into L2 since; walked again only then, or if an entry left the index since the match.
+        blocks = m.blocks
+        taken = self._l3_part(m)[1]
+        if taken > len(m.blocks) or m.removals != self.index.removals:
+            blocks = self.index.walk(m.hashes[:taken], m.ns, m.token_bytes, self.block_size)
+        k = self._streamable(blocks) if stream else 0
+        offloaded, cached = blocks[:k], blocks[k:]
+        reserved = self._reserve(num_tokens, reserve, len(blocks))
+        short = self._shortfall(reserved, cached, k)
+        if short > 0:
+            raise CacheFullError(f"a sequence of {reserved} tokens needs {short} more L1 blocks than can be freed")
+        self.index.hold_l2(offloaded)  # they stay in L2 for as long as the sequence runs
+        l1_hits = [e for e in cached if e.l1 >= 0]
+        l2_hits = [e for e in cached if e.l1 < 0]
+        for e in l1_hits:
+            self.index.pin(e)
+        self.index.hold_l2(l2_hits)  # the evictions below must not drop what we are about to load
+        fresh = self.tiers.take_l1(self.blocks_needed(reserved) - k - len(l1_hits))
+        self.tiers.load_pinned(l2_hits, fresh[: len(l2_hits)])
+        self.index.release_l2(l2_hits)
+        pending = [e.loading for e in cached if e.loading is not None and not e.loading.done()]
+        self.tiers.used(blocks, priority)
+        rest = fresh[len(l2_hits) :]
+        return SequenceBlocks(
+            ns=m.ns,
+            priority=priority,
+            slots=[-1] * k + [e.l1 for e in cached] + rest,
+            entries=[*blocks, *([None] * len(rest))],
+            hashes=list(m.hashes),
+            committed=len(blocks),
+            num_tokens=reserved,
+            num_cached_tokens=len(blocks) * self.block_size,
+            pending=pending,
+            token_bytes=bytearray(m.token_bytes),
+            l2_slots=[e.l2 for e in offloaded],
+            owner=self,
+        )
