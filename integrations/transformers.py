@@ -104,6 +104,10 @@ class TieredCache(Cache):
     def __init__(self, kv_cache: TieredKVCache, config=None, *, salt: str | None = None) -> None:
         if not isinstance(kv_cache, TieredKVCache):
             raise ConfigError(f"TieredCache needs a tierkv.TieredKVCache, got {type(kv_cache).__name__}")
+        if kv_cache.l1.kv is None:
+            raise ConfigError(f"TieredCache reads and writes the L1 pool in tierkv's layout; this cache's L1 is "
+                              f"an engine's buffers in the {kv_cache.l1.kv_layout!r} layout: use a cache with its "
+                              "own pool (no kv_caches=), or buffers registered with kv_layout='tierkv'")
         layout = kv_cache.layout
         if config is not None:
             _check_layout(layout, config)

@@ -163,6 +163,10 @@ def test_misuse_gets_tierkv_errors(tiny):
     wrong = tierkv.KVLayout(num_layers=3, num_kv_heads=2, head_dim=16, dtype=torch.float32, block_size=4)
     with pytest.raises(ConfigError, match="num_layers=3 \\(model: 2\\)"):
         integration.TieredCache(tierkv.TieredKVCache(wrong, tierkv.CacheConfig(l1=1 << 20), device="cpu"), hf.config)
+    vllm_buffers = [torch.zeros(2, 8, 4, 2, 16) for _ in range(2)]  # an engine's own, in vLLM's layout
+    registered = tierkv.TieredKVCache(layout, tierkv.CacheConfig(), kv_caches=vllm_buffers, kv_layout="vllm")
+    with pytest.raises(ConfigError, match="'vllm' layout"):
+        integration.TieredCache(registered, hf.config)
     half = tierkv.KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float16, block_size=4)
     with pytest.raises(ShapeError, match="float16"):
         half_kv = tierkv.TieredKVCache(half, tierkv.CacheConfig(l1=1 << 20), device="cpu")
