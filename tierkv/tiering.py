@@ -550,7 +550,7 @@ class Tiering:
             log.exception("flushing L3 at close failed")
         self.l3.close()
         self.reap()
-        lost = [e for e in self._unwritten(owed_only=True) if e.l3 != "written"]
+        lost = self._unwritten(owed_only=True)
         if lost:
             log.warning("close(): %d blocks (%d tokens) that L3 lacks could not be written within %s s; other "
                         "processes will recompute them", len(lost), len(lost) * self.layout.block_size, timeout)

@@ -24,13 +24,23 @@ from ..kernels.planes import PlaneTable
 from ..layout import KVLayout
 from .pool import FreeSlots, check_fits
 
-# Layouts an engine's KV buffers may have, with one layer's shape in them (N: blocks).
+# The layouts an engine's KV buffers may have: the axes of one buffer (L layers, N blocks, 2 for
+# K and V, B block_size, H kv heads, D head_dim; one buffer per layer where there is no L), and
+# plane(buffer, layer in it, c): K (c=0) or V (c=1) of that layer as a view [N, B, H, D].
 KV_LAYOUTS = {
-    "tierkv": "one tensor [layers, N, 2, block_size, kv_heads, head_dim]",
-    "vllm": "one tensor per layer [2, N, block_size, kv_heads, head_dim]",
-    "flashinfer_nhd": "one tensor per layer [N, 2, block_size, kv_heads, head_dim]",
-    "flashinfer_hnd": "one tensor per layer [N, 2, kv_heads, block_size, head_dim]",
+    "tierkv": ("LN2BHD", lambda t, layer, c: t[layer, :, c]),
+    "vllm": ("2NBHD", lambda t, layer, c: t[c]),
+    "flashinfer_nhd": ("N2BHD", lambda t, layer, c: t[:, c]),
+    "flashinfer_hnd": ("N2HBD", lambda t, layer, c: t[:, c].transpose(1, 2)),
 }
+_AXIS_NAMES = {"L": "layers", "N": "N", "2": "2", "B": "block_size", "H": "kv_heads", "D": "head_dim"}
+
+
+def describe_layout(kv_layout: str) -> str:
+    """How one buffer of `kv_layout` looks, for messages."""
+    axes = KV_LAYOUTS[kv_layout][0]
+    count = "one tensor" if "L" in axes else "one tensor per layer"
+    return f"{count} [{', '.join(_AXIS_NAMES[a] for a in axes)}]"
 
 
 class DevicePool:
@@ -50,7 +60,7 @@ class DevicePool:
         pool = cls.__new__(cls)
         if kv_layout not in KV_LAYOUTS:
             raise ConfigError(f"kv_layout {kv_layout!r} is unknown; accepted: "
-                              + "; ".join(f"{k!r} ({v})" for k, v in KV_LAYOUTS.items()))
+                              + "; ".join(f"{k!r} ({describe_layout(k)})" for k in KV_LAYOUTS))
         if kv_layout == "tierkv":
             kv = _checked([buffers] if isinstance(buffers, torch.Tensor) else buffers, layout, kv_layout)[0]
             pool._adopt(layout, kv, None, kv_layout)
@@ -105,23 +115,21 @@ def block_planes(blocks: torch.Tensor, device: torch.device | str | None = None)
 
 def _planes(buffers, kv_layout: str, num_layers: int) -> list[torch.Tensor]:
     """K and V of every layer as views [N, bs, H, D], layer by layer: plane 2 * l + c."""
-    if kv_layout == "tierkv":
-        return [buffers[l, :, c] for l in range(num_layers) for c in (0, 1)]
-    if kv_layout == "vllm":
-        return [t[c] for t in buffers for c in (0, 1)]
-    if kv_layout == "flashinfer_nhd":
-        return [t[:, c] for t in buffers for c in (0, 1)]
-    return [t[:, c].transpose(1, 2) for t in buffers for c in (0, 1)]  # flashinfer_hnd
+    axes, plane = KV_LAYOUTS[kv_layout]
+    if "L" in axes:  # one tensor holds every layer
+        return [plane(buffers, layer, c) for layer in range(num_layers) for c in (0, 1)]
+    return [plane(t, 0, c) for t in buffers for c in (0, 1)]
 
 
 def _checked(buffers, layout: KVLayout, kv_layout: str) -> list[torch.Tensor]:
     """`buffers` as a list of tensors whose shapes, dtype and device fit `layout` in `kv_layout`."""
     L, _, bs, H, D = layout.block_shape
-    expected = {"tierkv": (L, None, 2, bs, H, D), "vllm": (2, None, bs, H, D),
-                "flashinfer_nhd": (None, 2, bs, H, D), "flashinfer_hnd": (None, 2, H, bs, D)}[kv_layout]
-    want = 1 if kv_layout == "tierkv" else L
+    axes = KV_LAYOUTS[kv_layout][0]
+    sizes = {"L": L, "N": None, "2": 2, "B": bs, "H": H, "D": D}
+    expected = tuple(sizes[a] for a in axes)  # None: the block count, the buffers' own
+    want = 1 if "L" in axes else L
     if not isinstance(buffers, Sequence) or len(buffers) != want or not all(isinstance(t, torch.Tensor) for t in buffers):
-        raise ConfigError(f"kv_layout {kv_layout!r} takes {KV_LAYOUTS[kv_layout]}: {want} tensor(s) for "
+        raise ConfigError(f"kv_layout {kv_layout!r} takes {describe_layout(kv_layout)}: {want} tensor(s) for "
                           f"{L} layers, got {_describe(buffers)}")
     blocks = None
     for i, t in enumerate(buffers):
