@@ -2,16 +2,18 @@
 
 L1<->L2: on CUDA every move runs on one dedicated copy stream, so moves never block the compute
 stream and are ordered among themselves (a slot written by one move and read by a later one
-needs no extra sync). Where L2 holds L1's format, one kernel (kernels.copy_planes) copies the
-blocks straight between the pools, the GPU reading and writing pinned host memory through
-unified addressing, whatever L1's layout (tierkv's own or an engine's registered buffers) and
-however scattered the slots; a load goes in groups of layers, each with its own event, so that
-attention can wait for its layer alone. When L2 holds another format (an OffloadLayout: fp8 and
-scales), or could not be pinned, blocks go through a device staging buffer and one DMA per run
-of neighbouring L2 slots: one kernel gathers and quantises them into packed rows before the DMA,
-and one dequantises and scatters them after it, so PCIe carries the small format. On CPU a move
-is a plain copy that is done on return. `to_host` / `from_host` convert blocks that bypass L2
-(spills, direct L3 reads).
+needs no extra sync). A move goes one of two ways, whatever L1's layout (tierkv's own or an
+engine's registered buffers):
+  staged DMA: one kernel gathers the blocks into a device staging buffer (or scatters them out of
+    it), and the copy engines move each run of neighbouring L2 slots in one DMA (dma.py), at the
+    speed of a pinned memcpy. Where L2 holds another format (an OffloadLayout: fp8 and scales)
+    the kernels also quantise and dequantise, so PCIe carries the small format.
+  the GPU's own copy: where L2 is pinned in L1's format and the runs are short (scattered slots,
+    one layer at a time: below MIN_DMA_BYTES a DMA), one kernel (kernels.copy_planes) copies the
+    blocks straight between the pools, reading and writing host memory through unified addressing.
+A load goes in groups of layers, each with its own event, so that attention can wait for its
+layer alone. On CPU a move is a plain copy that is done on return. `to_host` / `from_host`
+convert blocks that bypass L2 (spills, direct L3 reads).
 
 L2<->L3: one writer and one reader thread call the stores' batched, internally parallel APIs on
 L2 slots that the caller holds for them, and post each finished job to a queue the caller
@@ -37,7 +39,7 @@ from typing import Any
 
 import torch
 
-from . import kernels
+from . import dma, kernels
 from .layout import OffloadLayout
 from .tiers import DevicePool, HostPool
 from .tiers.gpu import block_planes
@@ -52,6 +54,12 @@ STAGING_BYTES = 256 * 2**20  # device staging buffer: big enough for full-speed 
 # start once its group has landed (Transfer.wait_layer). More groups overlap more finely, at ~46 us
 # of host time per launch (H200, bench_planes).
 LOAD_LAYER_GROUPS = 4
+# Where L2 is pinned in L1's format, the GPU can copy the blocks itself through unified addressing
+# (one kernel however scattered the slots: ~89% of a pinned memcpy on the H200) or stage them for
+# the copy engines (one DMA per run of neighbouring L2 slots: ~memcpy speed when the runs are long).
+# Staged DMA is chosen when a DMA averages at least this many bytes; below it, launching the DMAs
+# costs more host time than they save.
+MIN_DMA_BYTES = 256 * 2**10
 
 
 class Transfer:
@@ -139,12 +147,14 @@ class BlockMover:
         this point: copying between them is harmless."""
         zero = self._index([0])
         with torch.cuda.stream(self.stream):
-            if self.l2_planes is not None:
+            if self.l2_planes is not None:  # the GPU's own copies
                 kernels.copy_planes(self.l1.planes, zero, self.l2_planes, zero)
                 kernels.copy_planes(self.l2_planes, zero, self.l1.planes, zero, (0, 2))
-                return
-            self._d2h([0], [0])
-            self._h2d([0], [0])
+            if self.l2_planes is None or dma.available():  # staged DMA, whole blocks and by layer
+                self._d2h([0], [0])
+                self._h2d([0], [0], zero, None)
+                if self.fmt is None:
+                    self._h2d([0], [0], zero, range(0, 1))
             if self.fmt is not None:
                 out = self.staging[:1]
                 kernels.quantize_fp8(self._blocks(1), self.fmt.payload(out), self.fmt.scales(out))  # to_host
@@ -153,9 +163,8 @@ class BlockMover:
 
     @functools.cached_property
     def staging(self) -> torch.Tensor:
-        """The device side of every DMA where the GPU cannot copy straight into L2: packed rows
-        [n, bytes_per_block] uint8 when L2 holds fp8, blocks [n, layers, 2, bs, h, d] when it is
-        pageable (its pinning failed)."""
+        """The device side of every DMA between the pools: packed rows [n, bytes_per_block] uint8
+        when L2 holds fp8, else blocks [n, layers, 2, bs, h, d]."""
         shape, dtype = self.l2.layout.block_storage
         n = max(1, min(self.l1.num_blocks, STAGING_BYTES // self.l2.layout.bytes_per_block))
         return torch.empty((n, *shape), dtype=dtype, device=self.device)
@@ -201,11 +210,14 @@ class BlockMover:
                 self.l2.kv[torch.tensor(l2_slots)] = self._encode(self.l1.read(l1_slots))
             self._sample(len(l1_slots) * self.l1.layout.bytes_per_block, time.perf_counter() - t)
             return DONE
-        if self.l2_planes is not None:
+        if self.l2_planes is not None and not self._dma_pays(l2_slots, layers):
             return self._on_stream(len(l1_slots), [lambda: kernels.copy_planes(
                 self.l1.planes, self._index(l1_slots), self.l2_planes, self._index(l2_slots), _planes(layers))])
-        assert layers is None, "L2 in another format than L1 is written whole blocks at a time"
-        return self._on_stream(len(l1_slots), self._chunks(self._d2h, l1_slots, l2_slots))
+        assert layers is None or self.fmt is None, "L2 in another format than L1 is written whole blocks at a time"
+        cap = self.staging.shape[0]
+        return self._on_stream(len(l1_slots), [
+            lambda i=i: self._d2h(l1_slots[i : i + cap], l2_slots[i : i + cap], layers)
+            for i in range(0, len(l1_slots), cap)])
 
     def l2_to_l1(self, l2_slots: list[int], l1_slots: list[int]) -> Transfer:
         """Copy L2 blocks `l2_slots` into L1 slots `l1_slots` (same length). Where L2 holds L1's
@@ -221,14 +233,22 @@ class BlockMover:
                 self.l1.write(l1_slots, self._decode(self.l2.kv[torch.tensor(l2_slots)]))
             self._sample(len(l1_slots) * self.l1.layout.bytes_per_block, time.perf_counter() - t)
             return DONE
-        if self.l2_planes is None:
-            return self._on_stream(len(l1_slots), self._chunks(self._h2d, l2_slots, l1_slots))
-        src, dst = self._index(l2_slots), self._index(l1_slots)
         bounds = [*load_groups(self.layers), self.layers]
-        return self._on_stream(len(l1_slots), [
-            lambda a=a, b=b: kernels.copy_planes(self.l2_planes, src, self.l1.planes, dst, (2 * a, 2 * b))
-            for a, b in zip(bounds, bounds[1:])
-        ], starts=bounds[:-1])
+        groups = [range(a, b) for a, b in zip(bounds, bounds[1:])]
+        if self.l2_planes is not None and not self._dma_pays(l2_slots, groups[0]):
+            src, dst = self._index(l2_slots), self._index(l1_slots)
+            return self._on_stream(len(l1_slots), [
+                lambda g=g: kernels.copy_planes(self.l2_planes, src, self.l1.planes, dst, _planes(g))
+                for g in groups], starts=bounds[:-1])
+        if self.fmt is not None or not dma.available():
+            groups = [None]  # whole blocks: packed rows (fp8), or torch's copies of a pageable L2
+        cap = self.staging.shape[0]
+        chunks = [(l2_slots[i : i + cap], l1_slots[i : i + cap], self._index(l1_slots[i : i + cap]))
+                  for i in range(0, len(l1_slots), cap)]
+        # Group by group, so that layer l's attention waits only for its group's DMAs and scatters
+        launches = [lambda c=c, g=g: self._h2d(*c, g) for g in groups for c in chunks]
+        starts = [0 if g is None else g.start for g in groups for _ in chunks]
+        return self._on_stream(len(l1_slots), launches, starts=starts if groups[0] is not None else None)
 
     def read_l2(self, l2_slots: list[int]) -> torch.Tensor:
         """L2 blocks copied to the L1 device: [n, layers, 2, bs, h, d]. Ordered after earlier moves."""
@@ -289,11 +309,6 @@ class BlockMover:
         """Make the current stream wait for every move issued so far (before reusing an evicted L1 slot)."""
         self.last.wait()
 
-    def _chunks(self, chunk_fn, src: list[int], dst: list[int]) -> list:
-        """The staged copy of src -> dst as launches of at most a staging buffer each."""
-        cap = self.staging.shape[0]
-        return [lambda i=i: chunk_fn(src[i : i + cap], dst[i : i + cap]) for i in range(0, len(src), cap)]
-
     def _on_stream(self, num_blocks: int, launches: list, starts: list[int] | None = None) -> Transfer:
         """Run `launches` in order on the copy stream, each followed by an event; `starts`: they
         copy consecutive groups of layers beginning there (a load), which Transfer.wait_layer tells apart."""
@@ -312,31 +327,68 @@ class BlockMover:
         self.last = Transfer(events[-1], events, starts) if starts is not None else Transfer(events[-1])
         return self.last
 
-    def _d2h(self, l1_slots: list[int], l2_slots: list[int]) -> None:
+    @functools.cached_property
+    def _rows(self) -> torch.Tensor:
+        """[cap] int64 on the device: the staging rows 0..cap-1, for the scatter and gather kernels."""
+        return self._index(range(self.staging.shape[0]))
+
+    def _dma_pays(self, l2_slots: list[int], layers: range | None) -> bool:
+        """Whether staged DMA beats the GPU's own copy for these slots (see MIN_DMA_BYTES)."""
+        if not dma.available():
+            return False
+        num_runs = 1 + sum(b != a + 1 for a, b in zip(l2_slots, l2_slots[1:]))
+        return len(l2_slots) * self._span(layers)[1] >= MIN_DMA_BYTES * num_runs
+
+    def _span(self, layers: range | None) -> tuple[int, int]:
+        """(offset, length) in bytes, within one L2 block, of `layers` (None: the whole block)."""
+        row = self.l2.layout.bytes_per_block
+        if layers is None:
+            return 0, row
+        per_layer = row // self.layers  # L2 in L1's format: [layers, 2, bs, h, d] per block
+        return layers.start * per_layer, len(layers) * per_layer
+
+    def _dma(self, l2_slots: list[int], layers: range | None, to_l2: bool) -> None:
+        """Between staging rows 0..n-1 and L2 slots `l2_slots`: one DMA per run of neighbouring
+        slots, of `layers` of each block (a strided copy when that is not the whole block)."""
+        offset, width = self._span(layers)
+        row = self.l2.layout.bytes_per_block
+        if not dma.available():  # torch's copies: whole blocks only (callers keep to them then)
+            assert width == row
+            for pos, first, n in runs(l2_slots):
+                host, staged = self.l2.kv[first : first + n], self.staging[pos : pos + n]
+                (host if to_l2 else staged).copy_(staged if to_l2 else host, non_blocking=True)
+            return
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        host, staged = self.l2.kv.data_ptr() + offset, self.staging.data_ptr() + offset
+        for pos, first, n in runs(l2_slots):
+            src, dst = staged + pos * row, host + first * row
+            if not to_l2:
+                src, dst = dst, src
+            dma.copy(dst, src, width, n, dst_pitch=row, src_pitch=row, stream=stream)
+
+    def _d2h(self, l1_slots: list[int], l2_slots: list[int], layers: range | None = None) -> None:
         """One staged chunk L1 -> L2 in L2's format (fp8: quantised on the device, so the DMA
         carries packed rows)."""
         staged = self.staging[: len(l1_slots)]
-        if self.fmt is None:  # a pageable L2: gathered into staging blocks, then DMA
+        if self.fmt is None:  # gathered into staging blocks, then DMA
             kernels.copy_planes(self.l1.planes, self._index(l1_slots), self._staging_planes,
-                                self._index(range(len(l1_slots))))
+                                self._rows[: len(l1_slots)], _planes(layers))
         elif self.l1.kv is not None:
             kernels.gather_quantize_fp8(self.l1.kv, self._index(l1_slots), self.fmt.payload(staged),
                                         self.fmt.scales(staged))
         else:  # an engine's own layout: gathered into tierkv's block layout first
             self._encode(self.l1.read(l1_slots), staged)
-        for pos, first, n in runs(l2_slots):
-            self.l2.kv[first : first + n].copy_(staged[pos : pos + n], non_blocking=True)
+        self._dma(l2_slots, layers, to_l2=True)
 
-    def _h2d(self, l2_slots: list[int], l1_slots: list[int]) -> None:
+    def _h2d(self, l2_slots: list[int], l1_slots: list[int], l1_index: torch.Tensor, layers: range | None) -> None:
+        """One staged chunk L2 -> L1 (`layers` of each block, where L2 holds L1's format)."""
+        self._dma(l2_slots, layers, to_l2=False)
         staged = self.staging[: len(l1_slots)]
-        for pos, first, n in runs(l2_slots):
-            staged[pos : pos + n].copy_(self.l2.kv[first : first + n], non_blocking=True)
         if self.fmt is None:
-            kernels.copy_planes(self._staging_planes, self._index(range(len(l1_slots))), self.l1.planes,
-                                self._index(l1_slots))
+            kernels.copy_planes(self._staging_planes, self._rows[: len(l1_slots)], self.l1.planes, l1_index,
+                                _planes(layers))
         elif self.l1.kv is not None:  # dequantised on the device, straight into the L1 slots
-            kernels.dequantize_scatter_fp8(self.fmt.payload(staged), self.fmt.scales(staged), self.l1.kv,
-                                           self._index(l1_slots))
+            kernels.dequantize_scatter_fp8(self.fmt.payload(staged), self.fmt.scales(staged), self.l1.kv, l1_index)
         else:
             self.l1.write(l1_slots, self._decode(staged))
 
