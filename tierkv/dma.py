@@ -40,6 +40,7 @@ def _runtime() -> ctypes.CDLL | None:
     lib.cudaMemcpy2DAsync.restype = ctypes.c_int
     lib.cudaGetErrorString.argtypes = [ctypes.c_int]
     lib.cudaGetErrorString.restype = ctypes.c_char_p
+    lib.cudaGetLastError.restype = ctypes.c_int
     return lib
 
 
@@ -51,9 +52,10 @@ def copy(dst: int, src: int, width: int, rows: int = 1, *, dst_pitch: int = 0, s
          stream: int = 0) -> None:
     """Copy `rows` rows of `width` bytes from address `src` to `dst`, row r starting r*pitch bytes
     after the first (pitch 0: rows follow each other), ordered on CUDA stream handle `stream`."""
-    if rows > 1 and (dst_pitch or width) == width and (src_pitch or width) == width:
-        width, rows = width * rows, 1  # contiguous both sides: one plain copy
-    rc = _runtime().cudaMemcpy2DAsync(dst, dst_pitch or width, src, src_pitch or width, width, rows, _DEFAULT,
-                                      stream)
+    dst_pitch, src_pitch = dst_pitch or width, src_pitch or width
+    if dst_pitch == src_pitch == width:
+        width, rows, dst_pitch, src_pitch = width * rows, 1, width * rows, width * rows  # one plain copy
+    rc = _runtime().cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, width, rows, _DEFAULT, stream)
     if rc != 0:
+        _runtime().cudaGetLastError()  # clear it, or torch's next launch check on this thread raises it
         raise RuntimeError(f"cudaMemcpy2DAsync failed: {_runtime().cudaGetErrorString(rc).decode()}")
