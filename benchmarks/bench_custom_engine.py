@@ -11,6 +11,9 @@ blocks: 2 MiB a block), for a prompt of `--blocks` blocks:
         and the share of that time after which layer 0 is usable (`wait_for_layer(0)`);
 each against one contiguous pinned cudaMemcpy of the same bytes measured in the same run, with
 L1 and L2 slots in order (a fresh cache) and scattered (both free lists shuffled, as after churn).
+A move goes by staged DMA or by the GPU's own copy through unified addressing, by the average DMA
+length (tierkv.transfer.MIN_DMA_BYTES); `--compare-paths` also times each way forced, in vLLM's
+layout, which is how that threshold was chosen.
 Target (BENCHMARKS.md): >= 90% of the memcpy both ways. Needs CUDA.
 Writes benchmarks/results/bench_custom_engine-<machine>.json.
 """
@@ -24,7 +27,7 @@ import time
 import torch
 
 from common import write_results
-from tierkv import CacheConfig, KVLayout, TieredKVCache
+from tierkv import CacheConfig, KVLayout, TieredKVCache, transfer
 
 LAYOUT = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, block_size=16)
 L, _, BS, H, D = LAYOUT.block_shape
@@ -185,6 +188,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--layouts", default="vllm,flashinfer_hnd,tierkv")
     ap.add_argument("--host-memory", action="store_true", help="also compare ways of making the pinned L2")
+    ap.add_argument("--compare-paths", action="store_true", help="also time staged DMA and the GPU's copy forced")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -195,7 +199,12 @@ def main() -> None:
     print(f"{args.blocks} blocks, {nbytes / 2**30:.2f} GiB; memcpy d2h {nbytes / memcpy['d2h'] / 1e9:.1f} GB/s, "
           f"h2d {nbytes / memcpy['h2d'] / 1e9:.1f} GB/s")
     print(f"{'layout':<16}{'slots':<11}{'move':<15}{'GB/s':>7}{'of memcpy':>11}")
-    for kind in args.layouts.split(","):
+    default = transfer.MIN_DMA_BYTES
+    paths = {"auto": default, "dma": 0, "gpu_copy": 2**62}
+    cases = [(kind, "auto") for kind in args.layouts.split(",")]
+    cases += [("vllm", "dma"), ("vllm", "gpu_copy")] if args.compare_paths else []
+    for kind, path_name in cases:
+        transfer.MIN_DMA_BYTES = paths[path_name]
         for scattered in (False, True):
             s = run(kind, args.blocks, scattered, args.repeats)
             row = {"seconds": s, "GBps": {}, "ratio_to_memcpy": {}, "layer0_share_of_load": s["load_layer0"]}
@@ -203,10 +212,12 @@ def main() -> None:
                 base = memcpy["d2h" if move.startswith("save") else "h2d"]
                 row["GBps"][move] = nbytes / s[move] / 1e9
                 row["ratio_to_memcpy"][move] = base / s[move]
-                print(f"{kind:<16}{'scattered' if scattered else 'in order':<11}{move:<15}"
+                print(f"{kind + ('' if path_name == 'auto' else '/' + path_name):<16}{'scattered' if scattered else 'in order':<11}{move:<15}"
                       f"{row['GBps'][move]:>7.1f}{row['ratio_to_memcpy'][move]:>11.1%}")
             print(f"{'':<27}layer 0 usable after {s['load_layer0']:.0%} of the load")
-            results[f"{kind}-{'scattered' if scattered else 'in_order'}"] = row
+            suffix = "" if path_name == "auto" else f"-{path_name}"
+            results[f"{kind}-{'scattered' if scattered else 'in_order'}{suffix}"] = row
+    transfer.MIN_DMA_BYTES = default
     checks = {kind: check_bytes(kind) for kind in args.layouts.split(",")}
     memory = host_memory(args.blocks, args.repeats) if args.host_memory else None
     print(f"bytes checked: {checks}")
@@ -214,7 +225,7 @@ def main() -> None:
         "target": ">= 90% of one contiguous pinned memcpy, both ways, into registered buffers",
         "blocks": args.blocks, "bytes": nbytes, "bytes_per_block": LAYOUT.bytes_per_block,
         "memcpy_seconds": memcpy, "memcpy_GBps": {k: nbytes / v / 1e9 for k, v in memcpy.items()},
-        "results": results, "bytes_checked": checks, "host_memory_GBps": memory,
+        "min_dma_bytes": default, "results": results, "bytes_checked": checks, "host_memory_GBps": memory,
         "timing": "save/save_by_layer/load: wall clock from the API call (commit, admit) until the copy is "
                   "complete (cache.synchronize / seq.wait plus a device sync), hashing and bookkeeping included; "
                   "save_copy/load_copy: the copy's own CUDA events; best of the repeats after a warm-up round; "

@@ -26,6 +26,8 @@ from .sequence import LayerSave, SequenceBlocks, fill_block_table
 from .streaming import LayerStream, StreamPlan
 from .transfer import DONE
 
+COPY_CHUNK = 128  # blocks a commit enters before it tells the tiers (see commit)
+
 
 class PagedCache(Admission):
     """The block-level API a paged engine speaks, on top of admission."""
@@ -131,7 +133,9 @@ class PagedCache(Admission):
             known_hashes = len(seq.hashes)
             tail = token_bytes(tokens[known_hashes * bs : full * bs])
             seq.hashes += hash_blocks(tail, bs, seq.ns, parent=seq.hashes[-1] if known_hashes else 0)
-        new = []
+        new, told = [], 0  # told: how many of `new` the tiers were told of (under write-through
+        # they copy them down then: telling them every COPY_CHUNK blocks starts the first copy
+        # while the rest are entered, so that a long prompt's bookkeeping hides behind its copy)
         for i in range(start, full):
             h, parent = seq.hashes[i], seq.hashes[i - 1] if i else 0
             blk = tb[(i - start) * 4 * bs : (i - start + 1) * 4 * bs]
@@ -144,10 +148,13 @@ class PagedCache(Admission):
             self.index.pin(entry)
             self.index.place(entry, "l1", seq.slots[i])
             seq.entries[i] = entry
+            if len(new) - told >= COPY_CHUNK and seq.saving is None:  # a layer-by-layer save: _saved first
+                self.tiers.stored(new[told:])
+                told = len(new)
         seq.committed = full
         if seq.saving is not None:
             self._saved(seq, new, full)
-        self.tiers.stored(new)  # under write-through, copies down what a layer-by-layer save did not
+        self.tiers.stored(new[told:])  # under write-through, copies down what a layer-by-layer save did not
         return full - start
 
     def _saved(self, seq: SequenceBlocks, new: list[BlockEntry], full: int) -> None:
