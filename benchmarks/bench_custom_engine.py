@@ -74,6 +74,7 @@ def run(kind: str, blocks: int, scattered: bool, repeats: int) -> dict:
             seq = cache.admit(tokens)
             # the forward wrote these blocks (contents do not matter for the copy)
             torch.cuda.synchronize()
+            moves = len(mover._timings)
             t = time.perf_counter()
             if by_layer:
                 for layer in range(L):
@@ -82,7 +83,7 @@ def run(kind: str, blocks: int, scattered: bool, repeats: int) -> dict:
             cache.synchronize()
             times["save_by_layer" if by_layer else "save"].append(time.perf_counter() - t)
             if not by_layer:
-                times["save_copy"].append(copy_seconds(mover))
+                times["save_copy"].append(copy_seconds(mover, len(mover._timings) - moves))
             cache.free(seq)
         cache.evict("l1")  # every block of both prompts is in L2 only now
         torch.cuda.synchronize()
@@ -107,9 +108,10 @@ def run(kind: str, blocks: int, scattered: bool, repeats: int) -> dict:
     return {k: min(v[1:]) for k, v in times.items()}  # the first round compiles and warms up
 
 
-def copy_seconds(mover) -> float:
-    """GPU time of the mover's latest move alone, from its own CUDA events (no host work in it)."""
-    start, end, _ = mover._timings[-1]
+def copy_seconds(mover, moves: int = 1) -> float:
+    """GPU time of the mover's latest `moves` moves (a commit copies in chunks), from the first one's
+    start to the last one's end, by their own CUDA events (no host work before the first in it)."""
+    start, end = mover._timings[-moves][0], mover._timings[-1][1]
     return start.elapsed_time(end) / 1e3
 
 

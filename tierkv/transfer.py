@@ -57,10 +57,12 @@ LOAD_LAYER_GROUPS = 4
 # Where L2 is pinned in L1's format, the GPU can copy the blocks itself through unified addressing
 # (one kernel however scattered the slots: ~89% of a pinned memcpy on the H200) or stage them for
 # the copy engines (one DMA per run of neighbouring L2 slots: ~memcpy speed when the runs are long).
-# Staged DMA is chosen when a DMA averages at least this many bytes; below it, launching the DMAs
-# costs more host time than they save.
+# Staged DMA is chosen when a DMA averages at least this many bytes (each DMA costs ~4 us beyond
+# its bytes on the H200: 512 KiB ones reach ~72% of a memcpy, the GPU's copy ~89%; bench_custom_engine
+# --compare-paths) ...
 MIN_DMA_BYTES = 2**20
-DMA_LANES = 2  # streams the DMAs of one move are spread over
+MIN_DMA_ROW = 256 * 2**10  # ... and each block's part is at least this long: narrower strided rows
+# crawl (one layer of 64 KiB a block, 2-D D2H: ~35% of a memcpy)
 
 
 class Transfer:
@@ -136,7 +138,7 @@ class BlockMover:
         self.fmt = l2.layout if isinstance(l2.layout, OffloadLayout) else None
         # L2 in L1's format: the GPU copies blocks straight between the pools' planes, reading and
         # writing pinned host memory through unified addressing (no staging, no DMA per run of
-        # slots; 92% / 94% of a pinned memcpy on the H200, scattered slots alike: bench_planes)
+        # slots; ~89% of a pinned memcpy on the H200, scattered slots alike: bench_custom_engine)
         self.l2_planes = block_planes(l2.kv, self.device) if self.fmt is None and (l2.pinned or not self.cuda) else None
         if self.cuda:
             self.stream = torch.cuda.Stream(self.device)
@@ -337,8 +339,9 @@ class BlockMover:
         """Whether staged DMA beats the GPU's own copy for these slots (see MIN_DMA_BYTES)."""
         if not dma.available():
             return False
+        width = self._span(layers)[1]
         num_runs = 1 + sum(b != a + 1 for a, b in zip(l2_slots, l2_slots[1:]))
-        return len(l2_slots) * self._span(layers)[1] >= MIN_DMA_BYTES * num_runs
+        return width >= MIN_DMA_ROW and len(l2_slots) * width >= MIN_DMA_BYTES * num_runs
 
     def _span(self, layers: range | None) -> tuple[int, int]:
         """(offset, length) in bytes, within one L2 block, of `layers` (None: the whole block)."""
@@ -359,27 +362,13 @@ class BlockMover:
                 host, staged = self.l2.kv[first : first + n], self.staging[pos : pos + n]
                 (host if to_l2 else staged).copy_(staged if to_l2 else host, non_blocking=True)
             return
-        # The runs are spread over DMA_LANES streams, so that one DMA's start-up hides behind
-        # another's transfer (~4 us each on the H200: a third of a 512 KiB copy). They start after
-        # what the copy stream did so far (the gather), and it waits for them all.
-        copy_stream = torch.cuda.current_stream(self.device)
-        start = copy_stream.record_event()
-        for lane in self._lanes:
-            lane.wait_event(start)
+        stream = torch.cuda.current_stream(self.device).cuda_stream
         host, staged = self.l2.kv.data_ptr() + offset, self.staging.data_ptr() + offset
-        k = -1
-        for k, (pos, first, n) in enumerate(runs(l2_slots)):
+        for pos, first, n in runs(l2_slots):
             src, dst = staged + pos * row, host + first * row
             if not to_l2:
                 src, dst = dst, src
-            dma.copy(dst, src, width, n, dst_pitch=row, src_pitch=row,
-                     stream=self._lanes[k % DMA_LANES].cuda_stream)
-        for lane in self._lanes[: k + 1]:
-            copy_stream.wait_event(lane.record_event())
-
-    @functools.cached_property
-    def _lanes(self) -> list[torch.cuda.Stream]:
-        return [torch.cuda.Stream(self.device) for _ in range(DMA_LANES)]
+            dma.copy(dst, src, width, n, dst_pitch=row, src_pitch=row, stream=stream)
 
     def _d2h(self, l1_slots: list[int], l2_slots: list[int], layers: range | None = None) -> None:
         """One staged chunk L1 -> L2 in L2's format (fp8: quantised on the device, so the DMA
