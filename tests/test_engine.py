@@ -183,3 +183,38 @@ def test_a_request_that_outgrows_all_of_l1_ends_with_length(tiny_llama):
     assert outs[0].finish_reason == "length" and len(outs[0].token_ids) == 40
     assert outs[1].finish_reason == "length" and 30 + len(outs[1].token_ids) - 1 <= 48 < 30 + 39
     assert not llm.engine.has_unfinished()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (run through the device tool)")])])
+def test_several_l2_hits_are_admitted_in_one_step_beside_a_decode(tiny_llama, device):
+    # Three prompts cached, then pushed out of L1 into L2; while a fourth request decodes, all
+    # three come back extended: the next step admits them together, each starting after its L2
+    # part (loaded, not recomputed), and the tokens equal a run without caching. On a GPU the
+    # loads are asynchronous: a hit computes once its blocks landed (beside the decode) or at
+    # once, layer by layer, when nothing else runs; the tokens must not change.
+    prompts = random_prompts(512, (48, 48, 48, 20), seed=7)
+    later = [p + [7, 8, 9] for p in prompts[:3]]
+    params = SamplingParams(temperature=0, max_tokens=8)
+    ref = LLM(tiny_llama, device=device, enable_prefix_caching=False).generate(later, params, use_tqdm=False)
+    probe = LLM(tiny_llama, device=device, l1=1 << 20)
+    llm = LLM(tiny_llama, device=device, l1=64 * block_bytes(probe), l2=64 * block_bytes(probe),
+              write_policy="write_back", max_num_batched_tokens=256)
+    llm.generate(prompts[:3], params, use_tqdm=False)
+    llm.cache.evict("l1")
+    engine, steps = llm.engine, []
+    schedule = engine.scheduler.schedule
+    engine.scheduler.schedule = lambda: steps.append(schedule()) or steps[-1]
+    runner = engine.add_request(prompts[3], SamplingParams(temperature=0, max_tokens=30))
+    while runner.num_computed < len(prompts[3]):
+        engine.step()  # the fourth request is decoding now
+    hits = [engine.add_request(p, params) for p in later]
+    engine.step()
+    step = steps[-1]
+    assert [h.cached_tokens for h in hits] == [48] * 3  # three full blocks each, from L2
+    if device == "cpu":  # loads are done on return
+        assert runner in step.requests and all(h in step.requests for h in hits)
+        assert all(step.num_new[step.requests.index(h)] == len(later[0]) - 48 for h in hits)
+    while engine.has_unfinished():
+        engine.step()
+    assert [h.output_ids for h in hits] == [o.token_ids for o in ref]

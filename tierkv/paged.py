@@ -237,6 +237,9 @@ class PagedCache(Admission):
     def free(self, seq: SequenceBlocks) -> None:
         """Release everything `seq` holds: shared blocks become evictable (tail first), private ones free."""
         self._check_seq(seq, "free")
+        # Loads into its blocks may still be in flight (a sequence freed before it computed): the
+        # current stream, which writes into whatever reuses those slots next, must come after them.
+        seq.wait()
         if seq.saving is not None:  # saved layer by layer but never committed
             self._drop_save(seq.saving, seq.saving.l2_slots)
             seq.saving = None

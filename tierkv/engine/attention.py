@@ -9,6 +9,7 @@ with the layer's KV from L2 and L1; they come last in the batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,8 @@ class AttentionMetadata:
     context:        when the batch is one sequence, its cached tokens before this step (host int):
                     lets a long prefill chunk take the kernels' dense path.
     streamed:       set when the batch ends with streamed sequences (see StreamedAttention).
+    wait_layer:     set when L2 -> L1 loads into the batch's blocks are in flight: called with
+                    layer i before layer i reads the pool, it orders the stream after that layer's loads.
     """
 
     slot_mapping: torch.Tensor
@@ -46,6 +49,7 @@ class AttentionMetadata:
     is_decode: bool = False
     context: int | None = None
     streamed: StreamedAttention | None = None
+    wait_layer: Callable[[int], None] | None = None
 
     @property
     def num_tokens(self) -> int:

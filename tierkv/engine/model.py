@@ -333,6 +333,8 @@ class CausalLM(nn.Module):
         cos, sin = self.rope(positions, x.dtype)  # [T, D] each
         residual = None
         for i, layer in enumerate(self.model.layers):
+            if meta.wait_layer is not None:
+                meta.wait_layer(i)
             x, residual = layer(x, residual, cos, sin, kv_pool[i], meta)
         return x + residual
 

@@ -140,10 +140,17 @@ class ModelRunner:
         if self.send_plan is not None:  # tensor parallel: the other ranks repeat this step
             self.send_plan(self._plan(built, step))
             self.tp.broadcast(built.input_ids)  # the token ids, pending ones included, from the device
-        for r in step.requests:
-            r.seq.wait()  # L2 -> L1 loads into its blocks, ordered before the attention reads
+        loading = [r.seq for r in step.requests if r.seq.pending]
+        if loading and (built.meta.is_decode or self.send_plan is not None):
+            for seq in loading:  # a CUDA-graph step, or one all ranks repeat: all loaded first
+                seq.wait()
+        elif loading:  # layer i's attention waits for layer i's loads alone: the first layers
+            # compute while the later ones are still on their way (the cache's per-layer hook)
+            built.meta.wait_layer = lambda layer: self.cache.wait_for_layer(layer, loading)
         sampling = built.sampling
         logits = self._forward(built)  # [len(sampling), vocab]
+        for seq in loading:
+            seq.wait()  # no-op on the stream now; drops the loads that have landed
         out = None
         if any(r.forks for r in sampling):
             # A prompt of n choices is computed once: the choices waiting for it sample their

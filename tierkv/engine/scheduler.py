@@ -81,8 +81,12 @@ class Scheduler:
     def schedule(self) -> ScheduledStep:
         budget = self.max_num_batched_tokens
         step = ScheduledStep([], [])
+        loading = []  # requests whose L2 blocks are still on their way into L1
         for req in list(self.running):  # oldest first; a preemption below may remove later ones
             if req.status is not Status.RUNNING:
+                continue
+            if _loading(req):
+                loading.append(req)
                 continue
             if req.adopt_at is not None and req.num_computed >= req.adopt_at:
                 self._adopt(req)
@@ -97,6 +101,13 @@ class Scheduler:
             step.num_new.append(n)
             budget -= n
         self._admit(step, budget)
+        if not step.requests:  # nothing else to compute: they start now, layer by layer as it lands
+            for req in loading:
+                n = min(req.num_tokens - req.num_computed, budget, self._chunk_cap(req), self._until_adopt(req))
+                if n > 0 and self._make_room(req, n, step):
+                    step.requests.append(req)
+                    step.num_new.append(n)
+                    budget -= n
         return step
 
     @staticmethod
@@ -208,6 +219,8 @@ class Scheduler:
                 req.cached_tokens = req.seq.num_cached_tokens
                 req.admitted = now
             self.running.append(req)
+            if step.requests and _loading(req):
+                continue  # others compute this step while its blocks load; it joins once they landed
             # a streamed request reserved one chunk; one with an L3 tail stops where the tail starts
             n = min(req.seq.num_tokens - req.num_computed, budget, self._until_adopt(req))
             step.requests.append(req)
@@ -285,3 +298,8 @@ class Scheduler:
             req.seq = None
         if req in self.running:
             self.running.remove(req)
+
+
+def _loading(req: Request) -> bool:
+    """Whether L2 -> L1 loads into `req`'s blocks are still in flight (an event query, no host sync)."""
+    return any(not load.done() for load in req.seq.pending)
