@@ -22,9 +22,9 @@ def pct(values, scale: float = 1e3) -> dict:
 
 def p99_of_arrivals(results: list[Result]) -> float:
     """p99 TTFT in seconds over every arrival of the point, where one that failed or was cut before
-    its first token counts as infinitely late (inf then: the SLO cannot hold)."""
+    its first token counts as infinitely late (inf then: the SLO cannot hold); 0 with no arrival."""
     ttfts = [r.ttft if r.ttft is not None else math.inf for r in results]
-    return float(np.percentile(ttfts, 99, method="higher")) if ttfts else math.inf
+    return float(np.percentile(ttfts, 99, method="higher")) if ttfts else 0.0
 
 
 def summarize(rate: float, seconds: float, results: list[Result], span: float, late: float,

@@ -54,7 +54,7 @@ async def prime(h: Http, src: Source, concurrency: int, settle_s: float) -> dict
     while time.perf_counter() < end:
         stats = await cache_stats(h)
         now = stats["tiers"]["l3"]["bytes_in"] if stats else None
-        if now == written:
+        if now == written or not now:  # steady, or nothing written (no disk tier)
             break
         written = now
         await asyncio.sleep(1.0)

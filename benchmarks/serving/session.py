@@ -51,7 +51,7 @@ def point_line(p: dict) -> str:
 
 async def session(a, h: Http, src: Source, limits: dict, max_len: int, deadline: float) -> dict:
     g = np.random.default_rng([a.seed, 1000])  # warm-up and probe: the same prompts in every config
-    await warm_up(h, min(a.warm_tokens, max_len // 2), g)
+    await warm_up(h, min(a.warm_tokens, max_len - 24), g)  # long enough to be a chunked prefill
     cold_tokens = min(src.largest_request - src.answer_tokens, max_len - src.answer_tokens - 2)
     cold = await cold_probe(h, cold_tokens, src.answer_tokens, g)
     primed = await prime(h, src, PRIME_CONCURRENCY, a.settle_seconds)

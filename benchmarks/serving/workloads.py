@@ -10,7 +10,9 @@ the server has a tokenizer) joins the history. Every arrival of the Poisson cloc
 of the conversation that has been idle longest (FIFO); a conversation is idle once its previous
 answer arrived, so no conversation ever has two rounds in flight. If all conversations are busy
 the arrival waits for the next one to go idle, and that wait counts in its TTFT (which is
-measured from the arrival). A conversation that finished --mr-rounds rounds retires and a new one
+measured from the arrival): with U conversations and an end-to-end latency E, no rate above U / E
+can hold, and the points' wait_ms show when the conversations rather than the server are the
+limit. A conversation that finished --mr-rounds rounds retires and a new one
 (fresh context, a cold first round) takes its place. The pool starts in steady state: conversation
 i has already done i mod R rounds ("virtual history", with stand-in answers), so retirements are
 spread out rather than all cold at once; priming sends each history once.
