@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -404,56 +405,27 @@ def test_schemathesis_finds_no_server_errors(server):
     still_answers(server)
 
 
-def _bench_serving():
-    import sys
-
+def test_bench_serving_sweeps_an_external_server(server, tmp_path):
+    """--url: a two-point multi-round sweep against one external server. The bundled model has a
+    tokenizer, so answers come back as text and histories take the seeded stand-ins; with an SLO
+    no CPU misses, the rate doubles."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import bench_serving
 
-    return bench_serving
-
-
-def test_bench_serving_runs_against_the_server(server, tmp_path):
-    """--url: one external server (the bundled model, which has a tokenizer: answers come back as
-    text, so multi-round histories use the seeded stand-in answers)."""
-    path = _bench_serving().main(["--url", server.url, "--api-key", KEY, "--smoke", "--workload", "multi_round",
-                                  "--no-plot", "--out", str(tmp_path)])
-    out = json.loads(path.read_text())
-    r = out["configs"]["external"]["workloads"]["multi_round"]
-    assert r["requests"] == r["planned"] == 12 and r["errors"] == 0, r["error_examples"]
-    assert r["ttft_ms"]["p50"] > 0 and r["itl_ms"]["p50"] > 0 and r["throughput"]["output_tokens_per_s"] > 0
-    assert r["cached_tokens"] > 0 and r["hit_tokens"]["l1"] > 0  # second rounds re-send the first round
-    assert r["answers"] == {"returned": 0, "stand_in": 12}
-    assert out["configs"]["external"]["probes"]["192"]["l1_hit"]["cached_tokens"] == 176
-
-
-def test_bench_serving_configs_side_by_side(tmp_path):
-    """A tiny random Llama, every workload on caching off and on L1+L2 (two servers, ~40 s): the
-    same trace runs everywhere without errors, off never hits, and with L1 a quarter of the KV
-    multi-round histories come back from L2."""
-    path = _bench_serving().main(["--smoke", "--make-model", "tiny", "--configs", "off,l1+l2", "--no-plot",
-                                  "--out", str(tmp_path)])
-    out = json.loads(path.read_text())
-    assert not out["failed_configs"]
-    assert 3 <= out["sizes"]["kv_over_l1"]["multi_round"] <= 5
-    expected = {"off": {"multi_round", "long_doc", "shared_prefix", "unique"},
-                "l1+l2": {"multi_round", "long_doc", "shared_prefix"}}  # unique runs with caching off and l1
-    for config, workloads in expected.items():
-        got = out["configs"][config]["workloads"]
-        assert set(got) == workloads
-        for name, r in got.items():
-            assert r["requests"] == r["planned"] == out["workloads"][name]["planned"], (config, name)
-            assert r["errors"] == 0, (config, name, r["error_examples"])
-            assert len(r["ttft_samples_ms"]) == r["requests"]
-    off, on = out["configs"]["off"], out["configs"]["l1+l2"]
-    assert all(r["cached_tokens"] == 0 and not any(r["hit_tokens"].values()) for r in off["workloads"].values())
-    mr = on["workloads"]["multi_round"]
-    assert mr["hit_tokens"]["l2"] > 0 and mr["cached_tokens"] > 0
-    assert mr["answers"]["returned"] == mr["requests"]  # no tokenizer: answers come back as ids
-    probe = on["probes"]["192"]
-    assert probe["l2_hit"]["hit_tokens"]["l2"] > 0 and probe["l2_hit"]["ttft_over_floor"] > 0
-    assert out["ratios"]["all_pairs"]["multi_round"]["l1+l2_vs_off"]["throughput"] > 0
-    assert out["limits"]["cold_prefill_s_per_token"] > 0 and mr["floor"]["hit_requests"] > 0
+    [path] = bench_serving.main(["--url", server.url, "--api-key", KEY, "--smoke", "--workloads", "multi_round",
+                                 "--start-rate", "2", "--point-seconds", "2", "--drain-seconds", "30", "--slo", "600",
+                                 "--no-plot", "--out", str(tmp_path)])
+    assert KEY not in path.read_text()
+    run = json.loads(path.read_text())["configs"]["external"]
+    points = run["points"]
+    assert [p["offered_rate"] for p in points] == [2.0, 4.0] and run["goodput"]["requests_per_s"] == 4.0
+    for p in points:
+        assert p["arrivals"] > 0 and p["completed"] == p["arrivals"], p["error_examples"]
+        assert p["slo_held"] and p["p99_ttft_ms"] > 0 and p["itl_ms"]["p50"] > 0
+        assert p["cache"]["l1"]["hit_tokens"] > 0 and p["cached_tokens"] > 0  # each round re-sends its history
+        assert p["bound"]["seconds"]["compute"] > 0 and p["bound"]["binding"] == "compute"  # no L2, no disk
+    assert run["answers"] == {"returned": 0, "stand_in": sum(p["completed"] for p in points)}
+    assert run["prime"]["prompts"] == 8 and run["prime"]["errors"] == 0 and run["cold_probe"]["s_per_token"] > 0
 
 
 def test_no_secret_in_the_log(server):

@@ -1,5 +1,6 @@
-"""The parts of benchmarks/bench_serving.py, one concept a module: traces, model, client, probes,
-replay, servers, floors, ratios and report. bench_serving.py puts benchmarks/ and tests/ on
-sys.path first (these modules import `common`, `limits` and `server_helpers` by name); nothing
-here is meant to run on its own, and nothing here may read server state beyond the public HTTP API.
+"""The parts of benchmarks/bench_serving.py, one concept a module: workloads, model, client, probes,
+sweep, session, servers, figures, bounds, ratios and report. bench_serving.py puts benchmarks/ and
+tests/ on sys.path first (these modules import `common`, `limits` and `server_helpers` by name);
+nothing here is meant to run on its own, and nothing here may read server state beyond the public
+HTTP API.
 """

@@ -1,6 +1,6 @@
-"""The benchmark's HTTP client: one streamed /v1/completions request timed token by token (TTFT,
-inter-token gaps, usage.cached_tokens) and the /v1/cache/stats hit counters. It only speaks the
-public HTTP API and never decides what to send or when.
+"""The benchmark's HTTP client: one streamed /v1/completions request timed token by token (TTFT
+from the request's arrival, inter-token gaps, usage.cached_tokens) and the /v1/cache/stats
+counters. It only speaks the public HTTP API and never decides what to send or when.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import httpx
 class Result:
     prompt_tokens: int
     max_tokens: int
+    arrival: float = 0.0  # perf_counter() when the request arrived; TTFT and e2e count from here
+    wait: float = 0.0  # arrival -> sent (a multi-round arrival waiting for an idle conversation)
     ttft: float | None = None
     e2e: float = 0.0
     itl: list[float] = field(default_factory=list)
@@ -41,12 +43,18 @@ def tokens_in(choice: dict) -> list[str]:
     return named or ([choice["text"]] if choice.get("text") else [])
 
 
-async def send(h: Http, prompt: list[int], max_tokens: int) -> Result:
-    """One streamed completion. logprobs=0 puts each sampled token in its own event, as its id
-    when the server has no tokenizer (then the answer can join a multi-round history exactly)."""
+async def send(h: Http, prompt: list[int], max_tokens: int, res: Result | None = None) -> Result:
+    """One streamed completion, filling `res` as it goes (so a caller that cancels it keeps what
+    arrived), timed from `res.arrival` (default: now). logprobs=0 puts each sampled token in its
+    own event, as its id when the server has no tokenizer (then the answer can join a multi-round
+    history exactly)."""
     body = {"model": h.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "logprobs": 0, "stream": True, "stream_options": {"include_usage": True}}
-    res, pieces, start, last, usage = Result(len(prompt), max_tokens), [], time.perf_counter(), None, False
+    now = time.perf_counter()
+    if res is None:
+        res = Result(len(prompt), max_tokens, arrival=now)
+    res.prompt_tokens, res.max_tokens, res.wait = len(prompt), max_tokens, now - res.arrival
+    pieces, start, last = [], res.arrival, None
     try:
         async with h.client.stream("POST", h.url + "/v1/completions", json=body, headers=h.headers) as r:
             if r.status_code != 200:
@@ -58,8 +66,7 @@ async def send(h: Http, prompt: list[int], max_tokens: int) -> Result:
                 now, ev = time.perf_counter(), json.loads(line[6:])
                 if "error" in ev:
                     res.error = str(ev["error"].get("message", ev["error"]))[:200]
-                if ev.get("usage"):
-                    usage = True
+                if ev.get("usage"):  # after the last token: its count is the server's
                     res.completion_tokens = ev["usage"]["completion_tokens"]
                     res.cached_tokens = (ev["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
                 for choice in ev.get("choices") or ():
@@ -72,11 +79,10 @@ async def send(h: Http, prompt: list[int], max_tokens: int) -> Result:
                         res.itl.append(now - last)
                     last = now
                     pieces += tokens
+                    res.completion_tokens = len(pieces)
     except httpx.HTTPError as err:
         res.error = f"{type(err).__name__}: {err}"[:200]
     res.e2e = time.perf_counter() - start
-    if not usage:  # a server that ignores include_usage: count what arrived
-        res.completion_tokens = len(pieces)
     if all(p.isdigit() and int(p) < h.vocab for p in pieces) and pieces:
         res.output_ids = [int(p) for p in pieces]
     if res.error is None and (res.ttft is None or res.completion_tokens != max_tokens):
@@ -93,9 +99,12 @@ async def cache_stats(h: Http) -> dict | None:
     return r.json() if r.status_code == 200 else None
 
 
-def hits_between(before: dict | None, after: dict | None) -> dict | None:
-    """Hit tokens per tier between two stats snapshots. The cache counts every lookup, and a request
-    waiting for room is looked up again each step, so these are good as fractions, not per request."""
+def stats_delta(before: dict | None, after: dict | None) -> dict | None:
+    """Per tier, what happened between two stats snapshots: hit tokens (the cache counts every
+    lookup, and a request waiting for room is looked up again each step, so these are good as
+    fractions, not per request), bytes read out (L2: loads into L1 over PCIe; L3: disk reads) and
+    bytes written in."""
     if before is None or after is None:
         return None
-    return {t: after["tiers"][t]["hit_tokens"] - before["tiers"][t]["hit_tokens"] for t in ("l1", "l2", "l3")}
+    return {t: {k: after["tiers"][t][k] - before["tiers"][t][k] for k in ("hit_tokens", "bytes_out", "bytes_in")}
+            for t in ("l1", "l2", "l3")}

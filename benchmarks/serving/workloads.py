@@ -1,120 +1,175 @@
-"""The four traces bench_serving replays (multi-round QA, long-document QA, shared prefix, all
-unique) and their sizing: seeded token-id prompts, arrival times and each trace's KV footprint.
-Building a trace sends nothing; the same flags and seed give the same trace in every config.
+"""What bench_serving sends: the four workloads as sources of requests for an open-loop sweep
+(multi-round QA, long-document QA, generated shared prefix, all unique), seeded token-id prompts,
+the prompts that prime a cache before the sweep, and each workload's KV footprint. A source
+decides what the next request is, never when it is sent (that is the sweep's Poisson clock).
+
+multi_round (LMCache's multi-round QA under open-loop arrivals) keeps --mr-users conversations
+live. Each conversation is a shared system prompt + its own context + the rounds so far; a round
+sends history + a new question, and the answer (the ids as returned, or a seeded stand-in where
+the server has a tokenizer) joins the history. Every arrival of the Poisson clock is one round
+of the conversation that has been idle longest (FIFO); a conversation is idle once its previous
+answer arrived, so no conversation ever has two rounds in flight. If all conversations are busy
+the arrival waits for the next one to go idle, and that wait counts in its TTFT (which is
+measured from the arrival): with U conversations and an end-to-end latency E, no rate above U / E
+can hold, and the points' wait_ms show when the conversations rather than the server are the
+limit. A conversation that finished --mr-rounds rounds retires and a new one
+(fresh context, a cold first round) takes its place. The pool starts in steady state: conversation
+i has already done i mod R rounds ("virtual history", with stand-in answers), so retirements are
+spread out rather than all cold at once; priming sends each history once.
 """
 
 from __future__ import annotations
 
-import math
+import asyncio
 from dataclasses import dataclass, field
 
 import numpy as np
 
 WORKLOADS = ("multi_round", "long_doc", "shared_prefix", "unique")
+FLAG_PREFIX = {"multi_round": "mr", "long_doc": "ld", "shared_prefix": "sp", "unique": "uq"}  # --mr-users, ...
 FIRST_ID = 100  # random prompt ids start here, clear of the special tokens real vocabularies begin with
 
 
-@dataclass(slots=True)
-class Planned:
-    """One request of a fixed trace."""
-    prompt: list[int]
-    max_tokens: int
-    arrival: float = 0.0  # seconds after the workload starts; sent then or when a slot frees
-
-
-@dataclass(slots=True)
-class User:
-    """One multi-round user: its rounds' prompts depend on the answers it gets."""
-    arrival: float
-    context: list[int]  # the shared system prompt + this user's own context
-    questions: list[list[int]]
-    think: list[float]  # seconds between an answer and the next round
-    stand_in: list[list[int]]  # answers to use where the server returns no token ids (it has a tokenizer)
-
-
-@dataclass(slots=True)
-class Workload:
-    name: str
-    shape: dict  # the sizes it was built from, for the JSON
-    concurrency: int  # requests (or multi-round users) in flight at once
-    kv_tokens: int  # distinct tokens the trace makes KV for: its footprint in a cache
-    largest_request: int  # prompt + answer tokens of its longest request
-    requests: list[Planned] = field(default_factory=list)
-    users: list[User] = field(default_factory=list)
-
-    @property
-    def planned(self) -> int:
-        return len(self.requests) + sum(len(u.questions) for u in self.users)
-
-
-def rng_for(seed: int, name: str) -> np.random.Generator:
-    """One generator per workload, so each workload's trace is the same whatever else is selected."""
-    return np.random.default_rng([seed, WORKLOADS.index(name)])
+def rng_for(seed: int, name: str, *more: int) -> np.random.Generator:
+    """One generator per workload (and purpose), so a workload's prompts do not depend on what else runs."""
+    return np.random.default_rng([seed, WORKLOADS.index(name), *more])
 
 
 def random_ids(g: np.random.Generator, n: int, vocab: int) -> list[int]:
     return g.integers(FIRST_ID, vocab, n).tolist()
 
 
-def arrivals(g: np.random.Generator, n: int, rate: float) -> list[float]:
-    """Poisson arrival times at `rate` per second (all at 0 for an infinite rate)."""
-    if math.isinf(rate):
-        return [0.0] * n
-    return np.cumsum(g.exponential(1.0 / rate, n)).tolist()
+def flags(a, name: str) -> dict:
+    """The workload's own flags (--mr-*, ...) without their prefix: its shape, for sizing and the JSON."""
+    prefix = FLAG_PREFIX[name] + "_"
+    return {k[len(prefix):]: v for k, v in vars(a).items() if k.startswith(prefix)}
 
 
-def flags(a, prefix: str) -> dict:
-    """The workload's sizing flags, for the JSON (which has no infinity: an unlimited rate is 'inf')."""
-    return {k[len(prefix):]: ("inf" if v == math.inf else v) for k, v in vars(a).items() if k.startswith(prefix)}
+@dataclass(slots=True)
+class Ask:
+    """One request a source hands out; `done` must get it back, answered or not."""
+    prompt: list[int]
+    max_tokens: int
+    stand_in: list[int] = field(default_factory=list)  # the answer to use where the server returns text
+    conversation: object = None
 
 
-def build_multi_round(a, vocab: int) -> Workload:
-    """Users with Poisson arrivals, each a context behind the shared system prompt and R questions."""
-    g, R, A = rng_for(a.seed, "multi_round"), a.mr_rounds, a.mr_answer_tokens
-    system = random_ids(g, a.mr_system_tokens, vocab)
-    users = [User(t, system + random_ids(g, a.mr_context_tokens, vocab),
-                  [random_ids(g, a.mr_question_tokens, vocab) for _ in range(R)],
-                  g.exponential(a.mr_think_time, R - 1).tolist() if a.mr_think_time > 0 else [0.0] * (R - 1),
-                  [random_ids(g, A, vocab) for _ in range(R)])
-             for t in arrivals(g, a.mr_users, a.mr_rate)]
-    per_user = a.mr_context_tokens + R * (a.mr_question_tokens + A)
-    # KV: the shared system prompt once, and each user's context and rounds (question + answer)
-    return Workload("multi_round", flags(a, "mr_"), a.mr_max_active_users, a.mr_system_tokens + a.mr_users * per_user,
-                    a.mr_system_tokens + per_user, users=users)
+class Source:
+    """A stateless workload: every request is drawn independently."""
+
+    def __init__(self, name: str, shape: dict, kv_tokens: int, largest_request: int, answer_tokens: int,
+                 g: np.random.Generator, vocab: int) -> None:
+        self.name, self.shape, self.kv_tokens, self.largest_request = name, shape, kv_tokens, largest_request
+        self.answer_tokens, self.g, self.vocab = answer_tokens, g, vocab
+        self.answers = {"returned": 0, "stand_in": 0}
+
+    def prime_prompts(self) -> list[list[int]]:
+        return []
+
+    def draw(self) -> list[int]:
+        raise NotImplementedError
+
+    async def take(self) -> Ask:
+        return Ask(self.draw(), self.answer_tokens)
+
+    def done(self, ask: Ask, answer: list[int] | None, ok: bool) -> None:
+        pass
 
 
-def build_long_doc(a, vocab: int) -> Workload:
-    """Every document asked --ld-questions times, all the asks shuffled together."""
-    g, A = rng_for(a.seed, "long_doc"), a.ld_answer_tokens
-    docs = [random_ids(g, a.ld_doc_tokens, vocab) for _ in range(a.ld_docs)]
-    order = [d for d in range(a.ld_docs) for _ in range(a.ld_questions)]
-    g.shuffle(order)
-    requests = [Planned(docs[d] + random_ids(g, a.ld_question_tokens, vocab), A) for d in order]
-    return Workload("long_doc", flags(a, "ld_"), a.ld_concurrency,
-                    a.ld_docs * a.ld_doc_tokens + len(order) * (a.ld_question_tokens + A),
-                    a.ld_doc_tokens + a.ld_question_tokens + A, requests=requests)
+class PrefixPool(Source):
+    """A question behind one of `count` prefixes drawn uniformly: LMCache's long-document QA (the
+    prefixes are documents) and SGLang's generated shared prefix (system prompts)."""
+
+    def __init__(self, a, vocab: int, name: str, count: int, prefix_tokens: int, question_tokens: int,
+                 answer_tokens: int) -> None:
+        g = rng_for(a.seed, name)
+        self.prefixes = [random_ids(g, prefix_tokens, vocab) for _ in range(count)]
+        self.question_tokens = question_tokens
+        super().__init__(name, flags(a, name), count * prefix_tokens,
+                         prefix_tokens + question_tokens + answer_tokens, answer_tokens, g, vocab)
+
+    def prime_prompts(self) -> list[list[int]]:
+        return self.prefixes
+
+    def draw(self) -> list[int]:
+        return self.prefixes[self.g.integers(len(self.prefixes))] + random_ids(self.g, self.question_tokens, self.vocab)
 
 
-def build_shared_prefix(a, vocab: int) -> Workload:
-    """Groups of questions behind one system prompt each, shuffled, arriving at --sp-rate."""
-    g, A = rng_for(a.seed, "shared_prefix"), a.sp_answer_tokens
-    systems = [random_ids(g, a.sp_system_tokens, vocab) for _ in range(a.sp_groups)]
-    order = [s for s in range(a.sp_groups) for _ in range(a.sp_questions)]
-    g.shuffle(order)
-    times = arrivals(g, len(order), a.sp_rate)
-    requests = [Planned(systems[s] + random_ids(g, a.sp_question_tokens, vocab), A, t) for s, t in zip(order, times)]
-    return Workload("shared_prefix", flags(a, "sp_"), a.sp_concurrency,
-                    a.sp_groups * a.sp_system_tokens + len(order) * (a.sp_question_tokens + A),
-                    a.sp_system_tokens + a.sp_question_tokens + A, requests=requests)
+def long_doc(a, vocab: int) -> PrefixPool:
+    return PrefixPool(a, vocab, "long_doc", a.ld_docs, a.ld_doc_tokens, a.ld_question_tokens, a.ld_answer_tokens)
 
 
-def build_unique(a, vocab: int) -> Workload:
-    """Random prompts: two share a 16-token block with probability ~vocab^-16, i.e. never."""
-    g, A = rng_for(a.seed, "unique"), a.uq_answer_tokens
-    requests = [Planned(random_ids(g, a.uq_prompt_tokens, vocab), A) for _ in range(a.uq_prompts)]
-    return Workload("unique", flags(a, "uq_"), a.uq_concurrency, a.uq_prompts * (a.uq_prompt_tokens + A),
-                    a.uq_prompt_tokens + A, requests=requests)
+def shared_prefix(a, vocab: int) -> PrefixPool:
+    return PrefixPool(a, vocab, "shared_prefix", a.sp_groups, a.sp_system_tokens, a.sp_question_tokens,
+                      a.sp_answer_tokens)
 
 
-BUILDERS = {"multi_round": build_multi_round, "long_doc": build_long_doc,
-            "shared_prefix": build_shared_prefix, "unique": build_unique}
+class Unique(Source):
+    """Random prompts that never share a block (two share one with probability ~vocab^-16): what
+    caching costs when every lookup misses. Its nominal KV sizes L1 to hold 4 requests."""
+
+    def __init__(self, a, vocab: int) -> None:
+        largest = a.uq_prompt_tokens + a.uq_answer_tokens
+        super().__init__("unique", flags(a, "unique"), 16 * largest, largest, a.uq_answer_tokens,
+                         rng_for(a.seed, "unique"), vocab)
+        self.prompt_tokens = a.uq_prompt_tokens
+
+    def draw(self) -> list[int]:
+        return random_ids(self.g, self.prompt_tokens, self.vocab)
+
+
+@dataclass(slots=True)
+class Conversation:
+    history: list[int]  # system + context + every round so far (question + answer)
+    rounds_left: int
+
+
+class MultiRound(Source):
+    """LMCache's multi-round QA with the conversation model of the module docstring."""
+
+    def __init__(self, a, vocab: int) -> None:
+        g = rng_for(a.seed, "multi_round")
+        self.R, self.q, self.ctx = a.mr_rounds, a.mr_question_tokens, a.mr_context_tokens
+        self.system = random_ids(g, a.mr_system_tokens, vocab)
+        per_conversation = a.mr_context_tokens + a.mr_rounds * (a.mr_question_tokens + a.mr_answer_tokens)
+        super().__init__("multi_round", flags(a, "multi_round"), a.mr_system_tokens + a.mr_users * per_conversation,
+                         a.mr_system_tokens + per_conversation, a.mr_answer_tokens, g, vocab)
+        self.pool = []
+        for i in range(a.mr_users):
+            c = self.fresh()
+            for _ in range(i % self.R):  # virtual history: spread the conversations over their rounds
+                c.history += random_ids(g, self.q, vocab) + random_ids(g, self.answer_tokens, vocab)
+                c.rounds_left -= 1
+            self.pool.append(c)
+        self.idle: asyncio.Queue | None = None  # made in the event loop that runs the sweep
+        self.retired = 0
+
+    def fresh(self) -> Conversation:
+        return Conversation(self.system + random_ids(self.g, self.ctx, self.vocab), self.R)
+
+    def prime_prompts(self) -> list[list[int]]:
+        return [c.history for c in self.pool]
+
+    async def take(self) -> Ask:
+        if self.idle is None:
+            self.idle = asyncio.Queue()
+            for i in self.g.permutation(len(self.pool)):
+                self.idle.put_nowait(self.pool[i])
+        c = await self.idle.get()
+        return Ask(c.history + random_ids(self.g, self.q, self.vocab), self.answer_tokens,
+                   random_ids(self.g, self.answer_tokens, self.vocab), c)
+
+    def done(self, ask: Ask, answer: list[int] | None, ok: bool) -> None:
+        c = ask.conversation
+        if ok:  # a failed or cut round is asked again later, the history unchanged
+            returned = answer is not None and len(answer) == len(ask.stand_in)
+            self.answers["returned" if returned else "stand_in"] += 1
+            c.history = ask.prompt + (answer if returned else ask.stand_in)
+            c.rounds_left -= 1
+            if c.rounds_left == 0:
+                self.retired += 1
+                c = self.fresh()
+        self.idle.put_nowait(c)
+
+
+SOURCES = {"multi_round": MultiRound, "long_doc": long_doc, "shared_prefix": shared_prefix, "unique": Unique}

@@ -1,0 +1,48 @@
+"""benchmarks/bench_serving.py: the sweep's search over rates by hand, and the script end to end
+on a tiny random Llama whose documents outgrow L1+L2 (so hits come from L1, L2 and the disk).
+The sweep against an external server is in test_server.py (it shares that file's server)."""
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import bench_serving  # noqa: E402
+from serving.sweep import next_rate  # noqa: E402
+
+
+def test_next_rate_doubles_then_bisects_once():
+    assert next_rate([], 1.0, bisections=1) == 1.0
+    assert next_rate([(1.0, True), (2.0, True)], 1.0, bisections=1) == 4.0
+    assert next_rate([(1.0, True), (2.0, True), (4.0, False)], 1.0, bisections=1) == 3.0
+    assert next_rate([(1.0, True), (2.0, True), (4.0, False), (3.0, True)], 1.0, bisections=1) is None
+    assert next_rate([(1.0, True), (2.0, True), (4.0, False), (3.0, False)], 1.0, bisections=2) == 2.5
+
+
+def test_next_rate_halves_down_to_a_pass():
+    assert next_rate([(4.0, False)], 4.0, bisections=1) == 2.0
+    assert next_rate([(4.0, False), (2.0, False)], 4.0, bisections=1) == 1.0
+    assert next_rate([(4.0, False), (2.0, False), (1.0, True)], 4.0, bisections=1) == 1.5
+    assert next_rate([(4.0, False), (2.0, False), (1.0, True), (1.5, True)], 4.0, bisections=1) is None
+
+
+def test_long_doc_sweep_on_l1_l2_disk(tmp_path):
+    """One server (l1+l2+disk), two points at rates no CPU misses a 600 s SLO at: every arrival is
+    served, the disk and L2 give bytes that the bounds turn into seconds, and the PNG is drawn."""
+    [path] = bench_serving.main(["--smoke", "--make-model", "tiny", "--workloads", "long_doc", "--start-rate", "2",
+                                 "--point-seconds", "2", "--drain-seconds", "30", "--slo", "600", "--out", str(tmp_path)])
+    out = json.loads(path.read_text())
+    assert not out["failed_configs"] and list(out["configs"]) == ["l1+l2+disk"]
+    assert 3 <= out["sizes"]["kv_over_l1"] <= 5 and out["sizes"]["l2_over_kv"] < 0.5  # documents outgrow L1+L2
+    run = out["configs"]["l1+l2+disk"]
+    points = run["points"]
+    assert [p["offered_rate"] for p in points] == [2.0, 4.0] and run["goodput"]["requests_per_s"] == 4.0
+    for p in points:
+        assert p["arrivals"] > 0 and p["completed"] == p["arrivals"], p["error_examples"]
+    moved = {t: sum(p["cache"][t]["bytes_out"] for p in points) for t in ("l2", "l3")}
+    assert moved["l2"] > 0 and moved["l3"] > 0, moved
+    assert any(p["bound"]["seconds"]["disk"] > 0 for p in points)
+    assert all(p["bound"]["seconds"]["pcie"] == p["cache"]["l2"]["bytes_out"] / p["completed"]
+               / out["limits"]["h2d_bytes_per_s"] for p in points)
+    assert run["prime"]["prompts"] == 8 and run["prime"]["l3_bytes_written"] > 0
+    assert path.with_suffix(".png").stat().st_size > 0
