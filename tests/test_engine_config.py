@@ -15,7 +15,8 @@ import time
 import pytest
 
 from tierkv import LLM, SamplingParams
-from tierkv.engine.config import L2_CAP, EngineConfig, default_l2, host_available_bytes
+from tierkv.engine.config import L2_CAP, EngineConfig, default_l2
+from tierkv.host_memory import _cgroup_room, host_available_bytes
 from tierkv.engine.engine import Engine
 from tierkv.errors import ConfigError
 from tierkv.server.cli import load_options
@@ -136,12 +137,18 @@ def test_l2_zero_disables_and_an_explicit_size_is_used_as_given():
     assert EngineConfig(l2="100GiB").for_device(cuda, 4096, 1000, available=GiB).cache_config().l2 == 100 * GiB
 
 
-def test_available_host_memory_reads_meminfo_without_psutil(monkeypatch):
+def test_available_host_memory_is_meminfo_within_the_cgroup_limit(tmp_path):
     with open("/proc/meminfo") as f:
         kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
-    monkeypatch.setitem(sys.modules, "psutil", None)  # an import of psutil now fails
     got = host_available_bytes()
-    assert got is not None and abs(got - kib * 1024) < 2 * GiB  # another process may allocate meanwhile
+    assert abs(got - min(kib * 1024, _cgroup_room() or kib * 1024)) < 2 * GiB  # others allocate meanwhile
+    # a container's limit (cgroup v2 files): what is left under it, or nothing to say without one
+    (tmp_path / "memory.max").write_text("8589934592\n")
+    (tmp_path / "memory.current").write_text(str(3 * GiB) + "\n")
+    assert _cgroup_room(str(tmp_path)) == 5 * GiB
+    (tmp_path / "memory.max").write_text("max\n")
+    assert _cgroup_room(str(tmp_path)) is None
+    assert _cgroup_room(str(tmp_path / "absent")) is None
 
 
 def test_server_flags_are_the_engine_options():

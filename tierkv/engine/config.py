@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from ..config import CacheConfig, check_offload_dtype
 from ..errors import ConfigError
+from ..host_memory import host_available_bytes
 from .hub import model_source
 
 if TYPE_CHECKING:
@@ -66,25 +67,6 @@ def dtype_name(dtype: object) -> str | None:
         return name
     raise ConfigError(f"dtype {dtype!r} is not supported; use one of auto, {', '.join(DTYPES)} "
                       "(or torch.bfloat16, torch.float16, torch.float32)")
-
-
-def host_available_bytes() -> int | None:
-    """Host memory available to new allocations without swapping (psutil, or Linux's
-    MemAvailable); None where neither can tell."""
-    try:
-        import psutil
-
-        return int(psutil.virtual_memory().available)
-    except ImportError:
-        pass
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024  # the kernel writes kB (KiB)
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 def default_l2(device_type: str, available: int | None, bytes_per_block: int) -> int:

@@ -11,6 +11,7 @@ import os
 import torch
 
 from ..errors import CacheFullError, ConfigError, OutOfMemoryError
+from ..host_memory import host_available_bytes
 
 
 def gib(n: int) -> str:
@@ -40,18 +41,6 @@ class FreeSlots:
     def give(self, slots: list[int]) -> None:
         # Pushed in reverse so that the next take() hands them out in their original order.
         self._stack.extend(reversed(slots))
-
-
-def host_available_bytes() -> int:
-    """Memory the OS can still give this process (MemAvailable), or total RAM where unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def blocks_for(nbytes: int, bytes_per_block: int, field_name: str) -> int:
