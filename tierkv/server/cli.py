@@ -23,7 +23,7 @@ from pathlib import Path
 from ..config import parse_size, redact_url
 from ..engine.config import L2_DEFAULT_RULE, EngineConfig
 from ..errors import ConfigError
-from .kv_events import KVEventsConfig
+from .kv_events import KVEventPublisher, KVEventsConfig
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -302,8 +302,6 @@ def main(argv: list[str] | None = None) -> int:
     log = logging.getLogger("tierkv.serve")
     kv_events = None  # bound before the model loads, so a busy port fails in a second
     if opts["kv_events_config"] is not None and opts["kv_events_config"].enabled:
-        from .kv_events import KVEventPublisher
-
         try:
             kv_events = KVEventPublisher(opts["kv_events_config"], host=str(opts["host"]), block_size=config.block_size)
         except ConfigError as err:
