@@ -255,10 +255,8 @@ class L3Store(ABC):
             self._stats.error("io")
             ok = [False] * len(ids)
         done = sum(ok)
-        if self.events is not None:
-            for bid, stored in zip(ids, ok):
-                if stored:
-                    self.events.stored(self.medium, bid.hash, bid.parent, bid.tokens)
+        if not self.chunked:  # (a chunked store records each object as it is written: _put_run)
+            self._record_stored([bid for bid, stored in zip(ids, ok) if stored])
         nbytes = done * self.layout.bytes_per_block
         self._stats.add(puts=done, put_failures=len(ok) - done, bytes_written=nbytes)
         self._stats.sample_bandwidth(nbytes, time.monotonic() - t0, write=True)
@@ -475,9 +473,7 @@ class L3Store(ABC):
         name = self.object_name(last.hash)
         size = (last.pos % K + 1) * rs
         if self._known(name, size):
-            for i in run:
-                ok[i] = True
-            return True
+            return self._took(run, ids, ok)
         parts: list[Any] = []
         before = None
         if head.pos % K:
@@ -485,10 +481,8 @@ class L3Store(ABC):
             before = self.object_name(head.parent)
             prefix = self._read_prefix(before, head)
             if prefix is None:
-                if self._holds(self._stat([name])[0], last.pos):
-                    for i in run:  # another writer stored the whole run already
-                        ok[i] = True
-                    return True
+                if self._holds(self._stat([name])[0], last.pos):  # another writer stored the whole run already
+                    return self._took(run, ids, ok)
                 self._stats.add(orphans=len(run))
                 return False
             parts.append(prefix)
@@ -499,12 +493,23 @@ class L3Store(ABC):
                 parts.append(pad)
         if not self._write(name, parts, size):
             return False
-        for i in run:
-            ok[i] = True
         self._remember([ids[i].hash for i in run], last.hash)
         if before is not None:
             self._delete_quietly(before)  # the longer object holds all of it now
+        return self._took(run, ids, ok)
+
+    def _took(self, run: list[int], ids: list[BlockId], ok: list[bool]) -> bool:
+        """The blocks `run` of `ids` are in the store: say so in `ok`, and record them now, before
+        a later write of this put can evict them (recorded after it, the removal would come first)."""
+        for i in run:
+            ok[i] = True
+        self._record_stored([ids[i] for i in run])
         return True
+
+    def _record_stored(self, ids: list[BlockId]) -> None:
+        if self.events is not None:
+            for bid in ids:
+                self.events.stored(self.medium, bid.hash, bid.parent, bid.tokens)
 
     def _read_prefix(self, name: str, head: BlockId) -> memoryview | None:
         """The records of chain positions chunk start .. head.pos-1 from object `name`, checked
