@@ -23,6 +23,7 @@ import torch
 
 from .config import CacheConfig
 from .errors import ConfigError, ShapeError, UsageError
+from .events import BlockEvents
 from .guard import Guard, guarded
 from .hashing import hash_blocks, token_bytes
 from .index import BlockEntry
@@ -307,6 +308,19 @@ class TieredKVCache(PagedCache):
         if tier not in ("l1", "l2"):
             raise UsageError(f"evict() takes 'l1' or 'l2', got {tier!r}")
         self.tiers.evict_all(tier)
+
+    @guarded
+    def clear(self) -> bool:
+        """Drop every L1 and L2 block, writing nothing down (L3 keeps what it holds): a reset of
+        the prefix cache, recorded as AllBlocksCleared for `listen`ers. Returns False, dropping
+        nothing, while a running sequence holds a block or an L3 write reads one."""
+        return self.tiers.clear()
+
+    @guarded
+    def listen(self, events: BlockEvents | None) -> None:
+        """Record in `events` every block that enters or leaves a tier from now on, with its token
+        ids (KV-cache events; tierkv-serve publishes them over ZMQ); None stops recording."""
+        self.tiers.listen(events)
 
     def close(self, timeout: float = CLOSE_FLUSH_TIMEOUT_S) -> None:
         """Finish pending transfers, give L3 the blocks the write policy still owes it (write-back

@@ -5,6 +5,7 @@ slots), how many running sequences pin it in L1, and what the eviction policies 
 walk is a run of dict hits that stops at the first miss. Each entry keeps the block's parent
 hash, namespace and token ids, and a hit counts only if they equal the query's, so a hash
 collision (accidental or crafted by another tenant) is a miss, never someone else's KV.
+Each block placed in or taken out of a tier is recorded in `events` when someone listens.
 This file does bookkeeping only: it never touches tensors or moves data.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from .events import TIER_MEDIUM, BlockEvents
 from .policies import EvictionPolicy, make_policy
 
 TIERS = ("l1", "l2")
@@ -53,6 +55,7 @@ class BlockIndex:
     policies: dict[str, EvictionPolicy] = field(default_factory=dict)
     collisions: int = 0
     removals: int = 0  # entries dropped from the index so far: a walk done before is still valid while unchanged
+    events: BlockEvents | None = None  # where tier changes are recorded, when someone publishes them
 
     def __post_init__(self) -> None:
         self.policies = {tier: make_policy(self.eviction) for tier in TIERS}
@@ -94,6 +97,8 @@ class BlockIndex:
 
     def place(self, entry: BlockEntry, tier: str, slot: int) -> None:
         """`entry` now lives in `slot` of `tier`; pinned there if it has L1 references."""
+        if self.events is not None and entry.slot(tier) < 0:  # not a block put back where it was
+            self.events.stored(TIER_MEDIUM[tier], entry.hash, entry.parent, entry.tokens)
         if tier == "l1":
             entry.l1 = slot
         else:
@@ -105,6 +110,8 @@ class BlockIndex:
         """`entry` leaves `tier`; returns the slot it held. An entry in no tier leaves the index."""
         slot = entry.slot(tier)
         self.policies[tier].remove(entry.hash)
+        if self.events is not None:
+            self.events.removed(TIER_MEDIUM[tier], entry.hash)
         if tier == "l1":
             entry.l1, entry.loading, entry.reading = -1, None, None
         else:
@@ -113,6 +120,17 @@ class BlockIndex:
             del self.entries[entry.hash]
             self.removals += 1
         return slot
+
+    def clear(self) -> dict[str, list[int]]:
+        """Forget every entry at once (one AllBlocksCleared, not a removal per block); returns the
+        slots they held, by tier. The caller makes sure nothing holds them."""
+        slots = {tier: [s for e in self.entries.values() if (s := e.slot(tier)) >= 0] for tier in TIERS}
+        self.removals += len(self.entries)
+        self.entries.clear()
+        self.policies = {tier: make_policy(self.eviction) for tier in TIERS}
+        if self.events is not None:
+            self.events.cleared()
+        return slots
 
     def victim(self, tier: str) -> BlockEntry | None:
         """The next block the policy of `tier` gives up, already out of the policy, or None."""

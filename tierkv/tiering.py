@@ -28,6 +28,7 @@ import torch
 from . import kernels
 from .config import CacheConfig
 from .errors import CacheFullError, ConfigError
+from .events import BlockEvents
 from .guard import Guard
 from .index import BlockEntry, BlockIndex
 from .layout import KVLayout, stored_layout
@@ -298,6 +299,22 @@ class Tiering:
             while self._evict_l2():
                 pass
 
+    def clear(self) -> bool:
+        """Drop every L1 and L2 block, copying nothing down (L3 keeps what it has): a reset of the
+        prefix cache, recorded as one AllBlocksCleared. Refused (False, nothing dropped) while a
+        running sequence holds a block or an L3 write reads one, as vLLM refuses a reset while
+        blocks are in use."""
+        self.reap()
+        if any(e.ref or e.held for e in self.index.entries.values()):
+            return False
+        if self.mover is not None:
+            self.mover.last.synchronize()  # no copy may still read a slot given back
+        slots = self.index.clear()
+        self.l1.free.give(slots["l1"])
+        if self.l2 is not None:
+            self.l2.free.give(slots["l2"])
+        return True
+
     def load_l2(self, entries: list[BlockEntry], l1_slots: list[int]) -> Transfer:
         """Start copying L2 blocks into L1 slots; the caller places the entries."""
         if not entries:
@@ -514,7 +531,13 @@ class Tiering:
         if self.config.write_policy == "selective":
             self.write_down([e for e in entries if e.hits == self.config.selective_min_hits])
 
-    # ------------------------------------------------------------------ estimates, counters
+    # ------------------------------------------------------------------ events, estimates, counters
+
+    def listen(self, events: BlockEvents | None) -> None:
+        """Record in `events` every block entering or leaving a tier from now on (None: stop)."""
+        self.index.events = events
+        for store in self.l3.stores if self.l3 is not None else ():
+            store.events = events
 
     def load_seconds(self, tier: str, num_blocks: int) -> float:
         """Expected seconds to bring `num_blocks` of `tier` into L1 now."""

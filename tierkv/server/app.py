@@ -110,9 +110,11 @@ class _Guard:
 
 
 def create_app(engine: AsyncEngine, *, served_model_name: str, max_model_len: int, api_key: str | None = None,
-               grace_s: float = 30.0, flush_timeout_s: float = 60.0, max_request_bytes: int | None = None) -> FastAPI:
-    """`max_request_bytes`: the largest request body read (default: derived from `max_model_len`)."""
-    metrics = ServerMetrics(engine)
+               grace_s: float = 30.0, flush_timeout_s: float = 60.0, max_request_bytes: int | None = None,
+               kv_events=None) -> FastAPI:
+    """`max_request_bytes`: the largest request body read (default: derived from `max_model_len`).
+    `kv_events`: the KVEventPublisher (kv_events.py) when KV-cache events are published."""
+    metrics = ServerMetrics(engine, kv_events)
     names = [served_model_name]
     created = int(time.time())
 
@@ -165,6 +167,11 @@ def create_app(engine: AsyncEngine, *, served_model_name: str, max_model_len: in
     @app.get("/metrics")
     async def prometheus():
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/kv_event_sources")
+    async def kv_event_sources(request: Request):
+        """vLLM's discovery of the KV-event publishers: one per data-parallel rank, none when off."""
+        return [] if kv_events is None else kv_events.sources(request.url.hostname)
 
     @app.get("/v1/models", response_model=ModelList, responses=ERRORS)
     async def models():

@@ -23,6 +23,7 @@ from pathlib import Path
 from ..config import parse_size, redact_url
 from ..engine.config import L2_DEFAULT_RULE, EngineConfig
 from ..errors import ConfigError
+from .kv_events import KVEventPublisher, KVEventsConfig
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -38,6 +39,7 @@ SERVER_OPTIONS = {
     # what one client may make the server hold (tierkv/server/limits.py); None: derived from max_model_len
     "max_request_bytes": None, "header_timeout": 10.0, "body_timeout": 30.0, "send_timeout": 30.0,
     "send_buffer_bytes": "256KiB", "keep_alive_timeout": 5.0, "max_connections": 1000, "max_keep_alive_requests": 1000,
+    "kv_events_config": None,
 }
 TIMEOUTS = ("header_timeout", "body_timeout", "send_timeout", "keep_alive_timeout")
 COUNTS = ("max_connections", "max_keep_alive_requests", "max_waiting")
@@ -98,6 +100,10 @@ def parser() -> argparse.ArgumentParser:
     a("--grace-period", type=float, help="seconds running requests get to finish after SIGTERM (default 30)")
     a("--flush-timeout", type=float, help="seconds allowed for flushing write-back blocks to L3 on exit (default 60)")
     a("--log-level", help="debug, info, warning, error, critical (default info)")
+    a("--kv-events-config", metavar="JSON", help="publish KV-cache events (blocks entering and leaving each tier, "
+      "with their token ids) over ZMQ for cache-aware routers, as vLLM does and with its JSON, e.g. "
+      "'{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": "
+      "\"tcp://*:5558\"}'; '*' binds the --host address (default off)")
     g = p.add_argument_group("limits on clients", "what one client may make the server hold "
                              "(docs/serving.md, 'Limits'); the defaults are safe to expose behind a proxy")
     b = g.add_argument
@@ -167,6 +173,11 @@ def _check_server_options(p: argparse.ArgumentParser, opts: dict) -> None:
             p.error(f"--{name.replace('_', '-')} must be a number of seconds >= 0, got {opts[name]!r}")
     if str(opts["log_level"]).lower() not in LOG_LEVELS:
         p.error(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {opts['log_level']!r}")
+    if opts["kv_events_config"] is not None:
+        try:
+            opts["kv_events_config"] = KVEventsConfig.parse(opts["kv_events_config"])
+        except ConfigError as err:
+            p.error(str(err))
     port = opts["port"]
     if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
         p.error(f"--port must be an int from 0 to 65535, got {port!r}")
@@ -289,6 +300,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     _setup_logging(opts["log_level"], [opts["api_key"]] if opts["api_key"] else [])
     log = logging.getLogger("tierkv.serve")
+    kv_events = None  # bound before the model loads, so a busy port fails in a second
+    if opts["kv_events_config"] is not None and opts["kv_events_config"].enabled:
+        try:
+            kv_events = KVEventPublisher(opts["kv_events_config"], host=str(opts["host"]), block_size=config.block_size)
+        except ConfigError as err:
+            print(f"tierkv-serve: {err}", file=sys.stderr)
+            return 2
     try:
         import uvicorn
 
@@ -308,13 +326,18 @@ def main(argv: list[str] | None = None) -> int:
     except TierKVError as err:
         print(f"tierkv-serve: {Redact([]).scrub(str(err))}", file=sys.stderr)
         return 2
+    if kv_events is not None:
+        engine.cache.listen(kv_events.events)
+        if not config.enable_prefix_caching:
+            log.warning("KV-cache events are on but prefix caching is off: routers will count on blocks that no "
+                        "request reuses; drop --no-enable-prefix-caching")
     model = opts["model"]
     local = model is not None and Path(model).expanduser().is_dir()
     name = opts["served_model_name"] or (BUNDLED_NAME if model is None else Path(model).name if local else model)
     aengine = AsyncEngine(engine, max_waiting=opts["max_waiting"])
     app = create_app(aengine, served_model_name=name, max_model_len=engine.max_model_len, api_key=opts["api_key"],
                      grace_s=opts["grace_period"], flush_timeout_s=opts["flush_timeout"],
-                     max_request_bytes=opts["max_request_bytes"])
+                     max_request_bytes=opts["max_request_bytes"], kv_events=kv_events)
     limits = Limits(**{f.name: opts[f.name] for f in dataclasses.fields(Limits) if f.name != "max_request_bytes"},
                     max_request_bytes=app.state.max_request_bytes)
     metrics = app.state.metrics
@@ -335,6 +358,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{limits.keep_alive_timeout:g} s x {limits.max_keep_alive_requests} requests, "
           f"{limits.max_connections} connections", flush=True)
     server.run()
+    if kv_events is not None:
+        kv_events.close()  # after the engine's shutdown: its last evictions go out too
     if not server.started:
         log.error("the server did not start (is port %s free?)", opts["port"])
         return 1

@@ -18,8 +18,9 @@ TIERS = ("l1", "l2", "l3")
 
 
 class ServerMetrics:
-    def __init__(self, engine) -> None:
-        """`engine`: the AsyncEngine whose queue depths and stats snapshot are exported."""
+    def __init__(self, engine, kv_events=None) -> None:
+        """`engine`: the AsyncEngine whose queue depths and stats snapshot are exported;
+        `kv_events`: the KVEventPublisher, when KV-cache events are published."""
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("tierkv_requests", "HTTP requests by route and status code",
@@ -40,6 +41,8 @@ class ServerMetrics:
                               "send or idle timeout, or the connection cap", ["reason"], registry=r)
         self.open_connections = Gauge("tierkv_http_connections_open", "open HTTP connections", registry=r)
         r.register(_EngineCollector(engine))
+        if kv_events is not None:
+            r.register(_KVEventsCollector(kv_events))
 
     def observe(self, *, ttft: float | None, e2e: float, prompt_tokens: int, cached_tokens: int,
                 completion_tokens: int) -> None:
@@ -114,3 +117,20 @@ class _EngineCollector:
         # the whole L2 pool is page-locked at start when it is pinned, used or not
         yield GaugeMetricFamily("tierkv_pinned_host_bytes", "page-locked host memory of the L2 pool",
                                 value=tiers.get("l2", {}).get("capacity_bytes", 0) if self.l2_pinned else 0)
+
+
+class _KVEventsCollector:
+    """The KV-event publisher's counters, read at scrape time."""
+
+    def __init__(self, publisher) -> None:
+        self.publisher = publisher
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        p = self.publisher
+        yield CounterMetricFamily("tierkv_kv_events_batches", "KV-event batches published (one ZMQ message each)",
+                                  value=p.published)
+        yield CounterMetricFamily("tierkv_kv_events_dropped", "block events dropped unpublished: the queue "
+                                  "(max_queue_size) was full, so routers miss those changes", value=p.events.dropped)

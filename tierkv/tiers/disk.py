@@ -247,6 +247,7 @@ class DiskStore(L3Store):
             victims = self._evict_locked(size)
             self._reserved += size
         self._unlink_all(victims)
+        self._evicted(victims)
         sub, path = self._path(name)
         tmp = os.path.join(sub, f".{name}.{os.getpid()}.{_TMP_TAG}{next(_tmp_ids):x}.tmp")
         try:

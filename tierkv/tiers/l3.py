@@ -68,6 +68,9 @@ A record is checked on its own (header and checksum), so a damaged block k of a 
 miss from k on and the blocks before it still hit. Objects of format 1 (one object per block,
 named `<32 hex>`) are never read: their names differ, and the disk store evicts them first.
 
+A store with `events` set records each block it stored (and the disk store each object it
+evicted) there, under its `medium`; `shared` says whether other processes and machines read it.
+
 Stores are thread-safe and never raise on a service or I/O failure: they count the error by
 kind and answer a miss or a failed put. They raise only for caller bugs (wrong buffer size, no
 chain position for a chunked store) and for a bad URL at open time (ConfigError). Names start
@@ -93,6 +96,7 @@ from typing import Any, TypeVar
 
 from ..config import redact_url
 from ..errors import ConfigError
+from ..events import BlockEvents, store_medium
 from ..layout import KVLayout
 from .codec import (
     BlockId,
@@ -162,6 +166,7 @@ class L3Store(ABC):
     # Lookups by probe_prefix instead of one check per chunk: for stores whose checks are network
     # round trips (S3), not local stat calls (disk, exact at a few microseconds each).
     probe_lookup: bool = False
+    shared: bool = False  # read by other processes and machines too (S3, Redis), not this machine's own
 
     def __init__(self, layout: KVLayout, url: str, threads: int, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> None:
         self.layout = layout
@@ -181,6 +186,9 @@ class L3Store(ABC):
         self._where_lock = threading.Lock()
         self._tls = threading.local()  # per-thread scratch for record headers
         self._closed = False
+        self.events: BlockEvents | None = None  # where stores and evictions are recorded, if anywhere
+        # every process sharing the store names it alike: its URL, without credentials or options
+        self.medium = store_medium(self.shared, self.url.split("?")[0].replace("***@", ""))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r}, {self.layout.fingerprint})"
@@ -247,6 +255,8 @@ class L3Store(ABC):
             self._stats.error("io")
             ok = [False] * len(ids)
         done = sum(ok)
+        if not self.chunked:  # (a chunked store records each object as it is written: _put_run)
+            self._record_stored([bid for bid, stored in zip(ids, ok) if stored])
         nbytes = done * self.layout.bytes_per_block
         self._stats.add(puts=done, put_failures=len(ok) - done, bytes_written=nbytes)
         self._stats.sample_bandwidth(nbytes, time.monotonic() - t0, write=True)
@@ -281,6 +291,13 @@ class L3Store(ABC):
     def object_name(self, h: int) -> str:
         """The name of the chunk object whose last block has hash `h`."""
         return f"{key_hex(h)}.c{self.chunk_blocks}"
+
+    def _evicted(self, names: list[str]) -> None:
+        """Record that the objects `names` left the store. An object is named after its last block,
+        so that is the block recorded: the whole object with one block per object (the default)."""
+        if self.events is not None:
+            for name in names:
+                self.events.removed(self.medium, int(name[:32], 16))
 
     def _check_positions(self, ids: Sequence[BlockId]) -> None:
         if self.chunked and any(b.pos < 0 for b in ids):
@@ -456,9 +473,7 @@ class L3Store(ABC):
         name = self.object_name(last.hash)
         size = (last.pos % K + 1) * rs
         if self._known(name, size):
-            for i in run:
-                ok[i] = True
-            return True
+            return self._took(run, ids, ok)
         parts: list[Any] = []
         before = None
         if head.pos % K:
@@ -466,10 +481,8 @@ class L3Store(ABC):
             before = self.object_name(head.parent)
             prefix = self._read_prefix(before, head)
             if prefix is None:
-                if self._holds(self._stat([name])[0], last.pos):
-                    for i in run:  # another writer stored the whole run already
-                        ok[i] = True
-                    return True
+                if self._holds(self._stat([name])[0], last.pos):  # another writer stored the whole run already
+                    return self._took(run, ids, ok)
                 self._stats.add(orphans=len(run))
                 return False
             parts.append(prefix)
@@ -480,12 +493,23 @@ class L3Store(ABC):
                 parts.append(pad)
         if not self._write(name, parts, size):
             return False
-        for i in run:
-            ok[i] = True
         self._remember([ids[i].hash for i in run], last.hash)
         if before is not None:
             self._delete_quietly(before)  # the longer object holds all of it now
+        return self._took(run, ids, ok)
+
+    def _took(self, run: list[int], ids: list[BlockId], ok: list[bool]) -> bool:
+        """The blocks `run` of `ids` are in the store: say so in `ok`, and record them now, before
+        a later write of this put can evict them (recorded after it, the removal would come first)."""
+        for i in run:
+            ok[i] = True
+        self._record_stored([ids[i] for i in run])
         return True
+
+    def _record_stored(self, ids: list[BlockId]) -> None:
+        if self.events is not None:
+            for bid in ids:
+                self.events.stored(self.medium, bid.hash, bid.parent, bid.tokens)
 
     def _read_prefix(self, name: str, head: BlockId) -> memoryview | None:
         """The records of chain positions chunk start .. head.pos-1 from object `name`, checked

@@ -155,6 +155,7 @@ class _Replies:
 
 class RedisStore(L3Store):
     name = "redis"
+    shared = True
 
     def __init__(self, url: str, layout: KVLayout) -> None:
         opts = UrlOptions(url, ("ttl", "timeout", "connect_timeout", "prefix", "threads", "max_object"))

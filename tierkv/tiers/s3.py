@@ -132,6 +132,7 @@ class _Heads:
 
 class S3Store(L3Store):
     name = "s3"
+    shared = True
     probe_lookup = True  # a HEAD costs a round trip: probe for the end of the run (l3.probe_prefix)
 
     def __init__(self, url: str, layout: KVLayout) -> None:
