@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -62,6 +63,14 @@ def container(workload: dict) -> dict:
 
 def port_named(c: dict, name: str) -> int:
     return next(p["containerPort"] for p in c["ports"] if p["name"] == name)
+
+
+def options(args: list[str]) -> dict:
+    """tierkv-serve's options for `args`, as its own parser reads them (and refuses them)."""
+    try:
+        return cli.load_options(args)
+    except SystemExit:
+        pytest.fail(f"tierkv-serve refuses `{shlex.join(args)}` (its message is in the captured stderr)")
 
 
 def events_port(opts_args: list[str]) -> int:
@@ -121,7 +130,7 @@ def test_image(rendered):
     assert user and user[-1].split(":")[0].isdigit() and int(user[-1].split(":")[0]) > 0
     assert json.loads(re.search(r"^ENTRYPOINT (.+)$", text, re.M).group(1)) == ["tierkv-serve"]
     cmd = json.loads(re.search(r"^CMD (.+)$", text, re.M).group(1))
-    opts = cli.load_options(cmd)
+    opts = options(cmd)
     assert opts["host"] == "0.0.0.0" and opts["port"] == cli.DEFAULT_PORT
     serve = container(one(rendered, "Deployment", "tierkv-serve"))
     exposed = {int(p) for line in re.findall(r"^EXPOSE (.+)$", text, re.M) for p in line.split()}
@@ -138,7 +147,7 @@ def test_image(rendered):
 def test_server_listens_where_it_is_probed_and_scraped(rendered):
     deploy = one(rendered, "Deployment", "tierkv-serve")
     c = container(deploy)
-    opts = cli.load_options(c["args"])
+    opts = options(c["args"])
     assert opts["host"] == "0.0.0.0"  # the default (127.0.0.1) is unreachable from the kubelet and the router
     assert port_named(c, "http") == opts["port"]
     assert port_named(c, "kv-events") == events_port(c["args"])
@@ -155,7 +164,7 @@ def test_server_listens_where_it_is_probed_and_scraped(rendered):
 
 def drain_s(args: list[str], pre_stop: dict | None) -> float:
     """Seconds from the kubelet's decision to stop a pod to the server's exit, at most."""
-    opts = cli.load_options(args)
+    opts = options(args)
     sleep = float(pre_stop["exec"]["command"][1]) if pre_stop else 0.0
     return sleep + opts["grace_period"] + cli.SHUTDOWN_SLACK_S + opts["flush_timeout"]
 
@@ -200,13 +209,13 @@ def test_l3_is_the_redis_cluster_of_the_manifests(rendered):
     assert f"for i in {' '.join(map(str, range(n)))}; do" in job["command"][-1]
     assert "cluster-enabled yes" in one(rendered, "ConfigMap", "tierkv-redis")["data"]["redis.conf"]
     serve = one(rendered, "Deployment", "tierkv-serve")
-    (url,) = cli.load_options(container(serve)["args"])["l3"]
+    (url,) = options(container(serve)["args"])["l3"]
     assert redis_cluster_nodes(url) == [(p, port) for p in pods]
     # the chart values reach the same cluster from another namespace
     (llmd,) = values("llm-d-modelservice.values.yaml")["decode"]["containers"]
     shim_args = vllm_shim.translate(production_stack_command(values("production-stack.values.yaml"))[1:])
     for args in (llmd["args"], shim_args):
-        (url,) = cli.load_options(args)["l3"]
+        (url,) = options(args)["l3"]
         assert redis_cluster_nodes(url) == [(f"{p}.{ns}.svc", port) for p in pods]
     # the NetworkPolicy lets the servers in
     policy = one(rendered, "NetworkPolicy", "tierkv-redis")
@@ -238,7 +247,7 @@ def test_router_runs_kv_aware_over_the_servers(rendered):
     assert flag(args, "--policy") == "kv_aware"
     serve = one(rendered, "Deployment", "tierkv-serve")
     c = container(serve)
-    opts = cli.load_options(c["args"])
+    opts = options(c["args"])
     assert int(flag(args, "--kv-event-block-size")) == opts["block_size"]
     assert flag(args, "--kv-event-model") == opts["served_model_name"]
     assert int(flag(args, "--service-discovery-port")) == port_named(c, "http")
@@ -300,7 +309,7 @@ def test_chart_values_start_tierkv_serve():
     v = values("llm-d-modelservice.values.yaml")
     (c,) = v["decode"]["containers"]
     assert c["modelCommand"] == "custom" and c["command"] == ["tierkv-serve"]
-    opts = cli.load_options(c["args"])
+    opts = options(c["args"])
     assert opts["host"] == "0.0.0.0" and opts["port"] == v["routing"]["servicePort"]
     assert opts["served_model_name"] == v["modelArtifacts"]["name"] == opts["model"]
     assert v["modelArtifacts"]["uri"] == f"hf://{opts['model']}"
@@ -310,7 +319,7 @@ def test_chart_values_start_tierkv_serve():
     assert v["decode"]["monitoring"]["podmonitor"]["portName"] == "http"
     ps = values("production-stack.values.yaml")
     cmd = production_stack_command(ps)
-    opts = cli.load_options(vllm_shim.translate(cmd[1:]))
+    opts = options(vllm_shim.translate(cmd[1:]))
     (spec,) = ps["servingEngineSpec"]["modelSpec"]
     assert opts["model"] == spec["modelURL"] and opts["host"] == "0.0.0.0" and opts["enable_prefix_caching"]
     assert ps["servingEngineSpec"]["vllmApiKey"]["secretName"] == "tierkv-api-key"
@@ -328,7 +337,7 @@ def served(tiny_model, tmp_path_factory, rendered):  # noqa: F811
     """tierkv-serve started as production-stack starts an engine (`vllm serve MODEL ...` with
     VLLM_API_KEY and PROMETHEUS_MULTIPROC_DIR set), serving the manifests' model name."""
     tmp = tmp_path_factory.mktemp("deploy")
-    name = cli.load_options(container(one(rendered, "Deployment", "tierkv-serve"))["args"])["served_model_name"]
+    name = options(container(one(rendered, "Deployment", "tierkv-serve"))["args"])["served_model_name"]
     srv = ServerProcess([str(tiny_model), "--host", "127.0.0.1", "--enable-prefix-caching", "--served-model-name",
                          name, "--l1", "4MiB", "--log-level", "warning", "--disable-log-requests"],
                         tmp / "serve.log", command=("-m", "tierkv.server.vllm_shim", "serve"),
