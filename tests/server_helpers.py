@@ -28,14 +28,17 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, args: list[str], log_path: Path, env: dict | None = None) -> None:
+    def __init__(self, args: list[str], log_path: Path, env: dict | None = None,
+                 command: tuple[str, ...] = ("-m", "tierkv.server.cli")) -> None:
+        """`command`: what follows the Python interpreter, before `--port` (e.g. the vllm shim's
+        `-m tierkv.server.vllm_shim serve`)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         full_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tierkv.server.cli", "--port", str(self.port), *args],
+            [sys.executable, *command, "--port", str(self.port), *args],
             stdout=self._log, stderr=subprocess.STDOUT, env=full_env,
         )
 
