@@ -164,7 +164,7 @@ class AsyncEngine:
                 self._refresh_stats()
                 continue
             try:
-                outputs = eng.step()
+                eng.step(emit=self._hand_over)  # each token leaves as soon as the host has it
             except TensorParallelError as err:
                 # Every rank is stopped already: nothing can run again in this process.
                 log.error("engine failed: %s", err)
@@ -178,15 +178,17 @@ class AsyncEngine:
                 self._fail_all(RuntimeError("the engine failed while running this request"))
                 self._count()
                 continue
-            for out in outputs:
-                if out.logprobs:
-                    self._name_tokens(out.logprobs)
-                    # a snapshot: the event loop reads it while the next step appends (unnamed)
-                    # entries to the request's own list
-                    out.logprobs = out.logprobs[:]
-                self._deliver(out.request_id, out, finished=out.request_finished)
             self._count()
             self._refresh_stats()
+
+    def _hand_over(self, outputs: list) -> None:
+        for out in outputs:
+            if out.logprobs:
+                self._name_tokens(out.logprobs)
+                # a snapshot: the event loop reads it while the next step appends (unnamed)
+                # entries to the request's own list
+                out.logprobs = out.logprobs[:]
+            self._deliver(out.request_id, out, finished=out.request_finished)
 
     def _drain(self, block: bool) -> bool:
         """Apply queued commands; True when told to stop."""
