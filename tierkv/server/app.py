@@ -272,7 +272,12 @@ def create_app(engine: AsyncEngine, *, served_model_name: str, max_model_len: in
                 lp = None
                 if item.logprobs is not None:
                     lp, seen_lp[item.index] = item.logprobs[seen_lp.get(item.index, 0):], len(item.logprobs)
-                if item.new_text or lp or item.finished:
+                # A chunk for every sampled token, its text empty or not (no tokenizer, or the first
+                # bytes of a character that later tokens complete), so that clients time each token
+                # from its chunk. vLLM does the same: its completion stream skips an output only while
+                # no token has been sampled at all (chunked prefill), and its chat stream sends
+                # delta.content "" for a token without text.
+                if item.new_token_ids or item.finished:
                     reason = FINISH.get(item.finish_reason, item.finish_reason) if item.finished else None
                     yield sse(chunk(item.index, item.new_text, lp, reason))
                 if item.finished:
