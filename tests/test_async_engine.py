@@ -8,7 +8,8 @@ import pytest
 from models import save_tiny_checkpoint
 from tierkv.engine.engine import Engine
 from tierkv.engine.sampler import SamplingParams
-from tierkv.server.async_engine import AsyncEngine
+from tierkv.engine.request import RequestOutput
+from tierkv.server.async_engine import AsyncEngine, _put_all
 
 
 @pytest.fixture(scope="module")
@@ -67,8 +68,8 @@ def test_each_token_leaves_in_the_step_that_sampled_it(engine):
         loop = asyncio.get_running_loop()
         call_soon_threadsafe = loop.call_soon_threadsafe
 
-        def hand_over(fn, *args):  # the engine thread handing an output to this loop
-            if isinstance(getattr(fn, "__self__", None), asyncio.Queue):  # a stream's queue
+        def hand_over(fn, *args):  # the engine thread handing outputs to this loop
+            if any(isinstance(item, RequestOutput) for _, item in (args[0] if fn is _put_all else ())):
                 handed.append(time.monotonic())
             return call_soon_threadsafe(fn, *args)
 
