@@ -1,7 +1,8 @@
 """py-spy on another process: sample it while a block of work runs, and say where each thread's time went.
 
 `record(pid, path)` samples the process into `path` (py-spy's raw format: one collapsed stack a
-line, ending in its sample count) for as long as its block runs. `summarise(path)` turns such a
+line, ending in its sample count) for as long as its block runs (PySpyError after the block when
+py-spy could not). `summarise(path)` turns such a
 file into text: per thread, its samples and the functions most often on top of its stack (self)
 and anywhere in it (inclusive). Needs the py-spy binary (pip install py-spy) and the right to
 ptrace the process (root, or kernel.yama.ptrace_scope 0). It measures only what it is given.
@@ -22,6 +23,10 @@ RATE = 250  # samples a second
 _FRAME = re.compile(r" \((.*?):\d+\)$")  # "fn (file.py:123)" -> "fn (file.py)": lines apart are one function
 
 
+class PySpyError(RuntimeError):
+    """py-spy could not sample the process (not allowed to ptrace it, say)."""
+
+
 def available() -> bool:
     return shutil.which("py-spy") is not None
 
@@ -39,7 +44,7 @@ def record(pid: int, path: Path, *, gil: bool = False):
         spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
         _, err = spy.communicate(timeout=60)
         if not path.exists():
-            raise RuntimeError(f"py-spy wrote no profile: {err.decode(errors='replace')[-500:]}")
+            raise PySpyError(f"py-spy wrote no profile: {err.decode(errors='replace')[-500:]}")
 
 
 def summarise(path: Path, title: str, top: int = 25) -> str:
