@@ -1,18 +1,26 @@
 """AsyncEngine: the engine on its own thread, as the server drives it."""
 
 import asyncio
+import time
 
 import pytest
 
 from models import save_tiny_checkpoint
 from tierkv.engine.engine import Engine
 from tierkv.engine.sampler import SamplingParams
-from tierkv.server.async_engine import AsyncEngine
+from tierkv.engine.request import RequestOutput
+from tierkv.server.async_engine import AsyncEngine, _put_all
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    eng = Engine(str(save_tiny_checkpoint("llama", tmp_path_factory.mktemp("async-llama"), seed=5)), device="cpu")
+def checkpoint(tmp_path_factory):
+    return str(save_tiny_checkpoint("llama", tmp_path_factory.mktemp("async-llama"), seed=5))
+
+
+@pytest.fixture
+def engine(checkpoint):
+    """A fresh engine: AsyncEngine.shutdown closes it."""
+    eng = Engine(checkpoint, device="cpu")
     yield eng
     eng.close()
 
@@ -39,3 +47,52 @@ def test_each_streamed_output_keeps_the_logprobs_it_was_delivered_with(engine):
     for n, item in enumerate(items, start=1):
         assert len(item.logprobs) == n  # what was delivered at step n, not what the request has now
         assert all("token" in e and len(e["top_tokens"]) == 2 for e in item.logprobs)
+
+
+def test_each_token_leaves_in_the_step_that_sampled_it(engine):
+    # Async scheduling (the default) once handed a step's tokens to the event loop only after
+    # the next step had run: every streamed token a step late, the last two together. Compared
+    # against the engine's own step times, not absolute ones: each token must be handed over
+    # after the launch that sampled it and before the next launch begins.
+    assert engine.config.async_scheduling
+    launches, handed, received = [], [], []  # (start, end) of each launch | hand-over times | outputs
+    run = engine.runner.run
+
+    def timed_run(step, previous=None):
+        start = time.monotonic()
+        launched = run(step, previous)
+        launches.append((start, time.monotonic()))
+        return launched
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        call_soon_threadsafe = loop.call_soon_threadsafe
+
+        def hand_over(fn, *args):  # the engine thread handing outputs to this loop
+            if any(isinstance(item, RequestOutput) for _, item in (args[0] if fn is _put_all else ())):
+                handed.append(time.monotonic())
+            return call_soon_threadsafe(fn, *args)
+
+        aeng = AsyncEngine(engine)
+        aeng.start()
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        loop.call_soon_threadsafe = hand_over
+        stream = await aeng.submit(lambda eng: (list(range(3, 40)), params), request_id="timed")
+        while True:
+            item = await stream.queue.get()
+            received.append(item)
+            if item.request_finished:
+                break
+        await aeng.shutdown(grace_s=5, flush_timeout_s=5)
+
+    engine.runner.run = timed_run
+    try:
+        asyncio.run(main())
+    finally:
+        del engine.runner.run  # the class's method again
+    assert len(launches) == len(handed) == len(received) == 6  # the 6th token's step is its last
+    assert [len(item.token_ids) for item in received] == [1, 2, 3, 4, 5, 6]
+    for k in range(6):
+        assert launches[k][1] <= handed[k], f"token {k} handed over before its step ended"
+        if k + 1 < 6:
+            assert handed[k] <= launches[k + 1][0], f"token {k} held back until step {k + 1} ran"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import statistics
 import sys
 import time
 import uuid
@@ -238,6 +239,35 @@ def test_64_concurrent_streams_match_sequential_greedy(client, server):
     for prompt, text, reason in results:
         assert reason == "length"
         assert text == expected[prompt]
+
+
+def test_each_streamed_token_arrives_in_the_step_that_sampled_it(client):
+    # Under async scheduling (the server's default) each token once left a step late: the gaps
+    # between chunks were one decode step each, then 0 between the last two. Relative to the
+    # other gaps, for a loaded machine: the last one is a decode step too.
+    arrivals = []
+    for part in client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6, temperature=0,
+                                          stream=True, extra_body={"ignore_eos": True}):
+        if part.choices:
+            arrivals.append(time.perf_counter())
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    assert len(gaps) == 5
+    assert gaps[-1] > 0.25 * statistics.median(gaps[:-1]), gaps
+
+
+def test_tokens_without_text_get_a_chunk_each(client):
+    # SmolLM2 answers this with an emoji split over three tokens: the first two are the start of
+    # a UTF-8 sequence and have no text of their own. As in vLLM each still gets its chunk (text
+    # or content ""), so that a client counts tokens and times the first one from the chunks.
+    from tierkv.engine.loader import bundled_model_dir
+    from tierkv.engine.tokenizer import Tokenizer
+
+    messages = [{"role": "user", "content": "List three emojis:"}]
+    body = dict(model=MODEL, max_tokens=3, temperature=0, stream=True, extra_body={"ignore_eos": True})
+    chat = [p.choices[0].delta.content for p in client.chat.completions.create(messages=messages, **body)]
+    ids = Tokenizer.from_dir(bundled_model_dir(None)).apply_chat_template(messages)
+    text = [p.choices[0].text for p in client.completions.create(prompt=ids, **body)]
+    assert chat == text == ["", "", "\N{GLOWING STAR}"]
 
 
 # ---------------------------------------------------------------------------- bad input

@@ -4,9 +4,10 @@
 the work, run launches it on the device, postprocess takes sampled tokens back (detokenizing,
 logprobs, stop checks). With async scheduling (the default) postprocess handles the previous
 step, after this one is launched: the host schedules and prepares step N+1 while the GPU runs
-step N, and tokens return without a sync on the hot path. Used by `LLM` (which loops until
-done) and by the server (which steps on a background thread). Single-threaded; nothing here
-knows about HTTP.
+step N, and tokens return without a sync on the hot path; for a streaming caller, a step the
+device has finished already (on a CPU: every step) is taken back at once, so that each token
+leaves in the step that sampled it. Used by `LLM` (which loops until done) and by the server (which steps on a
+background thread). Single-threaded; nothing here knows about HTTP.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import copy
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -226,15 +228,25 @@ class Engine:
 
     # ------------------------------------------------------------------ the loop
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, emit: Callable[[list[RequestOutput]], None] | None = None) -> list[RequestOutput]:
         """Schedule -> run -> postprocess; returns an output for every request that got a token or
-        finished. With async scheduling, the tokens returned are those of the previous step."""
+        finished. With async scheduling, the tokens returned are those of the previous step.
+
+        `emit`: a streaming caller (the server). Each batch of outputs goes to it as soon as it
+        exists, and a step whose tokens are on the host already (on a CPU, where launching
+        computes: every step) is taken back before the next one is launched, so that each token
+        leaves in the step that sampled it; step then returns []. Without it (LLM.generate, which
+        returns outputs only at the end) the next step is always launched first, which keeps the
+        overlap path (pending tokens read on the device) in use on every device."""
         outputs: list[RequestOutput] = []
-        if self.in_flight is not None and not self._may_overlap():
-            outputs += self._postprocess(self._take_in_flight())
+        streaming = emit is not None
+        emit = emit or outputs.extend
+        if self.in_flight is not None and ((streaming and self.in_flight.ready()) or not self._may_overlap()):
+            emit(self._postprocess(self._take_in_flight()))
         step = self.scheduler.schedule()
-        outputs += [self._ended(req) for req in self.scheduler.given_up]
-        self.scheduler.given_up.clear()
+        if self.scheduler.given_up:
+            emit([self._ended(req) for req in self.scheduler.given_up])
+            self.scheduler.given_up.clear()
         launched = None
         if len(step):
             launched = self.runner.run(step, self.in_flight)
@@ -244,10 +256,10 @@ class Engine:
             for req in launched.requests:
                 req.pending += 1
         if self.in_flight is not None:
-            outputs += self._postprocess(self._take_in_flight())  # the GPU runs `launched` meanwhile
+            emit(self._postprocess(self._take_in_flight()))  # the device runs `launched` meanwhile
         self.in_flight = launched
-        if launched is not None and not self.config.async_scheduling:
-            outputs += self._postprocess(self._take_in_flight())
+        if launched is not None and (not self.config.async_scheduling or (streaming and launched.ready())):
+            emit(self._postprocess(self._take_in_flight()))
         if launched is None and self.scheduler.waiting and not self.scheduler.running:
             time.sleep(0.001)  # waiting only for L3 prefetches to land
         return outputs

@@ -49,6 +49,10 @@ class LaunchedStep:
             self._done = torch.cuda.Event()
             self._done.record(torch.cuda.current_stream(device))
 
+    def ready(self) -> bool:
+        """Whether `result` would return at once (always on a CPU, where `run` computed the step)."""
+        return self._done is None or self._done.query()
+
     def result(self) -> SamplerOutput | None:
         """The sampled tokens (and log-probabilities) on the host; blocks until the step is done."""
         if self._done is not None:

@@ -164,7 +164,7 @@ class AsyncEngine:
                 self._refresh_stats()
                 continue
             try:
-                outputs = eng.step()
+                eng.step(emit=self._hand_over)  # each token leaves as soon as the host has it
             except TensorParallelError as err:
                 # Every rank is stopped already: nothing can run again in this process.
                 log.error("engine failed: %s", err)
@@ -178,15 +178,17 @@ class AsyncEngine:
                 self._fail_all(RuntimeError("the engine failed while running this request"))
                 self._count()
                 continue
-            for out in outputs:
-                if out.logprobs:
-                    self._name_tokens(out.logprobs)
-                    # a snapshot: the event loop reads it while the next step appends (unnamed)
-                    # entries to the request's own list
-                    out.logprobs = out.logprobs[:]
-                self._deliver(out.request_id, out, finished=out.request_finished)
             self._count()
             self._refresh_stats()
+
+    def _hand_over(self, outputs: list) -> None:
+        for out in outputs:
+            if out.logprobs:
+                self._name_tokens(out.logprobs)
+                # a snapshot: the event loop reads it while the next step appends (unnamed)
+                # entries to the request's own list
+                out.logprobs = out.logprobs[:]
+        self._deliver([(out.request_id, out, out.request_finished) for out in outputs])
 
     def _drain(self, block: bool) -> bool:
         """Apply queued commands; True when told to stop."""
@@ -239,17 +241,23 @@ class AsyncEngine:
         self.engine.abort(request_id)
         self._streams.pop(request_id, None)
 
-    def _deliver(self, request_id: str, item: Any, finished: bool) -> None:
-        target = self._streams.get(request_id)
-        if target is None:
-            return  # aborted meanwhile
-        loop, out = target
-        if finished:
-            del self._streams[request_id]
-        try:
-            loop.call_soon_threadsafe(out.put_nowait, item)
-        except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
-            pass
+    def _deliver(self, items: list[tuple[str, Any, bool]]) -> None:
+        """Queue (request id, output or error, finished) items to their streams: one wake-up of
+        each event loop for the lot, not one per stream."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for request_id, item, finished in items:
+            target = self._streams.get(request_id)
+            if target is None:
+                continue  # aborted meanwhile
+            loop, out = target
+            if finished:
+                del self._streams[request_id]
+            by_loop.setdefault(loop, []).append((out, item))
+        for loop, puts in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, puts)
+            except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
+                pass
 
     def _name_tokens(self, logprobs: list[dict]) -> None:
         """Add the text of each sampled and top token; done here because the tokenizer belongs
@@ -269,7 +277,7 @@ class AsyncEngine:
                 self.engine.abort(rid)
             except Exception:
                 log.exception("abort of %s failed", rid)
-            self._deliver(rid, err, finished=True)
+        self._deliver([(rid, err, True) for rid in list(self._streams)])
 
     def _count(self) -> None:
         sched = self.engine.scheduler
@@ -307,3 +315,8 @@ class AsyncEngine:
             done = arg[-1] if kind == "add" else arg[1] if kind == "call" else None
             if done is not None and not done.done():
                 done.set_exception(ShuttingDown("the server is shutting down"))
+
+
+def _put_all(puts: list[tuple[asyncio.Queue, Any]]) -> None:
+    for queue_, item in puts:
+        queue_.put_nowait(item)
