@@ -130,6 +130,21 @@ class AsyncEngine:
         self._commands.put(("call", (fn, done)))
         return await asyncio.wrap_future(done)
 
+    async def load(self) -> dict:
+        """Requests running and waiting, and the tokens they hold or bring: the running ones' whole
+        sequences and the waiting ones' prompts (SGLang's measure of load)."""
+        def count(eng) -> dict:
+            sched = eng.scheduler
+            return {"running": len(sched.running), "waiting": len(sched.waiting) + self._pending,
+                    "tokens": sum(r.num_tokens for r in sched.running) + sum(len(r.prompt_ids) for r in sched.waiting)}
+
+        return await self.call(count)
+
+    async def clear_cache(self) -> bool:
+        """Empty L1 and L2 (TieredKVCache.clear); False, changing nothing, while a running request
+        holds a cached block."""
+        return await self.call(lambda eng: eng.cache.clear())
+
     def drain(self, grace_s: float) -> None:
         """Refuse new requests now; after `grace_s`, cut short whatever still runs (each stream gets
         a ShuttingDown error, so clients see a clean end rather than a dropped connection)."""
