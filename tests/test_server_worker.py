@@ -10,7 +10,10 @@ the routers themselves over several replicas.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -21,7 +24,7 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 from load_helpers import tiny_model  # noqa: E402,F401  (module fixture: a tiny Llama with a tokenizer)
-from server_helpers import metric, serving  # noqa: E402
+from server_helpers import free_port, metric, serving  # noqa: E402
 
 from tierkv.server.protocol import FOREIGN_FIELDS  # noqa: E402
 
@@ -352,3 +355,59 @@ def test_strict_mode_refuses_unknown_fields_by_name(strict):
     assert load == {"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}
     assert httpx.get(strict.url + "/get_load?format=vllm", timeout=30).json() == {"load": 0}
     assert json.loads(httpx.get(strict.url + "/v1/models", timeout=30).text)["data"][0]["id"] == "tiny"
+
+
+# ---------------------------------------------------------------------------- the real routers, one worker
+
+
+@contextlib.contextmanager
+def router(module: str, args: list[str], log_path: Path):
+    """vllm-router or sglang-router (`module`: its launch_router) on a free port; its URL."""
+    port = free_port()
+    cmd = [sys.executable, "-m", module, "--port", str(port), "--prometheus-port", str(free_port()), *args]
+    with open(log_path, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        end = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None and time.monotonic() < end, log_path.read_text()
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            time.sleep(0.3)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def test_vllm_routers_cache_aware_renders_each_request_here(server, tmp_path):
+    # before each request it asks the worker for the prompt's tokens: /render, and /tokenize only
+    # when /render fails
+    routes = ('route="/v1/completions/render",status="200"', 'route="/v1/chat/completions/render",status="200"',
+              'route="/tokenize",status="200"')
+    before = scrape(server)
+    with router("vllm_router.launch_router", ["--worker-urls", server.url, "--policy", "cache_aware", "--api-key",
+                                              KEY], tmp_path / "router.log") as url:
+        via = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+        assert via.completions.create(model=MODEL, prompt="Hello there", max_tokens=2).usage.completion_tokens == 2
+        chat = via.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+        assert chat.choices[0].message.content
+    after = scrape(server)
+    assert [metric(after, "tierkv_requests_total", r) - metric(before, "tierkv_requests_total", r) for r in routes] \
+        == [1, 1, 0]
+
+
+def test_sglang_router_reads_the_load_in_its_shape(strict, tmp_path):
+    pytest.importorskip("sglang_router")
+    with router("sglang_router.launch_router", ["--worker-urls", strict.url, "--policy", "cache_aware"],
+                tmp_path / "router.log") as url:
+        # it adds fields of its own to every request: what --strict-request-fields refuses (why it is off
+        # by default)
+        body = {"model": "tiny", "prompt": "w1 w2 w3", "max_tokens": 2}
+        r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "unknown_field", r.text
+        # -1 is what it reports for a worker whose /get_load it cannot read
+        assert httpx.get(url + "/get_loads", timeout=30).json()["workers"] == [{"worker": strict.url, "load": 0}]
+        assert httpx.post(url + "/flush_cache", timeout=30).json()["workers_flushed"] == 1
