@@ -240,7 +240,7 @@ def test_min_tokens_holds_off_the_end(client):
 def test_get_load_counts_what_runs(server):
     assert get(server, "/get_load").json() == {"load": 0}
     prompt = "Count: " + "one, two, three, " * 8  # full blocks, cached as soon as they are computed
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 200, "ignore_eos": True, "stream": True}
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 400, "ignore_eos": True, "stream": True}
     with httpx.Client(timeout=60) as c, c.stream("POST", server.url + "/v1/completions", json=body, headers=AUTH) as r:
         lines = r.iter_lines()
         next(line for line in lines if line.startswith("data: {"))  # it runs

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from fastapi import FastAPI, Request
 
+from .. import __version__
 from ..engine.sampler import SamplingParams
 from ..engine.tokenizer import Tokenizer
 from .api_errors import api_error, error_response
@@ -89,7 +90,7 @@ class Served:
                 "effective_attention_block_size": self.block_size, "page_size": self.block_size,
                 "max_model_len": self.max_model_len, "context_length": self.max_model_len,
                 "max_running_requests": self.max_num_seqs, "tp_size": self.tensor_parallel_size, "dp_size": 1,
-                "disaggregation_mode": "null", "version": "tierkv-0.1.0"}
+                "disaggregation_mode": "null", "version": f"tierkv-{__version__}"}
 
 
 class _Tokenizing:
