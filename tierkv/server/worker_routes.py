@@ -133,9 +133,10 @@ def add_worker_routes(app: FastAPI, engine: AsyncEngine, served: Served, *, acce
 
     @app.api_route("/v1/models/{model:path}", methods=["GET", "HEAD"], response_model=ModelCard, responses=ERRORS)
     async def model_card(model: str):
-        if model != served.name:
-            return error_response(APIError(404, f"the model {model!r} does not exist; this server serves "
-                                           f"{served.name!r}", param="model", code="model_not_found"))
+        try:
+            check_model(model, names)
+        except APIError as err:
+            return error_response(err)
         return served.card()
 
     @app.get("/get_model_info")
