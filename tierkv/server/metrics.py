@@ -42,7 +42,7 @@ VLLM_NAMES = {
     "vllm:e2e_request_latency_seconds": ("tierkv_e2e_request_latency_seconds", "arrival to last token"),
 }
 # vllm:cache_config_info, an info gauge (always 1) whose labels describe the cache, is made from
-# the engine's configuration (VLLMNames.collect). vLLM's inter-token latency has no counterpart:
+# the engine's configuration (_VLLMNames.collect). vLLM's inter-token latency has no counterpart:
 # tierkv times whole requests, not each gap.
 
 
@@ -92,7 +92,7 @@ class ServerMetrics:
         self.cached_tokens.inc(cached_tokens)
 
     def observe(self, *, ttft: float | None, e2e: float, completion_tokens: int, finished_reason: str) -> None:
-        """A request finished: its latencies, output tokens (all choices) and why it ended (choice 0's reason)."""
+        """A request finished: its latencies, output tokens (all choices) and why it ended."""
         if ttft is not None:
             self.ttft.observe(ttft)
             if completion_tokens > 1:

@@ -163,7 +163,7 @@ class TokenizeRequest(BaseModel):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool | None = Field(None, description="default: true for a prompt, false for messages "
                                             "(the chat template writes them)")
     add_generation_prompt: bool = True

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from fastapi import FastAPI, Request
 
+from .. import __version__
 from ..engine.sampler import SamplingParams
 from ..engine.tokenizer import Tokenizer
 from .api_errors import api_error, error_response
@@ -89,7 +90,7 @@ class Served:
                 "effective_attention_block_size": self.block_size, "page_size": self.block_size,
                 "max_model_len": self.max_model_len, "context_length": self.max_model_len,
                 "max_running_requests": self.max_num_seqs, "tp_size": self.tensor_parallel_size, "dp_size": 1,
-                "disaggregation_mode": "null", "version": "tierkv-0.1.0"}
+                "disaggregation_mode": "null", "version": f"tierkv-{__version__}"}
 
 
 class _Tokenizing:
@@ -132,9 +133,10 @@ def add_worker_routes(app: FastAPI, engine: AsyncEngine, served: Served, *, acce
 
     @app.api_route("/v1/models/{model:path}", methods=["GET", "HEAD"], response_model=ModelCard, responses=ERRORS)
     async def model_card(model: str):
-        if model != served.name:
-            return error_response(APIError(404, f"the model {model!r} does not exist; this server serves "
-                                           f"{served.name!r}", param="model", code="model_not_found"))
+        try:
+            check_model(model, names)
+        except APIError as err:
+            return error_response(err)
         return served.card()
 
     @app.get("/get_model_info")
