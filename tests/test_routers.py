@@ -1,6 +1,7 @@
 """tierkv-serve behind real routers: three replicas of the bundled model sharing one Redis L3
-(write-through), behind vllm-router with kv_aware (fed by tierkv's KV-cache events), cache_aware
-and round_robin, and behind sglang-router with cache_aware; then a rolling update under load.
+(write-through), behind vllm-router with kv_aware (fed by tierkv's KV-cache events and replay
+sockets), cache_aware and round_robin, and behind sglang-router with cache_aware; then a rolling
+update under load.
 
 One fleet serves the whole module (the rolling update, which replaces a replica, runs last). The
 fleet, the multi-round workload and the hit fractions are benchmarks/bench_routers.py's: its
@@ -10,6 +11,7 @@ figures from one run are benchmarks/results/routers-cpu.json.
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 import threading
 import time
@@ -21,6 +23,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_routers  # noqa: E402
 from bench_routers import Fleet, Router, Workload, converse  # noqa: E402
+from services import unavailable  # noqa: E402
 
 WORK = Workload()  # 6 conversations of 4 rounds, 4 tokens an answer
 
@@ -32,6 +35,8 @@ def workdir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def fleet(workdir):
+    if shutil.which("redis-server") is None:
+        unavailable("redis-server is not installed", "apt-get install -y redis-server")
     fleet = Fleet(workdir, 3)
     yield fleet
     fleet.stop()
