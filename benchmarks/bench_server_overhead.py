@@ -48,7 +48,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))  # the server launcher the tests use
 import pyspy  # noqa: E402
 from common import RESULTS, environment, machine_tag, write_results  # noqa: E402
-from serving.client import hits_between  # noqa: E402
+from serving.client import stats_delta  # noqa: E402
 from serving.model import describe, make_model  # noqa: E402
 from server_helpers import ServerProcess, metric  # noqa: E402
 
@@ -245,6 +245,12 @@ def run_llm(a, model_dir: Path, tier: dict, prompts) -> dict:
         llm.close()
     return dict(hit_tokens=hits, **summary(timed + hit_rounds), requests=timed + hit_rounds,
                 cpu_s_per_hit=cpu / len(hit_rounds))
+
+
+def hits_between(before: dict | None, after: dict | None) -> dict | None:
+    """Hit tokens per tier between two cache-stats snapshots."""
+    delta = stats_delta(before, after)
+    return None if delta is None else {tier: d["hit_tokens"] for tier, d in delta.items()}
 
 
 def cpu_seconds(pid: int) -> float:
