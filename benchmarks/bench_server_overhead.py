@@ -142,7 +142,10 @@ def http_ttft(client: httpx.Client, url: str, body: bytes, max_tokens: int) -> f
         for line in r.iter_lines():
             if not line.startswith("data: {"):
                 continue
-            choices = json.loads(line[6:]).get("choices") or ()
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(f"the stream ended in an error after {tokens} tokens: {event['error']}")
+            choices = event.get("choices") or ()
             if choices and choices[0].get("logprobs"):
                 first = first if first is not None else time.perf_counter() - start
                 tokens += len(choices[0]["logprobs"]["tokens"])
@@ -192,6 +195,9 @@ def run_http(a, model_dir: Path, tier: dict, prompts, tmp: Path) -> dict:
             cpu = cpu_seconds(srv.proc.pid) - cpu0
             hits = hits_between(before, stats())
             s1, n1 = server_ttft()
+    except Exception:
+        print(f"http: a request failed; server log tail:\n{srv.log()[-4000:]}", flush=True)
+        raise
     finally:
         if srv.stop() != 0:
             print(f"http: server exited badly; log tail:\n{srv.log()[-1500:]}", flush=True)
