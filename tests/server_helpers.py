@@ -7,6 +7,7 @@ stopped by their own pid only.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -72,6 +73,18 @@ class ServerProcess:
                 self.proc.wait()
         self._log.close()
         return self.proc.returncode
+
+
+@contextlib.contextmanager
+def serving(args: list[str], log_path: Path, env: dict | None = None, **kw):
+    """A ready ServerProcess; stopped at the end, and it must have exited 0 (a clean drain)."""
+    srv = ServerProcess(args, log_path, env, **kw)
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        code = srv.stop()
+    assert code == 0, srv.log()
 
 
 def rss_mib(pid: int) -> float:

@@ -34,7 +34,7 @@ from tierkv.server.kv_events import (
     wire_events,
 )
 
-BUNDLED = "SmolLM2-135M-Instruct"
+BUNDLED = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the name tierkv-serve serves the bundled model under
 BS = 16  # tokens per block (the server's default)
 
 

@@ -58,6 +58,9 @@ def frequencies(probs: list[float], params: SamplingParams, rows: int = 20000) -
     ({"stop_token_ids": [-1]}, "stop_token_ids"),
     ({"logprobs": 21}, "logprobs"),
     ({"ignore_eos": "yes"}, "ignore_eos"),
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"min_tokens": 1.5}, "min_tokens"),
+    ({"max_tokens": 4, "min_tokens": 5}, "min_tokens"),
 ])
 def test_bad_values_name_the_field(options, field):
     with pytest.raises(ConfigError, match=field):
@@ -205,6 +208,28 @@ def test_stop_reason():
     assert stop_reason(ignoring, 2, 1, eos_token_ids=[2]) is None
     assert stop_reason(ignoring, 9, 1, eos_token_ids=[2]) == "stop"
     assert stop_reason(SamplingParams(max_tokens=None), 5, 10**6, eos_token_ids=[2]) is None
+
+
+def test_min_tokens_keeps_eos_and_stop_ids_out_until_that_many_tokens():
+    # rows 0-2 would take token 2 (eos) or 9 (a stop id); each row has sampled a different count
+    logits = torch.full((4, 12), -5.0)
+    logits[:, 2], logits[:, 9], logits[:, 4], logits[:, 7] = 4.0, 3.0, 1.0, 0.5
+    p = SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[9])
+    params = [p, p, p, SamplingParams(temperature=0, min_tokens=3, ignore_eos=True)]
+    batch = SamplingBatch.build(params, 12, "cpu", num_output=[0, 2, 3, 0], eos_token_ids=[2])
+    # rows 0 and 1 are short of 3 tokens: neither eos nor 9; row 2 has its 3; row 3 ignores eos
+    # and so only bans its stop ids (none): eos is an ordinary token for it
+    assert sample(logits, batch).token_ids.tolist() == [4, 4, 2, 2]
+    # a token still on its way back counts: num_output, not the output ids the host has
+    assert SamplingBatch.build([p], 12, "cpu", output_ids=[[5, 5]], num_output=[3], eos_token_ids=[2]).banned is None
+    assert SamplingBatch.build([p], 12, "cpu", output_ids=[[5, 5]], eos_token_ids=[2]).banned is not None
+    # the log-probabilities stay the model's (vLLM's processors act after them)
+    params = [SamplingParams(temperature=0, min_tokens=1, logprobs=0)]
+    out = sample(logits[:1], SamplingBatch.build(params, 12, "cpu", num_output=[0], eos_token_ids=[2]))
+    assert out.token_ids.item() == 9 and out.logprobs.item() == pytest.approx(torch.log_softmax(logits[0], -1)[9].item())
+    # stop_reason agrees: an eos or stop id ends the output only once min_tokens are out
+    assert stop_reason(SamplingParams(min_tokens=2), 2, 1, eos_token_ids=[2]) is None
+    assert stop_reason(SamplingParams(min_tokens=2), 2, 2, eos_token_ids=[2]) == "stop"
 
 
 def test_stop_string_split_across_steps_is_found_and_cut():

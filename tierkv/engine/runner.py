@@ -77,6 +77,7 @@ class ModelRunner:
         self.tp = lm.model.tp
         self.device = lm.device
         self.vocab_size = lm.config.vocab_size
+        self.eos_token_ids = lm.tokenizer.eos_token_ids if lm.tokenizer is not None else []  # min_tokens bans them
         self.sampler = Sampler()
         # Every attention kernel variant a step may pick is compiled now: a variant first met
         # mid-run would stall that step (and every request in it) for about a second.
@@ -168,6 +169,7 @@ class ModelRunner:
                 [r.params for r in sampling], self.vocab_size, self.device,
                 generators=[r.generator for r in sampling],
                 prompt_ids=[r.prompt_ids for r in sampling], output_ids=[r.output_ids for r in sampling],
+                num_output=[len(r.output_ids) + r.pending for r in sampling], eos_token_ids=self.eos_token_ids,
             )
             out = self.sampler(logits, batch)
         return LaunchedStep(sampling, out, self.device)

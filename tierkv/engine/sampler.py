@@ -31,8 +31,10 @@ class SamplingParams:
     temperature 0 is greedy. top_k <= 0 and top_p 1 and min_p 0 disable those filters.
     repetition_penalty (HF/vLLM style, over prompt and output) divides positive logits of seen
     tokens and multiplies negative ones; presence/frequency penalties (OpenAI style) subtract
-    per output token. max_tokens None means up to the model's maximum length. logprobs None
-    returns none; k >= 0 returns the sampled token's log-probability and the top k.
+    per output token. max_tokens None means up to the model's maximum length. min_tokens: as in
+    vLLM, the end-of-sequence ids (unless ignore_eos) and stop_token_ids are never sampled before
+    that many tokens are out (their logits are -inf), and stop strings count only after them.
+    logprobs None returns none; k >= 0 returns the sampled token's log-probability and the top k.
 
     n > 1 asks for n choices of one prompt (parallel sampling): the prompt is computed and
     stored once and the choices share its KV. Choice i samples with seed `seed + i` (as vLLM
@@ -40,6 +42,7 @@ class SamplingParams:
     """
 
     max_tokens: int | None
+    min_tokens: int
     temperature: float
     top_p: float
     top_k: int
@@ -60,6 +63,7 @@ class SamplingParams:
         self,
         *,
         max_tokens: int | None = 64,
+        min_tokens: int = 0,
         temperature: float = 1.0,
         top_p: float = 1.0,
         top_k: int = 0,
@@ -84,6 +88,7 @@ class SamplingParams:
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ConfigError(f"unknown sampling option {name!r}{hint}; valid options: {', '.join(valid)}")
         self.max_tokens = max_tokens
+        self.min_tokens = min_tokens
         self.temperature = temperature
         self.top_p = top_p
         self.top_k = top_k
@@ -127,6 +132,10 @@ class SamplingParams:
 
         if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens <= 0):
             fail("max_tokens", "must be a positive int (or None for up to the model's length)")
+        if not is_int(self.min_tokens) or self.min_tokens < 0:
+            fail("min_tokens", "must be an int >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            fail("min_tokens", f"must be at most max_tokens ({self.max_tokens})")
         if not is_num(self.temperature) or self.temperature < 0:
             fail("temperature", "must be a number >= 0 (0 is greedy)")
         if not is_num(self.top_p) or not 0 < self.top_p <= 1:
@@ -191,6 +200,7 @@ class SamplingBatch:
     frequency_penalty: torch.Tensor | None  # [B, 1] fp32
     all_greedy: bool
     max_logprobs: int | None
+    banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) whose logits are -inf: min_tokens
 
     @classmethod
     def build(
@@ -201,8 +211,12 @@ class SamplingBatch:
         generators: list[torch.Generator | None] | None = None,
         prompt_ids: list[Sequence[int]] | None = None,
         output_ids: list[Sequence[int]] | None = None,
+        num_output: list[int] | None = None,
+        eos_token_ids: Sequence[int] = (),
     ) -> SamplingBatch:
-        """prompt_ids / output_ids are needed only by rows with a penalty."""
+        """prompt_ids / output_ids are needed only by rows with a penalty. num_output: tokens each
+        row's request has sampled so far, those on their way back included (default: its
+        output_ids); with eos_token_ids, what min_tokens needs."""
         b = len(params)
 
         def col(values: list, dtype: torch.dtype) -> torch.Tensor:
@@ -228,6 +242,17 @@ class SamplingBatch:
             counts = counts.to(device, non_blocking=True)
             presence = col([[p.presence_penalty] for p in params], torch.float32)
             frequency = col([[p.frequency_penalty] for p in params], torch.float32)
+        banned = None
+        if any(p.min_tokens for p in params):
+            counts_out = num_output if num_output is not None else [len(ids) for ids in output_ids or [()] * b]
+            rows, cols = [], []
+            for i, (p, n) in enumerate(zip(params, counts_out)):
+                if n < p.min_tokens:
+                    ids = {*p.stop_token_ids, *(() if p.ignore_eos else eos_token_ids)}
+                    rows += [i] * len(ids)
+                    cols += ids
+            if rows:
+                banned = (col(rows, torch.int64), col(cols, torch.int64))
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         # an all-greedy batch (the usual decode step) builds no per-row columns: each is a host
         # tensor and a copy every step, which the argmax never reads
@@ -249,6 +274,7 @@ class SamplingBatch:
             frequency_penalty=frequency,
             all_greedy=all_greedy,
             max_logprobs=max(wanted) if wanted else None,
+            banned=banned,
         )
 
 
@@ -284,6 +310,8 @@ class Sampler:
         # log-probabilities of the model's own distribution, before any penalty or filter
         logprobs = torch.log_softmax(logits, dim=-1) if batch.max_logprobs is not None else None
         logits = self._penalize(logits, batch)
+        if batch.banned is not None:  # min_tokens: no end yet (a copy: the caller's logits stay as they are)
+            logits = logits.index_put(batch.banned, torch.tensor(-math.inf, device=logits.device))
         tokens = greedy_tokens(logits)  # [B]
         if not batch.all_greedy:
             sampled = self._sample(logits, batch)
@@ -335,10 +363,12 @@ class Sampler:
 def stop_reason(
     params: SamplingParams, token_id: int, num_output_tokens: int, eos_token_ids: Sequence[int]
 ) -> str | None:
-    """"stop" for an eos (unless ignore_eos) or a stop token id, "length" at max_tokens, else None.
+    """"stop" for an eos (unless ignore_eos) or a stop token id once min_tokens are out, "length" at
+    max_tokens, else None.
 
     num_output_tokens counts the output including `token_id`."""
-    if (not params.ignore_eos and token_id in eos_token_ids) or token_id in params.stop_token_ids:
+    ends = (not params.ignore_eos and token_id in eos_token_ids) or token_id in params.stop_token_ids
+    if ends and num_output_tokens >= params.min_tokens:
         return "stop"
     if params.max_tokens is not None and num_output_tokens >= params.max_tokens:
         return "length"

@@ -65,7 +65,12 @@ class Tokenizer:
                 "this model's tokenizer has no chat template; use generate() with plain prompts, "
                 "or add a chat_template to its tokenizer_config.json"
             )
-        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        from jinja2 import TemplateError
+
+        try:
+            text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        except TemplateError as err:  # the template's own check (roles must alternate, ...): the caller's to fix
+            raise ConfigError(f"the chat template refused these messages: {err}") from None
         # the template already wrote BOS and friends; do not add them twice
         return self.encode(text, add_special_tokens=False)
 

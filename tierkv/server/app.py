@@ -23,57 +23,34 @@ from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..errors import ConfigError
-from .async_engine import AsyncEngine, EngineFailed, Overloaded, ShuttingDown
+from .api_errors import api_error, error_response
+from .async_engine import AsyncEngine, ShuttingDown
 from .limits import PARSED, BodyLimits, default_max_request_bytes
 from .metrics import ServerMetrics
 from .protocol import (
+    ERRORS,
     APIError,
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
-    ErrorResponse,
-    ModelList,
     usage,
 )
 from .serving import (
     FINISH,
     chat_logprobs,
     completion_logprobs,
+    extra_fields,
     prepare_chat,
     prepare_completion,
     sse,
 )
+from .worker_routes import Served, add_worker_routes
 
 log = logging.getLogger(__name__)
 
-ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 408, 413, 429, 503)}
 # how pydantic names the member of a union in an error's location: str, list[int], constrained-str
 _UNION_MEMBER = re.compile(r"^(str|int|float|bool|constrained-\w+|[\w-]+\[.*\])$")
-
-
-def _error(err: APIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
-
-
-def _from_exception(err: Exception) -> APIError:
-    """Map what submit() raises to the error a client sees."""
-    if isinstance(err, APIError):
-        return err
-    if isinstance(err, Overloaded):
-        return APIError(429, "the server is at capacity: too many requests are waiting; retry later",
-                        type="rate_limit_error", code="server_overloaded",
-                        headers={"Retry-After": str(err.retry_after)})
-    if isinstance(err, EngineFailed):
-        return APIError(503, str(err), type="server_error", code="engine_failed")
-    if isinstance(err, ShuttingDown):
-        return APIError(503, str(err), type="server_error", code="shutting_down")
-    if isinstance(err, ConfigError):
-        m = re.search(r"SamplingParams\.(\w+)", str(err))
-        return APIError(400, str(err).replace("SamplingParams.", ""), param=m.group(1) if m else None)
-    log.error("request failed: %s", type(err).__name__)  # no message: it could quote the request
-    return APIError(500, "internal server error", type="server_error")
 
 
 class _ParsedRequest(Request):
@@ -122,20 +99,25 @@ class _Guard:
                                type="invalid_request_error", code="invalid_api_key")
         if err is None and path.startswith(("/v1/completions", "/v1/chat")):
             refused = self.state.engine.refusal()
-            err = _from_exception(refused) if refused is not None else None
+            err = api_error(refused) if refused is not None else None
         if err is not None:
-            return await _error(err)(scope, receive, counted)
+            return await error_response(err)(scope, receive, counted)
         await self.app(scope, receive, counted)
 
 
-def create_app(engine: AsyncEngine, *, served_model_name: str, max_model_len: int, api_key: str | None = None,
-               grace_s: float = 30.0, flush_timeout_s: float = 60.0, max_request_bytes: int | None = None,
-               kv_events=None) -> FastAPI:
-    """`max_request_bytes`: the largest request body read (default: derived from `max_model_len`).
-    `kv_events`: the KVEventPublisher (kv_events.py) when KV-cache events are published."""
-    metrics = ServerMetrics(engine, kv_events)
-    names = [served_model_name]
-    created = int(time.time())
+def create_app(engine: AsyncEngine, served: Served, *, api_key: str | None = None, grace_s: float = 30.0,
+               flush_timeout_s: float = 60.0, max_request_bytes: int | None = None, kv_events=None,
+               strict_request_fields: bool = False, load_format: str = "vllm") -> FastAPI:
+    """`served`: the model and how it is named. `max_request_bytes`: the largest request body read
+    (default: derived from its context length). `kv_events`: the KVEventPublisher (kv_events.py)
+    when KV-cache events are published. `strict_request_fields`: refuse unknown request fields
+    instead of ignoring and counting them. `load_format`: GET /get_load's shape (worker_routes.py)."""
+    metrics = ServerMetrics(engine, served.name, served.cache_config, kv_events)
+    names, max_model_len = [served.name], served.max_model_len
+
+    def accept(body) -> None:
+        """Count the request's unknown fields; refuse the ones that would change the result."""
+        metrics.count_unknown_fields(extra_fields(body, strict_request_fields))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -157,26 +139,26 @@ def create_app(engine: AsyncEngine, *, served_model_name: str, max_model_len: in
         # items") says more than a type mismatch against another member ("should be a valid string")
         first = next((e for e in errors if not e.get("type", "").endswith("_type")), errors[0] if errors else {})
         if first.get("type") == "json_invalid":
-            return _error(APIError(400, "the request body is not valid JSON", code="invalid_json"))
+            return error_response(APIError(400, "the request body is not valid JSON", code="invalid_json"))
         loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _UNION_MEMBER.match(str(p))]
         if not loc:  # the body itself is wrong: not an object, or not sent as JSON
-            return _error(APIError(400, "the request body must be a JSON object (with Content-Type: "
+            return error_response(APIError(400, "the request body must be a JSON object (with Content-Type: "
                                    "application/json)", code="invalid_json"))
         where = ".".join(loc) or "body"
         msg = first.get("msg", "invalid request")
-        return _error(APIError(400, f"{where}: {msg}", param=loc[0] if loc else None))
+        return error_response(APIError(400, f"{where}: {msg}", param=loc[0] if loc else None))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return _error(APIError(exc.status_code, str(exc.detail), type=kind))
+        return error_response(APIError(exc.status_code, str(exc.detail), type=kind))
 
     @app.exception_handler(Exception)
     async def crashed(request: Request, exc: Exception):
         log.error("unhandled %s on %s", type(exc).__name__, request.url.path)
-        return _error(APIError(500, "internal server error", type="server_error"))
+        return error_response(APIError(500, "internal server error", type="server_error"))
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         if engine.failed is not None:
             return JSONResponse({"status": "failed", "reason": engine.failed}, status_code=503)
@@ -184,7 +166,7 @@ def create_app(engine: AsyncEngine, *, served_model_name: str, max_model_len: in
             return JSONResponse({"status": "shutting down"}, status_code=503)
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def prometheus():
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
@@ -193,17 +175,12 @@ def create_app(engine: AsyncEngine, *, served_model_name: str, max_model_len: in
         """vLLM's discovery of the KV-event publishers: one per data-parallel rank, none when off."""
         return [] if kv_events is None else kv_events.sources(request.url.hostname)
 
-    @app.get("/v1/models", response_model=ModelList, responses=ERRORS)
-    async def models():
-        return {"object": "list", "data": [{"id": n, "object": "model", "created": created, "owned_by": "tierkv",
-                                            "max_model_len": max_model_len} for n in names]}
-
     @app.get("/v1/cache/stats", responses=ERRORS)
     async def cache_stats():
         try:
             return await engine.call(lambda e: e.cache_stats())
         except ShuttingDown as err:
-            return _error(_from_exception(err))
+            return error_response(api_error(err))
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=ERRORS)
     async def completions(body: CompletionRequest, request: Request):
@@ -216,21 +193,30 @@ def create_app(engine: AsyncEngine, *, served_model_name: str, max_model_len: in
     async def _generate(body, request: Request, prepare, chat: bool):
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         try:
-            build = prepare(body, names, max_model_len)
-            stream = await engine.submit(build, request_id=rid, cache_salt=body.cache_salt, priority=body.priority)
+            accept(body)
+            encode = prepare(body, names, max_model_len)
+            stream = await engine.submit(lambda eng: encode(eng.tokenizer), request_id=rid,
+                                         cache_salt=body.cache_salt, priority=body.priority)
         except Exception as err:  # noqa: BLE001 (every failure becomes an error response)
-            return _error(_from_exception(err))
+            return error_response(api_error(err))
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            opts = body.stream_options
+            include_usage = bool(opts and opts.include_usage)
+            continuous = include_usage and opts.continuous_usage_stats
             gen = _stream_chat if chat else _stream_completion
-            return StreamingResponse(gen(stream, body.model, include_usage), media_type="text/event-stream")
+            return StreamingResponse(gen(stream, body.model, include_usage, continuous), media_type="text/event-stream")
         return await _complete(stream, request, body.model, chat)
+
+    def _first_token(stream, out) -> float:
+        """The request has its first token: count its prompt (as the cache counted its lookup)."""
+        metrics.first_token(prompt_tokens=stream.prompt_tokens, cached_tokens=out.cached_tokens)
+        return time.monotonic()
 
     def _finish(stream, out, first_at: float | None, completion_tokens: int) -> None:
         now = time.monotonic()
         metrics.observe(ttft=None if first_at is None else first_at - stream.arrival, e2e=now - stream.arrival,
-                        prompt_tokens=stream.prompt_tokens, cached_tokens=out.cached_tokens,
-                        completion_tokens=completion_tokens)
+                        completion_tokens=completion_tokens,
+                        finished_reason=FINISH.get(out.finish_reason, out.finish_reason))
 
     async def _complete(stream, request: Request, model: str, chat: bool):
         async def collect():
@@ -241,7 +227,7 @@ def create_app(engine: AsyncEngine, *, served_model_name: str, max_model_len: in
                 if isinstance(item, Exception):
                     return item, first_at
                 if first_at is None and item.token_ids:
-                    first_at = time.monotonic()
+                    first_at = _first_token(stream, item)
                 if item.finished:
                     finals[item.index] = item
                 if item.request_finished:
@@ -265,7 +251,7 @@ def create_app(engine: AsyncEngine, *, served_model_name: str, max_model_len: in
             return Response(status_code=499)  # nobody reads it
         outs, first_at = work.result()
         if isinstance(outs, Exception):
-            return _error(_from_exception(outs))
+            return error_response(api_error(outs))
         # n choices share the prompt: it counts once, their completions add up
         completion_tokens = sum(len(out.token_ids) for out in outs)
         _finish(stream, outs[0], first_at, completion_tokens)
@@ -281,9 +267,10 @@ def create_app(engine: AsyncEngine, *, served_model_name: str, max_model_len: in
             "logprobs": completion_logprobs(out.logprobs) if out.logprobs is not None else None,
             "finish_reason": FINISH.get(out.finish_reason, out.finish_reason)} for out in outs]}
 
-    async def _events(stream, chunk, include_usage: bool):
+    async def _events(stream, chunk, include_usage: bool, continuous: bool):
         """SSE for one request: `chunk(index, text, logprobs, finish_reason)` shapes each event (one
-        choice's, with n > 1 choices)."""
+        choice's, with n > 1 choices). `include_usage`: a last chunk with the usage; `continuous`:
+        every chunk with its choice's usage so far too (vLLM's continuous_usage_stats)."""
         done, first_at = False, None
         seen_lp: dict[int, int] = {}  # per choice: log-probabilities sent so far
         completion_tokens: dict[int, int] = {}  # per finished choice
@@ -292,10 +279,10 @@ def create_app(engine: AsyncEngine, *, served_model_name: str, max_model_len: in
                 item = await stream.queue.get()
                 if isinstance(item, Exception):
                     done = True
-                    yield sse(_from_exception(item).body())
+                    yield sse(api_error(item).body())
                     break
                 if first_at is None and item.token_ids:
-                    first_at = time.monotonic()
+                    first_at = _first_token(stream, item)
                 lp = None
                 if item.logprobs is not None:
                     lp, seen_lp[item.index] = item.logprobs[seen_lp.get(item.index, 0):], len(item.logprobs)
@@ -306,7 +293,10 @@ def create_app(engine: AsyncEngine, *, served_model_name: str, max_model_len: in
                 # delta.content "" for a token without text.
                 if item.new_token_ids or item.finished:
                     reason = FINISH.get(item.finish_reason, item.finish_reason) if item.finished else None
-                    yield sse(chunk(item.index, item.new_text, lp, reason))
+                    event = chunk(item.index, item.new_text, lp, reason)
+                    if continuous:
+                        event["usage"] = usage(stream.prompt_tokens, len(item.token_ids), item.cached_tokens)
+                    yield sse(event)
                 if item.finished:
                     completion_tokens[item.index] = len(item.token_ids)
                 if item.request_finished:
@@ -324,7 +314,7 @@ def create_app(engine: AsyncEngine, *, served_model_name: str, max_model_len: in
                 engine.abort(stream.request_id)
                 metrics.aborted.inc()
 
-    def _stream_completion(stream, model: str, include_usage: bool):
+    def _stream_completion(stream, model: str, include_usage: bool, continuous: bool):
         created_at = int(time.time())
         offsets: dict[int, int] = {}  # per choice: characters of token text sent so far (text_offset)
 
@@ -336,9 +326,9 @@ def create_app(engine: AsyncEngine, *, served_model_name: str, max_model_len: in
             return {"id": stream.request_id, "object": "text_completion", "created": created_at, "model": model,
                     "choices": [{"index": index, "text": text, "finish_reason": reason, "logprobs": logprobs}]}
 
-        return _events(stream, chunk, include_usage)
+        return _events(stream, chunk, include_usage, continuous)
 
-    def _stream_chat(stream, model: str, include_usage: bool):
+    def _stream_chat(stream, model: str, include_usage: bool, continuous: bool):
         created_at = int(time.time())
         started: set[int] = set()  # choices whose first delta (the one with the role) went out
 
@@ -351,8 +341,9 @@ def create_app(engine: AsyncEngine, *, served_model_name: str, max_model_len: in
                     "model": model, "choices": [{"index": index, "delta": delta, "finish_reason": reason,
                                                  "logprobs": chat_logprobs(lp) if lp else None}]}
 
-        return _events(stream, chunk, include_usage)
+        return _events(stream, chunk, include_usage, continuous)
 
+    add_worker_routes(app, engine, served, accept=accept, load_format=load_format)
     state.routes = {r.path for r in app.routes}
     state.max_request_bytes = max_request_bytes or default_max_request_bytes(max_model_len)
     app.add_middleware(BodyLimits, max_bytes=state.max_request_bytes)

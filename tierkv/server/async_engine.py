@@ -24,6 +24,7 @@ from ..errors import TensorParallelError
 log = logging.getLogger(__name__)
 
 STATS_PERIOD_S = 0.25  # how stale the metrics snapshot may get
+CLEAR_WAIT_S = 2.0  # how long emptying the cache waits for the blocks in use to be let go
 
 
 class Overloaded(Exception):
@@ -129,6 +130,27 @@ class AsyncEngine:
         done: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put(("call", (fn, done)))
         return await asyncio.wrap_future(done)
+
+    async def load(self) -> dict:
+        """Requests running and waiting, and the tokens they hold or bring: the running ones' whole
+        sequences and the waiting ones' prompts (SGLang's measure of load)."""
+        def count(eng) -> dict:
+            sched = eng.scheduler
+            return {"running": len(sched.running), "waiting": len(sched.waiting) + self._pending,
+                    "tokens": sum(r.num_tokens for r in sched.running) + sum(len(r.prompt_ids) for r in sched.waiting)}
+
+        return await self.call(count)
+
+    async def clear_cache(self, wait_s: float = CLEAR_WAIT_S) -> bool:
+        """Empty L1 and L2 (TieredKVCache.clear). It cannot while a running request holds a cached
+        block or an L3 write reads one: tried again for up to `wait_s` (writes land in a moment),
+        then False, having changed nothing."""
+        end = time.monotonic() + wait_s
+        while not await self.call(lambda eng: eng.cache.clear()):
+            if time.monotonic() >= end:
+                return False
+            await asyncio.sleep(0.05)
+        return True
 
     def drain(self, grace_s: float) -> None:
         """Refuse new requests now; after `grace_s`, cut short whatever still runs (each stream gets

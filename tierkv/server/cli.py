@@ -24,6 +24,7 @@ from ..config import parse_size, redact_url
 from ..engine.config import L2_DEFAULT_RULE, EngineConfig
 from ..errors import ConfigError
 from .kv_events import KVEventPublisher, KVEventsConfig
+from .protocol import LOAD_FORMATS
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -39,7 +40,7 @@ SERVER_OPTIONS = {
     # what one client may make the server hold (tierkv/server/limits.py); None: derived from max_model_len
     "max_request_bytes": None, "header_timeout": 10.0, "body_timeout": 30.0, "send_timeout": 30.0,
     "send_buffer_bytes": "256KiB", "keep_alive_timeout": 5.0, "max_connections": 1000, "max_keep_alive_requests": 1000,
-    "kv_events_config": None,
+    "kv_events_config": None, "strict_request_fields": False, "load_format": "vllm",
 }
 TIMEOUTS = ("header_timeout", "body_timeout", "send_timeout", "keep_alive_timeout")
 COUNTS = ("max_connections", "max_keep_alive_requests", "max_waiting")
@@ -63,8 +64,8 @@ def parser() -> argparse.ArgumentParser:
       "flags given on the command line win")
     a("--model", help="a Hugging Face model directory, or a hub id (org/name; safetensors only, fetched into "
       "the HF cache; HF_TOKEN, HF_HOME, HF_HUB_OFFLINE apply); default: the bundled SmolLM2-135M-Instruct")
-    a("--served-model-name", help="the name clients put in 'model' (default: the hub id, or the model "
-      "directory's name)")
+    a("--served-model-name", help="the name clients put in 'model' (default: the hub id, the model directory's "
+      "name, or HuggingFaceTB/SmolLM2-135M-Instruct, its hub id, for the bundled model)")
     a("--host", help=f"address to bind (default {DEFAULT_HOST}: this machine only; 0.0.0.0 for every interface)")
     a("--port", type=int, help=f"TCP port (default {DEFAULT_PORT})")
     a("--api-key", help=f"require 'Authorization: Bearer KEY' on every /v1 route (also read from ${API_KEY_ENV}); "
@@ -100,6 +101,12 @@ def parser() -> argparse.ArgumentParser:
     a("--grace-period", type=float, help="seconds running requests get to finish after SIGTERM (default 30)")
     a("--flush-timeout", type=float, help="seconds allowed for flushing write-back blocks to L3 on exit (default 60)")
     a("--log-level", help="debug, info, warning, error, critical (default info)")
+    a("--strict-request-fields", action="store_true", help="refuse (400, naming it) a request field the server does "
+      "not take, instead of ignoring it and counting it in tierkv_request_unknown_fields_total; fields that would "
+      "change the result are refused either way (default off: routers add fields of their own)")
+    a("--load-format", choices=LOAD_FORMATS, help="the shape GET /get_load answers in: vllm ({\"load\": N}, "
+      "vllm-router's power_of_two) or sglang ([{dp_rank, num_reqs, num_waiting_reqs, num_tokens}], sglang-router's); "
+      "?format= overrides it per call (default vllm)")
     a("--kv-events-config", metavar="JSON", help="publish KV-cache events (blocks entering and leaving each tier, "
       "with their token ids) over ZMQ for cache-aware routers, as vLLM does and with its JSON, e.g. "
       "'{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": "
@@ -171,6 +178,10 @@ def _check_server_options(p: argparse.ArgumentParser, opts: dict) -> None:
             opts[name] = -1.0
         if not 0 <= opts[name] < float("inf"):
             p.error(f"--{name.replace('_', '-')} must be a number of seconds >= 0, got {opts[name]!r}")
+    if opts["load_format"] not in LOAD_FORMATS:
+        p.error(f"--load-format must be one of {', '.join(LOAD_FORMATS)}, got {opts['load_format']!r}")
+    if not isinstance(opts["strict_request_fields"], bool):
+        p.error(f"--strict-request-fields takes no value (YAML: true or false), got {opts['strict_request_fields']!r}")
     if str(opts["log_level"]).lower() not in LOG_LEVELS:
         p.error(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {opts['log_level']!r}")
     if opts["kv_events_config"] is not None:
@@ -288,6 +299,28 @@ def tier_summary(engine) -> str:
             f"block {layout.block_size} tokens, context {engine.max_model_len}{caching}{tp}")
 
 
+def describe(engine, opts: dict):
+    """What the server serves (worker_routes.Served), as clients and routers are told. The bundled
+    model is served under its hub id, so that clients find its tokenizer there; its files (and any
+    model's) are also in `root`, the directory it was loaded from."""
+    from ..engine.loader import BUNDLED_HUB_ID
+    from .worker_routes import Served
+
+    model = opts["model"]
+    local = model is not None and Path(model).expanduser().is_dir()
+    path = BUNDLED_HUB_ID if model is None else str(Path(model).expanduser().resolve()) if local else model
+    name = opts["served_model_name"] or (Path(path).name if local else path)
+    cache, cfg = engine.cache, engine.config
+    return Served(
+        name=name, max_model_len=engine.max_model_len, model_path=path,
+        root=str(engine.lm.model_dir) if engine.tokenizer is not None else None, max_num_seqs=cfg.max_num_seqs,
+        tensor_parallel_size=cfg.tensor_parallel_size,
+        cache_config={"block_size": cache.layout.block_size, "num_gpu_blocks": cache.l1.num_blocks,
+                      "num_cpu_blocks": cache.l2.num_blocks if cache.l2 is not None else 0,
+                      "enable_prefix_caching": cfg.enable_prefix_caching,
+                      "cache_dtype": str(cache.layout.dtype).removeprefix("torch.")})
+
+
 def main(argv: list[str] | None = None) -> int:
     opts = load_options(argv)
     # Every option is checked here, before torch, FastAPI or a weight is loaded: a bad value
@@ -318,7 +351,6 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     from ..engine.engine import Engine
-    from ..engine.loader import BUNDLED_NAME
     from ..errors import TierKVError
 
     try:
@@ -331,13 +363,13 @@ def main(argv: list[str] | None = None) -> int:
         if not config.enable_prefix_caching:
             log.warning("KV-cache events are on but prefix caching is off: routers will count on blocks that no "
                         "request reuses; drop --no-enable-prefix-caching")
-    model = opts["model"]
-    local = model is not None and Path(model).expanduser().is_dir()
-    name = opts["served_model_name"] or (BUNDLED_NAME if model is None else Path(model).name if local else model)
+    served = describe(engine, opts)
+    name = served.name
     aengine = AsyncEngine(engine, max_waiting=opts["max_waiting"])
-    app = create_app(aengine, served_model_name=name, max_model_len=engine.max_model_len, api_key=opts["api_key"],
-                     grace_s=opts["grace_period"], flush_timeout_s=opts["flush_timeout"],
-                     max_request_bytes=opts["max_request_bytes"], kv_events=kv_events)
+    app = create_app(aengine, served, api_key=opts["api_key"], grace_s=opts["grace_period"],
+                     flush_timeout_s=opts["flush_timeout"], max_request_bytes=opts["max_request_bytes"],
+                     kv_events=kv_events, strict_request_fields=opts["strict_request_fields"],
+                     load_format=opts["load_format"])
     limits = Limits(**{f.name: opts[f.name] for f in dataclasses.fields(Limits) if f.name != "max_request_bytes"},
                     max_request_bytes=app.state.max_request_bytes)
     metrics = app.state.metrics

@@ -113,7 +113,7 @@ def _too_deep(depth: int | None) -> APIError:
 
 class BodyLimits:
     """ASGI middleware: read each body up to `max_bytes` (413 past it, before reading when the
-    Content-Length says so), check the JSON of POSTs to /v1, then hand the routes the body."""
+    Content-Length says so), check the JSON of POSTs, then hand the routes the body."""
 
     def __init__(self, app, max_bytes: int) -> None:
         self.app, self.max_bytes = app, max_bytes
@@ -138,7 +138,7 @@ class BodyLimits:
                 break
         body = b"".join(chunks)
         chunks.clear()
-        if body and scope["method"] == "POST" and scope["path"].startswith("/v1"):
+        if body and scope["method"] == "POST":  # every POST route takes JSON
             data, err = parse_json(body)
             if err is not None:
                 return await _answer(err, send)

@@ -1,26 +1,56 @@
 """Prometheus metrics of tierkv-serve: request counts and latencies, queue depths, cache counters.
 
-Request metrics are observed by app.py as requests finish. Queue depths and the cache's own
-counters (`Engine.cache_stats()`; per rank too under tensor parallelism) are read at scrape time from the snapshot the engine thread
-keeps, so a scrape never touches the engine. Each server has its own registry (no globals).
-This file never reads request bodies or headers (no secrets can reach a metric).
+Request metrics are observed by app.py: prompt and cached tokens once a request has its first
+token (so that aborted requests count as the cache's own hit counters count them), the rest as it
+finishes. Queue depths and the cache's own counters (`Engine.cache_stats()`; per rank too under
+tensor parallelism) are read at scrape time from the snapshot the engine thread keeps, so a scrape
+never touches the engine. Each tierkv_* family that has a vLLM counterpart is also exported under
+vLLM's name (VLLM_NAMES), read from the same measurement. Each server has its own registry (no
+globals). This file never reads request bodies or headers (no secrets can reach a metric).
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.samples import Sample
 
 # Buckets fit both a GPU (ms) and a loaded CPU (seconds).
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 _PER_TOKEN = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12)
 TIERS = ("l1", "l2", "l3")
 
+# vLLM's names (v1 engine; labels model_name and engine="0", as vLLM's one engine has) for what
+# tierkv measures the same way: autoscalers, schedulers and dashboards read these. Each is the
+# tierkv_* family on the right, renamed; a label vLLM's family lacks (tier) is summed over.
+VLLM_NAMES = {
+    "vllm:num_requests_running": ("tierkv_requests_running", "requests in the engine's running batch"),
+    "vllm:num_requests_waiting": ("tierkv_requests_waiting", "requests waiting to be admitted (production-stack's "
+                                  "KEDA trigger, llm-d's scheduler)"),
+    "vllm:kv_cache_usage_perc": ("tierkv_kv_cache_usage", "KV-cache usage, 1 is full: the fraction of L1 blocks "
+                                 "that requests hold (cached blocks no request holds can be evicted, as in vLLM)"),
+    "vllm:gpu_cache_usage_perc": ("tierkv_kv_cache_usage", "the same, under vLLM's name before 0.10"),
+    "vllm:prefix_cache_queries": ("tierkv_prefix_cache_query_tokens", "prefix-cache lookups, in tokens queried"),
+    "vllm:prefix_cache_hits": ("tierkv_prefix_cache_hit_tokens", "prefix-cache hits, in tokens found (any tier)"),
+    "vllm:prompt_tokens": ("tierkv_prompt_tokens", "prompt tokens of requests that got their first token"),
+    "vllm:generation_tokens": ("tierkv_generation_tokens", "output tokens of finished requests"),
+    "vllm:request_success": ("tierkv_requests_finished", "finished requests by finished_reason (stop, length); "
+                             "requests whose client left are tierkv_requests_aborted"),
+    "vllm:time_to_first_token_seconds": ("tierkv_time_to_first_token_seconds", "arrival to first token"),
+    "vllm:request_time_per_output_token_seconds": ("tierkv_time_per_output_token_seconds",
+                                                   "per request, the mean time between output tokens"),
+    "vllm:e2e_request_latency_seconds": ("tierkv_e2e_request_latency_seconds", "arrival to last token"),
+}
+# vllm:cache_config_info, an info gauge (always 1) whose labels describe the cache, is made from
+# the engine's configuration (_VLLMNames.collect). vLLM's inter-token latency has no counterpart:
+# tierkv times whole requests, not each gap.
+
 
 class ServerMetrics:
-    def __init__(self, engine, kv_events=None) -> None:
+    def __init__(self, engine, model_name: str, cache_info: dict, kv_events=None) -> None:
         """`engine`: the AsyncEngine whose queue depths and stats snapshot are exported;
-        `kv_events`: the KVEventPublisher, when KV-cache events are published."""
+        `model_name`: the served name, vLLM's `model_name` label; `cache_info`: the labels of
+        vllm:cache_config_info; `kv_events`: the KVEventPublisher, when KV-cache events are published."""
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("tierkv_requests", "HTTP requests by route and status code",
@@ -31,29 +61,49 @@ class ServerMetrics:
                               "mean time between output tokens after the first", buckets=_PER_TOKEN, registry=r)
         self.e2e = Histogram("tierkv_e2e_request_latency_seconds", "arrival to last token",
                              buckets=_LATENCY, registry=r)
-        self.prompt_tokens = Counter("tierkv_prompt_tokens", "prompt tokens of finished requests", registry=r)
-        self.cached_tokens = Counter("tierkv_cached_prompt_tokens", "prompt tokens served from the cache",
+        # counted when a request gets its first token, whether or not it finishes: as the cache counts
+        # tierkv_prefix_cache_hit_tokens when it looks the prompt up
+        self.prompt_tokens = Counter("tierkv_prompt_tokens", "prompt tokens of requests that got their first token",
                                      registry=r)
-        self.generation_tokens = Counter("tierkv_generation_tokens", "output tokens", registry=r)
+        self.cached_tokens = Counter("tierkv_cached_prompt_tokens", "prompt tokens served from the cache, of "
+                                     "requests that got their first token", registry=r)
+        self.generation_tokens = Counter("tierkv_generation_tokens", "output tokens of finished requests", registry=r)
+        self.finished = Counter("tierkv_requests_finished", "requests finished, by finished_reason",
+                                ["finished_reason"], registry=r)
+        self.unknown_fields = Counter("tierkv_request_unknown_fields", "request fields no schema field takes, ignored: "
+                                      "by name for fields other servers take (protocol.FOREIGN_FIELDS), else other",
+                                      ["field"], registry=r)
         self.aborted = Counter("tierkv_requests_aborted", "requests cut short (client gone, shutdown)",
                                registry=r)
         self.closed = Counter("tierkv_http_connections_closed", "connections closed by a limit: header, body, "
                               "send or idle timeout, or the connection cap", ["reason"], registry=r)
         self.open_connections = Gauge("tierkv_http_connections_open", "open HTTP connections", registry=r)
-        r.register(_EngineCollector(engine))
+        engine_collector = _EngineCollector(engine)
+        r.register(engine_collector)
         if kv_events is not None:
             r.register(_KVEventsCollector(kv_events))
+        sources = [engine_collector, self.prompt_tokens, self.generation_tokens, self.finished, self.ttft, self.tpot,
+                   self.e2e]
+        r.register(_VLLMNames(sources, {"model_name": model_name, "engine": "0"}, cache_info))
 
-    def observe(self, *, ttft: float | None, e2e: float, prompt_tokens: int, cached_tokens: int,
-                completion_tokens: int) -> None:
+    def first_token(self, *, prompt_tokens: int, cached_tokens: int) -> None:
+        """A request computed its prompt (once per request, whatever its n)."""
+        self.prompt_tokens.inc(prompt_tokens)
+        self.cached_tokens.inc(cached_tokens)
+
+    def observe(self, *, ttft: float | None, e2e: float, completion_tokens: int, finished_reason: str) -> None:
+        """A request finished: its latencies, output tokens (all choices) and why it ended."""
         if ttft is not None:
             self.ttft.observe(ttft)
             if completion_tokens > 1:
                 self.tpot.observe((e2e - ttft) / (completion_tokens - 1))
         self.e2e.observe(e2e)
-        self.prompt_tokens.inc(prompt_tokens)
-        self.cached_tokens.inc(cached_tokens)
         self.generation_tokens.inc(completion_tokens)
+        self.finished.labels(finished_reason).inc()
+
+    def count_unknown_fields(self, labels: list[str]) -> None:
+        for label in labels:
+            self.unknown_fields.labels(label).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -77,6 +127,11 @@ class _EngineCollector:
         yield GaugeMetricFamily("tierkv_requests_waiting", "requests queued for admission", value=eng.num_waiting)
         s = eng.stats or {}
         tiers = s.get("tiers", {})
+        l1 = tiers.get("l1", {})
+        held = l1.get("used_blocks", 0) - l1.get("evictable_blocks", 0)
+        yield GaugeMetricFamily("tierkv_kv_cache_usage", "fraction of L1 blocks that requests hold (the rest is free "
+                                "or cached and evictable)", value=held / l1["capacity_blocks"] if l1.get(
+                                    "capacity_blocks") else 0.0)
         yield CounterMetricFamily("tierkv_prefix_cache_queries", "prefix lookups (match calls)",
                                   value=s.get("queries", 0))
         yield CounterMetricFamily("tierkv_prefix_cache_query_tokens", "tokens those lookups could have hit",
@@ -134,3 +189,37 @@ class _KVEventsCollector:
                                   value=p.published)
         yield CounterMetricFamily("tierkv_kv_events_dropped", "block events dropped unpublished: the queue "
                                   "(max_queue_size) was full, so routers miss those changes", value=p.events.dropped)
+
+
+class _VLLMNames:
+    """The VLLM_NAMES families: each source family renamed, labelled, summed over the labels
+    vLLM's family lacks; and vllm:cache_config_info."""
+
+    def __init__(self, sources: list, labels: dict[str, str], cache_info: dict) -> None:
+        self.sources, self.labels, self.cache_info = sources, labels, cache_info
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        families = {f.name: f for source in self.sources for f in source.collect()}
+        for name, (source, doc) in VLLM_NAMES.items():
+            yield self._renamed(families[source], name, doc)
+        info = GaugeMetricFamily("vllm:cache_config_info", "the KV cache's configuration (vLLM's CacheConfig: "
+                                 "num_gpu_blocks is L1, num_cpu_blocks L2)", labels=[*self.cache_info, "engine"])
+        info.add_metric([*map(str, self.cache_info.values()), self.labels["engine"]], 1)
+        yield info
+
+    def _renamed(self, family, name: str, doc: str):
+        out = Metric(name, doc, family.type)
+        kept = ("finished_reason", "le")  # the labels vLLM's families have besides ours
+        sums: dict[tuple, float] = {}
+        for sample in family.samples:
+            if sample.name.endswith("_created"):
+                continue
+            labels = {k: v for k, v in sample.labels.items() if k in kept}
+            key = (name + sample.name[len(family.name):], tuple(labels.items()))
+            sums[key] = sums.get(key, 0.0) + sample.value
+        for (sample_name, labels), value in sums.items():
+            out.samples.append(Sample(sample_name, {**self.labels, **dict(labels)}, value))
+        return out

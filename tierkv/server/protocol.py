@@ -19,6 +19,7 @@ MAX_STOP = 4  # OpenAI's limit
 MAX_STOP_CHARS = 512
 MAX_STOP_TOKEN_IDS = 64
 MAX_CACHE_SALT_CHARS = 1024
+LOAD_FORMATS = ("vllm", "sglang")  # GET /get_load's shapes: vllm-router's and sglang-router's
 
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 TokenId = Annotated[int, Field(ge=0, le=INT64)]
@@ -48,19 +49,51 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
+ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 408, 409, 413, 429, 503)}  # for OpenAPI
+
+
 # ---------------------------------------------------------------------------- requests
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(False, description="with include_usage: every chunk carries the usage so "
+                                         "far (vLLM's extension)")
+
+
+# Fields other OpenAI-compatible servers take and tierkv does not, with the values that change
+# nothing here (ANY: no value does: tierkv has no reasoning parser, and hidden states are never
+# returned). Routers add some to every request (vllm-router and sglang-router send
+# `no_stop_trim`, `continue_final_message`, `separate_reasoning`, ... at their defaults). Another
+# value of one of these changes the result, so it is refused with a 400 naming the field, never
+# ignored. A field in neither the schema nor this table is ignored and counted as "other"
+# (refused too with --strict-request-fields). The names double as the bounded label set of
+# tierkv_request_unknown_fields_total.
+ANY = None
+FOREIGN_FIELDS: dict[str, tuple | None] = {
+    # OpenAI's, not implemented
+    "logit_bias": (None, {}), "response_format": (None, {"type": "text"}), "tools": (None, []),
+    "tool_choice": (None, "none", "auto"), "functions": (None, []), "function_call": (None, "none", "auto"),
+    "parallel_tool_calls": ANY, "echo": (None, False), "store": ANY, "metadata": ANY, "service_tier": ANY,
+    # vLLM's
+    "use_beam_search": (None, False), "prompt_logprobs": (None,), "add_generation_prompt": (None, True),
+    "continue_final_message": (None, False), "chat_template": (None,), "chat_template_kwargs": (None, {}),
+    "truncate_prompt_tokens": (None,), "allowed_token_ids": (None,), "bad_words": (None, []),
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+    "structured_outputs": (None,), "spaces_between_special_tokens": (None, True), "request_id": ANY,
+    # SGLang's (sglang-router and vllm-router add the first five to every request)
+    "no_stop_trim": (None, False), "return_hidden_states": (None, False), "separate_reasoning": ANY,
+    "stream_reasoning": ANY, "include_reasoning": ANY, "regex": (None,), "json_schema": (None,), "ebnf": (None,),
+    "lora_path": (None,), "rid": ANY,
+}
 
 
 class _Sampling(BaseModel):
     """Fields both endpoints share: OpenAI's, then tierkv's extras (as vLLM spells them)."""
 
-    # Unknown fields are ignored, as OpenAI-compatible servers commonly do, so that clients
-    # sending newer OpenAI fields keep working.
-    model_config = ConfigDict(extra="ignore")
+    # Unknown fields are kept aside (model_extra): serving.extra_fields counts them, refuses the
+    # ones that would change the result, and refuses all under --strict-request-fields.
+    model_config = ConfigDict(extra="allow")
 
     model: str = Field(description="the served model name (GET /v1/models lists it)")
     n: int = Field(1, ge=1, le=128, description="choices per request; they share the prompt's KV (computed once), "
@@ -83,6 +116,8 @@ class _Sampling(BaseModel):
     min_p: float = Field(0.0, ge=0, le=1)
     repetition_penalty: float = Field(1.0, gt=0, le=100)
     ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0, le=INT64, description="tokens generated before EOS or a stop token id may "
+                            "end the output (they are never sampled before that) and before a stop string counts")
     stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -119,6 +154,28 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1, le=INT64)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize, in vLLM's shape: a prompt, or messages rendered with the chat template."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool | None = Field(None, description="default: true for a prompt, false for messages "
+                                            "(the chat template writes them)")
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    tokens: list[TokenId]
 
 
 # ---------------------------------------------------------------------------- responses
@@ -177,6 +234,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "tierkv"
+    root: str | None = Field(None, description="the directory holding the model's tokenizer files (vLLM's root)")
+    parent: str | None = None
     max_model_len: int
 
 

@@ -1,9 +1,10 @@
 """From an OpenAI request to engine input, and from engine outputs to OpenAI responses.
 
-`prepare_*` check what the schema cannot (model name, context length) and return the
-function the engine thread runs to tokenize and build SamplingParams. `format_*` turn a
-RequestOutput into response bodies and SSE chunks. Pure functions of their inputs: no I/O,
-no engine state, nothing HTTP beyond the JSON shapes.
+`prepare_*` check what the schema cannot (model name, fields other servers take) and return the
+function that tokenizes the prompt, checks the context length and builds the SamplingParams (run
+with the engine's tokenizer on its thread, or with a copy for /render). The `*_logprobs` helpers
+and `sse` shape response bodies and SSE chunks. Pure functions of their inputs: no I/O, no engine
+state, nothing HTTP beyond the JSON shapes.
 """
 
 from __future__ import annotations
@@ -12,51 +13,88 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+from pydantic import BaseModel
+
 from ..engine.sampler import SamplingParams
-from .protocol import APIError, ChatCompletionRequest, CompletionRequest, _Sampling
+from .protocol import (
+    ANY,
+    FOREIGN_FIELDS,
+    APIError,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    _Sampling,
+)
 
 FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
-def check_common(req: _Sampling, served_names: list[str]) -> None:
-    if req.model not in served_names:
-        raise APIError(404, f"the model {req.model!r} does not exist; this server serves {served_names[0]!r}",
+def check_model(model: str | None, served_names: list[str]) -> None:
+    """None is any model: the fields where vLLM makes the model optional (/tokenize)."""
+    if model is not None and model not in served_names:
+        raise APIError(404, f"the model {model!r} does not exist; this server serves {served_names[0]!r}",
                        param="model", code="model_not_found")
+
+
+def extra_fields(body: BaseModel, strict: bool) -> list[str]:
+    """The body's fields that its schema does not take, as the labels to count them under (a
+    FOREIGN_FIELDS name, else "other"). A foreign field whose value would change the result here
+    is refused; with `strict`, every such field is."""
+    labels = []
+    for name, value in (body.model_extra or {}).items():
+        shown = name if len(name) <= 64 else name[:64] + "..."
+        if strict:
+            raise APIError(400, f"unknown field {shown!r}: this server takes no such field (it refuses unknown "
+                           "fields: --strict-request-fields)", param=shown, code="unknown_field")
+        neutral = FOREIGN_FIELDS.get(name, ANY)
+        if neutral is not ANY and value not in neutral:
+            raise APIError(400, f"{name} is not supported by this server: leave it out or send {neutral[0]!r}",
+                           param=name, code="unsupported_field")
+        labels.append(name if name in FOREIGN_FIELDS else "other")
+    return labels
 
 
 def _params(req: _Sampling, max_tokens: int | None, logprobs: int | None) -> dict:
     return dict(
-        max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
-        repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
-        frequency_penalty=req.frequency_penalty, seed=req.seed, stop=req.stop,
+        max_tokens=max_tokens, min_tokens=req.min_tokens, temperature=req.temperature, top_p=req.top_p,
+        top_k=req.top_k, min_p=req.min_p, repetition_penalty=req.repetition_penalty,
+        presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, seed=req.seed, stop=req.stop,
         stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
         include_stop_str_in_output=req.include_stop_str_in_output, logprobs=logprobs,
         skip_special_tokens=req.skip_special_tokens, n=req.n,
     )
 
 
-def _builder(prompt: Callable[[Any], list[int]], options: dict, max_model_len: int) -> Callable:
-    """The function the engine thread runs: tokenize, check the context budget, build params."""
+# (tokenizer or None) -> (prompt ids, SamplingParams)
+Encode = Callable[[Any], tuple[list[int], SamplingParams]]
 
-    def build(engine) -> tuple[list[int], SamplingParams]:
-        ids = prompt(engine)
+
+def _encoder(prompt: Callable[[Any], list[int]], params: dict, max_model_len: int, param: str) -> Encode:
+    """The function that tokenizes the prompt (with the engine's tokenizer, on its thread, or a
+    copy of it elsewhere), checks the context budget and builds the SamplingParams."""
+
+    def encode(tokenizer) -> tuple[list[int], SamplingParams]:
+        ids = prompt(tokenizer)
         if len(ids) >= max_model_len:
             raise APIError(400, f"the prompt has {len(ids)} tokens; this model's context is {max_model_len} "
                            "tokens (one is left for the output): shorten the prompt",
-                           param="messages" if "messages" in options else "prompt",
-                           code="context_length_exceeded")
-        max_tokens = options["params"]["max_tokens"]
+                           param=param, code="context_length_exceeded")
+        max_tokens, min_tokens = params["max_tokens"], params["min_tokens"]
+        if len(ids) + min_tokens > max_model_len:
+            raise APIError(400, f"min_tokens is {min_tokens} but the prompt has {len(ids)} tokens and the context "
+                           f"is {max_model_len}: ask for at most {max_model_len - len(ids)} tokens",
+                           param="min_tokens", code="context_length_exceeded")
         if max_tokens is not None and len(ids) + max_tokens > max_model_len:
             raise APIError(400, f"max_tokens is {max_tokens} but the prompt has {len(ids)} tokens and the "
                            f"context is {max_model_len}: ask for at most {max_model_len - len(ids)} tokens",
                            param="max_tokens", code="context_length_exceeded")
-        return ids, SamplingParams(**options["params"])
+        return ids, SamplingParams(**params)
 
-    return build
+    return encode
 
 
-def prepare_completion(req: CompletionRequest, served_names: list[str], max_model_len: int) -> Callable:
-    check_common(req, served_names)
+def prepare_completion(req: CompletionRequest, served_names: list[str], max_model_len: int) -> Encode:
+    check_model(req.model, served_names)
     if req.echo:
         raise APIError(400, "echo is not supported", param="echo")
     if req.best_of not in (None, 1):
@@ -71,34 +109,41 @@ def prepare_completion(req: CompletionRequest, served_names: list[str], max_mode
     if not prompt:
         raise APIError(400, "the prompt is empty", param="prompt")
     if isinstance(prompt, str):
-        def tokens(engine) -> list[int]:
-            if engine.tokenizer is None:
+        def tokens(tokenizer) -> list[int]:
+            if tokenizer is None:
                 raise APIError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt")
-            return engine.tokenizer.encode(prompt)
+            return tokenizer.encode(prompt)
     else:
         ids = list(prompt)
-        tokens = lambda engine: ids
-    return _builder(tokens, {"params": _params(req, req.max_tokens, req.logprobs)}, max_model_len)
+        tokens = lambda tokenizer: ids
+    return _encoder(tokens, _params(req, req.max_tokens, req.logprobs), max_model_len, "prompt")
 
 
-def prepare_chat(req: ChatCompletionRequest, served_names: list[str], max_model_len: int) -> Callable:
-    check_common(req, served_names)
+def chat_messages(messages: list[ChatMessage]) -> list[dict]:
+    """Messages as the chat template takes them: text parts joined, `developer` as `system`."""
+    out = []
+    for m in messages:
+        content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
+        out.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+    return out
+
+
+def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    if tokenizer is None:
+        raise APIError(400, "this model has no tokenizer, so it has no chat template: use /v1/completions "
+                       "with token ids", param="messages")
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+
+
+def prepare_chat(req: ChatCompletionRequest, served_names: list[str], max_model_len: int) -> Encode:
+    check_model(req.model, served_names)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
-    messages = []
-    for m in req.messages:
-        content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
-        messages.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+    messages = chat_messages(req.messages)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-
-    def tokens(engine) -> list[int]:
-        if engine.tokenizer is None:
-            raise APIError(400, "this model has no tokenizer, so it has no chat template: use /v1/completions "
-                           "with token ids", param="messages")
-        return engine.tokenizer.apply_chat_template(messages)
-
-    return _builder(tokens, {"params": _params(req, max_tokens, logprobs), "messages": True}, max_model_len)
+    return _encoder(lambda tokenizer: apply_chat_template(tokenizer, messages), _params(req, max_tokens, logprobs),
+                    max_model_len, "messages")
 
 
 # ---------------------------------------------------------------------------- responses
