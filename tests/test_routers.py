@@ -1,0 +1,136 @@
+"""tierkv-serve behind real routers: three replicas of the bundled model sharing one Redis L3
+(write-through), behind vllm-router with kv_aware (fed by tierkv's KV-cache events), cache_aware
+and round_robin, and behind sglang-router with cache_aware; then a rolling update under load.
+
+One fleet serves the whole module (the rolling update, which replaces a replica, runs last). The
+fleet, the multi-round workload and the hit fractions are benchmarks/bench_routers.py's: its
+figures from one run are benchmarks/results/routers-cpu.json.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import bench_routers  # noqa: E402
+from bench_routers import Fleet, Router, Workload, converse  # noqa: E402
+
+WORK = Workload()  # 6 conversations of 4 rounds, 4 tokens an answer
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("routers")
+
+
+@pytest.fixture(scope="module")
+def fleet(workdir):
+    fleet = Fleet(workdir, 3)
+    yield fleet
+    fleet.stop()
+
+
+@pytest.fixture(scope="module")
+def compared(fleet, workdir) -> dict:
+    """The workload through each vllm-router policy, and on one replica alone, each from empty caches."""
+    return bench_routers.compare(fleet, WORK, workdir)
+
+
+def test_kv_aware_routes_each_conversation_to_the_replica_holding_it(compared):
+    kv, rr, one = compared["kv_aware"], compared["round_robin"], compared["one_server"]
+    assert not any(r["failed"] for r in compared.values()), {k: r["errors"] for k, r in compared.items()}
+    # the shared L3 gives round_robin back most of what it misses locally, so its user-facing
+    # hit fraction is close to kv_aware's; what routing decides is what a replica holds itself
+    assert kv["local_fraction"] > rr["local_fraction"] + 0.1, (kv, rr)
+    assert kv["hit_fraction"] >= 0.9 * one["hit_fraction"], (kv, one)
+    assert kv["local_fraction"] >= 0.9 * one["local_fraction"], (kv, one)
+    # it knew where the prefixes were from the events: the cached tokens it credited its choices
+    # with (read from its debug log) are the ones the replicas then found
+    assert kv["router_credited_tokens"] == pytest.approx(kv["cached_tokens"], rel=0.1), kv
+
+
+def test_round_robin_reads_what_its_replica_lacks_from_the_shared_l3(compared):
+    rr, one = compared["round_robin"], compared["one_server"]
+    assert rr["l3_fraction"] > 0.1 and rr["hit_fraction"] >= 0.9 * one["hit_fraction"], (rr, one)
+    assert compared["kv_aware"]["l3_fraction"] < rr["l3_fraction"]
+
+
+def test_cache_aware_keeps_conversations_together_too(compared):
+    ca, rr = compared["cache_aware"], compared["round_robin"]
+    assert ca["failed"] == 0 and ca["local_fraction"] > rr["local_fraction"], (ca, rr)
+
+
+def test_the_fractions_and_rates_are_written(compared, tmp_path):
+    path = bench_routers.report(compared, WORK, 3, tmp_path)
+    out = json.loads(path.read_text())
+    assert path.name.startswith("routers-") and out["router"] == "vllm-router 0.1.17"
+    for policy in ("kv_aware", "cache_aware", "round_robin", "one_server"):
+        r = out["results"][policy]
+        assert r["requests"] == WORK.conversations * WORK.rounds and r["requests_per_s"] > 0
+        assert 0 < r["hit_fraction"] < 1 and r["local_fraction"] + r["l3_fraction"] == pytest.approx(r["hit_fraction"])
+
+
+def test_sglang_router_cache_aware_completes_every_request(fleet, workdir):
+    fleet.reset()
+    work = Workload(conversations=3, rounds=2)
+    with Router("sglang", "cache_aware", fleet.live, fleet.model, workdir / "sglang-router.log") as router:
+        turns = converse(router.url, fleet.model, work)
+    assert len(turns) == 6 and not [t.error for t in turns if t.error]
+    assert sum(t.cached_tokens for t in turns if t.round == 1) > 0
+
+
+def test_a_rolling_update_under_load_fails_no_request(fleet, workdir):
+    """kv_aware over three replicas. A new replica starts; its first request, a conversation it
+    never saw, is served from the shared L3. Six conversations run through the router meanwhile:
+    the new replica joins it (POST /add_worker); an old one gets SIGTERM while the router still
+    lists it and while it runs a long request, which it finishes; the router retries on other
+    replicas what the old one no longer takes; once it has exited it leaves the router (POST
+    /remove_worker). No request fails."""
+    fleet.reset()
+    old = fleet.live[0]
+    with Router("vllm", "kv_aware", fleet.live, fleet.model, workdir / "router-rolling.log") as router:
+        known = {}  # a conversation played before the update: its blocks are in the shared L3
+        assert not [t.error for t in converse(router.url, fleet.model, Workload(conversations=1, rounds=1),
+                                              histories=known) if t.error]
+        fleet.settle()
+        new = fleet.add()
+        [first] = converse(new.url, fleet.model, Workload(conversations=1, rounds=2), rounds=range(1, 2),
+                           histories=known)
+        c = new.counters()
+        assert first.error is None and first.cached_tokens > 0, first
+        assert c["requests"] == 1 and bench_routers.BLOCK_SIZE * c["l3_read"] >= first.cached_tokens, c
+
+        stop, load = threading.Event(), {}
+        runner = threading.Thread(target=lambda: load.setdefault("turns", converse(
+            router.url, fleet.model, Workload(conversations=6, seed=1), rounds=range(30), stop=stop)))
+        runner.start()
+        try:
+            time.sleep(2)
+            assert httpx.post(router.url + "/add_worker", params={"url": new.url}, timeout=30).status_code == 200
+            # a long request on the old replica: once its first token is out, SIGTERM
+            with httpx.stream("POST", old.url + "/v1/completions", timeout=120, json={
+                    "model": fleet.model, "prompt": "Once upon a time", "max_tokens": 32, "min_tokens": 32,
+                    "stream": True}) as r:
+                chunks = (json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {"))
+                assert r.status_code == 200 and next(chunks)["choices"]
+                old.terminate()
+                rest = list(chunks)
+            assert rest[-1]["choices"][0]["finish_reason"] == "length"  # the drain let it finish
+            assert old.proc.wait(60) == 0, old.log()[-3000:]
+            assert httpx.post(router.url + "/remove_worker", params={"url": old.url}, timeout=30).status_code == 200
+            time.sleep(2)
+        finally:
+            stop.set()
+            runner.join()
+        refused = router.log().count(f"Failed to send typed request worker_url={old.url}")
+    turns = load["turns"]
+    assert turns and not [t.error for t in turns if t.error], [t.error for t in turns if t.error]
+    assert refused > 0  # the router did send the draining replica requests, and retried them elsewhere
+    assert new.counters()["requests"] > 1  # and sent the new one some
