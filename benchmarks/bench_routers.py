@@ -55,17 +55,16 @@ READY_TIMEOUT_S = 60.0
 
 class Replica(ServerProcess):
     """tierkv-serve (the bundled model) writing every block through to the shared L3 and
-    publishing its KV-cache events on a port of its own."""
+    publishing its KV-cache events, with a replay socket, on ports of its own."""
 
     def __init__(self, log_path: Path, l3: str) -> None:
-        self.events_port = free_port()
-        events = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{self.events_port}"}
+        ports = free_port(), free_port()
+        # '*' binds the server's host; a named host would make the publisher connect there (vLLM's rule)
+        events = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{ports[0]}",
+                  "replay_endpoint": f"tcp://*:{ports[1]}"}
+        self.events, self.replay = (f"tcp://127.0.0.1:{p}" for p in ports)
         super().__init__(["--l3", l3, "--write-policy", "write_through", "--kv-events-config", json.dumps(events),
                           *REPLICA_ARGS], log_path)
-
-    @property
-    def events(self) -> str:
-        return f"tcp://127.0.0.1:{self.events_port}"
 
     def counters(self) -> dict[str, float]:
         text = httpx.get(self.url + "/metrics", timeout=10).text
@@ -138,8 +137,10 @@ class Fleet:
 
 class Router:
     """vllm-router (`kind="vllm"`) or sglang-router (`kind="sglang"`) over `workers`, on a free
-    loopback port, its log in a file. kv_aware subscribes to each replica's events (static
-    sources: the router's HTTP discovery is not relied on)."""
+    loopback port, its log in a file. kv_aware subscribes to each replica's events and replay
+    socket, named on its command line: vllm-router 0.1.17 subscribes to nothing it discovers
+    through /kv_event_sources, and without the replay it skips every block whose parent was
+    published before it subscribed (`unknown parent; skipping unanchored store`)."""
 
     def __init__(self, kind: str, policy: str, workers: list[Replica], model: str, log_path: Path,
                  extra: tuple[str, ...] = ()) -> None:
@@ -154,7 +155,8 @@ class Router:
             if policy == "kv_aware":
                 cmd += ["--kv-event-block-size", str(BLOCK_SIZE), "--kv-event-model", model]
                 for w in workers:
-                    cmd += ["--kv-event-source", f"{w.url}={w.events}"]
+                    cmd += ["--kv-event-source", f"{w.url}={w.events}",
+                            "--kv-event-replay-source", f"{w.url}={w.replay}"]
         else:
             cmd = [sys.executable, "-m", "sglang_router.launch_router", *common]
         with open(log_path, "w") as out:
