@@ -12,8 +12,8 @@ blocks: 2 MiB a block), for a prompt of `--blocks` blocks:
 each against one contiguous pinned cudaMemcpy of the same bytes measured in the same run, with
 L1 and L2 slots in order (a fresh cache) and scattered (both free lists shuffled, as after churn).
 A move goes by staged DMA or by the GPU's own copy through unified addressing, by the average DMA
-length (tierkv.transfer.MIN_DMA_BYTES); `--compare-paths` also times each way forced, in vLLM's
-layout, which is how that threshold was chosen.
+length (tierkv.transfer.MIN_DMA_BYTES), where staged DMA is on (tierkv.transfer.DMA_MOVES, off for
+now); `--compare-paths` also times each way forced, in vLLM's layout.
 Target (BENCHMARKS.md): >= 90% of the memcpy both ways. Needs CUDA.
 Writes benchmarks/results/bench_custom_engine-<machine>.json.
 """
@@ -201,12 +201,12 @@ def main() -> None:
     print(f"{args.blocks} blocks, {nbytes / 2**30:.2f} GiB; memcpy d2h {nbytes / memcpy['d2h'] / 1e9:.1f} GB/s, "
           f"h2d {nbytes / memcpy['h2d'] / 1e9:.1f} GB/s")
     print(f"{'layout':<16}{'slots':<11}{'move':<15}{'GB/s':>7}{'of memcpy':>11}")
-    default = transfer.MIN_DMA_BYTES
-    paths = {"auto": default, "dma": 0, "gpu_copy": 2**62}
+    default = transfer.MIN_DMA_BYTES, transfer.DMA_MOVES
+    paths = {"auto": default, "dma": (0, True), "gpu_copy": (default[0], False)}
     cases = [(kind, "auto") for kind in args.layouts.split(",")]
     cases += [("vllm", "dma"), ("vllm", "gpu_copy")] if args.compare_paths else []
     for kind, path_name in cases:
-        transfer.MIN_DMA_BYTES = paths[path_name]
+        transfer.MIN_DMA_BYTES, transfer.DMA_MOVES = paths[path_name]
         for scattered in (False, True):
             s = run(kind, args.blocks, scattered, args.repeats)
             row = {"seconds": s, "GBps": {}, "ratio_to_memcpy": {}, "layer0_share_of_load": s["load_layer0"]}
@@ -219,7 +219,7 @@ def main() -> None:
             print(f"{'':<27}layer 0 usable after {s['load_layer0']:.0%} of the load")
             suffix = "" if path_name == "auto" else f"-{path_name}"
             results[f"{kind}-{'scattered' if scattered else 'in_order'}{suffix}"] = row
-    transfer.MIN_DMA_BYTES = default
+    transfer.MIN_DMA_BYTES, transfer.DMA_MOVES = default
     checks = {kind: check_bytes(kind) for kind in args.layouts.split(",")}
     memory = host_memory(args.blocks, args.repeats) if args.host_memory else None
     print(f"bytes checked: {checks}")
@@ -227,7 +227,7 @@ def main() -> None:
         "target": ">= 90% of one contiguous pinned memcpy, both ways, into registered buffers",
         "blocks": args.blocks, "bytes": nbytes, "bytes_per_block": LAYOUT.bytes_per_block,
         "memcpy_seconds": memcpy, "memcpy_GBps": {k: nbytes / v / 1e9 for k, v in memcpy.items()},
-        "min_dma_bytes": default, "results": results, "bytes_checked": checks, "host_memory_GBps": memory,
+        "min_dma_bytes": default[0], "dma_moves": default[1], "results": results, "bytes_checked": checks, "host_memory_GBps": memory,
         "timing": "save/save_by_layer/load: wall clock from the API call (commit, admit) until the copy is "
                   "complete (cache.synchronize / seq.wait plus a device sync), hashing and bookkeeping included; "
                   "save_copy/load_copy: the copy's own CUDA events; best of the repeats after a warm-up round; "

@@ -48,7 +48,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))  # the server launcher the tests use
 import pyspy  # noqa: E402
 from common import RESULTS, environment, machine_tag, write_results  # noqa: E402
-from serving.client import hits_between  # noqa: E402
+from serving.client import stats_delta  # noqa: E402
 from serving.model import describe, make_model  # noqa: E402
 from server_helpers import ServerProcess, metric  # noqa: E402
 
@@ -142,7 +142,10 @@ def http_ttft(client: httpx.Client, url: str, body: bytes, max_tokens: int) -> f
         for line in r.iter_lines():
             if not line.startswith("data: {"):
                 continue
-            choices = json.loads(line[6:]).get("choices") or ()
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(f"the stream ended in an error after {tokens} tokens: {event['error']}")
+            choices = event.get("choices") or ()
             if choices and choices[0].get("logprobs"):
                 first = first if first is not None else time.perf_counter() - start
                 tokens += len(choices[0]["logprobs"]["tokens"])
@@ -192,6 +195,9 @@ def run_http(a, model_dir: Path, tier: dict, prompts, tmp: Path) -> dict:
             cpu = cpu_seconds(srv.proc.pid) - cpu0
             hits = hits_between(before, stats())
             s1, n1 = server_ttft()
+    except Exception:
+        print(f"http: a request failed; server log tail:\n{srv.log()[-4000:]}", flush=True)
+        raise
     finally:
         if srv.stop() != 0:
             print(f"http: server exited badly; log tail:\n{srv.log()[-1500:]}", flush=True)
@@ -245,6 +251,12 @@ def run_llm(a, model_dir: Path, tier: dict, prompts) -> dict:
         llm.close()
     return dict(hit_tokens=hits, **summary(timed + hit_rounds), requests=timed + hit_rounds,
                 cpu_s_per_hit=cpu / len(hit_rounds))
+
+
+def hits_between(before: dict | None, after: dict | None) -> dict | None:
+    """Hit tokens per tier between two cache-stats snapshots."""
+    delta = stats_delta(before, after)
+    return None if delta is None else {tier: d["hit_tokens"] for tier, d in delta.items()}
 
 
 def cpu_seconds(pid: int) -> float:

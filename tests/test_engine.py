@@ -203,6 +203,8 @@ def test_several_l2_hits_are_admitted_in_one_step_beside_a_decode(tiny_llama, de
     llm.generate(prompts[:3], params, use_tqdm=False)
     llm.cache.evict("l1")
     engine, steps = llm.engine, []
+    # load what L2 holds however cheap recomputing it is (a tiny model on a GPU would recompute)
+    engine.scheduler.recompute_seconds_per_token = None
     schedule = engine.scheduler.schedule
     engine.scheduler.schedule = lambda: steps.append(schedule()) or steps[-1]
     runner = engine.add_request(prompts[3], SamplingParams(temperature=0, max_tokens=30))

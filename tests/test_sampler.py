@@ -230,6 +230,11 @@ def test_min_tokens_keeps_eos_and_stop_ids_out_until_that_many_tokens():
     # stop_reason agrees: an eos or stop id ends the output only once min_tokens are out
     assert stop_reason(SamplingParams(min_tokens=2), 2, 1, eos_token_ids=[2]) is None
     assert stop_reason(SamplingParams(min_tokens=2), 2, 2, eos_token_ids=[2]) == "stop"
+    # a stop id past the vocabulary is never sampled: nothing to ban, and no error (was an
+    # IndexError, a 500 through the server, found by schemathesis)
+    far = SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[9, 284294])
+    out = sample(logits[:1], SamplingBatch.build([far], 12, "cpu", num_output=[0], eos_token_ids=[2]))
+    assert out.token_ids.tolist() == [4]
 
 
 def test_stop_string_split_across_steps_is_found_and_cut():

@@ -248,7 +248,8 @@ class SamplingBatch:
             rows, cols = [], []
             for i, (p, n) in enumerate(zip(params, counts_out)):
                 if n < p.min_tokens:
-                    ids = {*p.stop_token_ids, *(() if p.ignore_eos else eos_token_ids)}
+                    # ids past the vocabulary are never sampled: nothing to ban (and no column to index)
+                    ids = {t for t in (*p.stop_token_ids, *(() if p.ignore_eos else eos_token_ids)) if t < vocab_size}
                     rows += [i] * len(ids)
                     cols += ids
             if rows:

@@ -103,6 +103,8 @@ class Scheduler:
         self._admit(step, budget)
         if not step.requests:  # nothing else to compute: they start now, layer by layer as it lands
             for req in loading:
+                if self._ends_by_length(req):
+                    continue
                 n = min(req.num_tokens - req.num_computed, budget, self._chunk_cap(req), self._until_adopt(req))
                 if n > 0 and self._make_room(req, n, step):
                     step.requests.append(req)

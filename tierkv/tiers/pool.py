@@ -35,7 +35,9 @@ class FreeSlots:
             return []
         taken = self._stack[-n:]
         del self._stack[-n:]
-        taken.reverse()
+        # ascending: slots given back in reverse (an LRU evicts a sequence tail first) still form
+        # runs of neighbours, which a move copies in one DMA each
+        taken.sort()
         return taken
 
     def give(self, slots: list[int]) -> None:
