@@ -149,13 +149,14 @@ class ModelRunner:
         if loading and (built.meta.is_decode or self.send_plan is not None):
             for seq in loading:  # a CUDA-graph step, or one all ranks repeat: all loaded first
                 seq.wait()
+            loading = []
         elif loading:  # layer i's attention waits for layer i's loads alone: the first layers
             # compute while the later ones are still on their way (the cache's per-layer hook)
             built.meta.wait_layer = lambda layer: self.cache.wait_for_layer(layer, loading)
         sampling = built.sampling
         logits = self._forward(built)  # [len(sampling), vocab]
-        for seq in loading:
-            seq.wait()  # no-op on the stream now; drops the loads that have landed
+        for seq in loading:  # waited for layer by layer: this only drops the loads that landed
+            seq.wait()
         out = None
         if any(r.forks for r in sampling):
             # A prompt of n choices is computed once: the choices waiting for it sample their

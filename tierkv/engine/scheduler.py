@@ -92,7 +92,7 @@ class Scheduler:
                 self._adopt(req)
             if self._ends_by_length(req):
                 continue  # its token on the way is its last: computing one more would be waste
-            n = min(req.num_tokens - req.num_computed, budget, self._chunk_cap(req), self._until_adopt(req))
+            n = self._new_tokens(req, budget)
             if n <= 0:
                 continue
             if not self._make_room(req, n, step):
@@ -105,12 +105,17 @@ class Scheduler:
             for req in loading:
                 if self._ends_by_length(req):
                     continue
-                n = min(req.num_tokens - req.num_computed, budget, self._chunk_cap(req), self._until_adopt(req))
+                n = self._new_tokens(req, budget)
                 if n > 0 and self._make_room(req, n, step):
                     step.requests.append(req)
                     step.num_new.append(n)
                     budget -= n
         return step
+
+    def _new_tokens(self, req: Request, budget: int) -> int:
+        """Tokens a running request computes this step: what it lacks, within the budget, its
+        chunk cap and its L3 tail's start."""
+        return min(req.num_tokens - req.num_computed, budget, self._chunk_cap(req), self._until_adopt(req))
 
     @staticmethod
     def _ends_by_length(req: Request) -> bool:
