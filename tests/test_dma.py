@@ -1,12 +1,19 @@
 """dma.copy on a CUDA GPU: plain and strided (2-D) copies between pinned host memory and the
-device, ordered on a side stream, bit for bit; a bad copy raises and leaves CUDA usable."""
+device, ordered on a side stream, bit for bit; a bad copy raises and leaves CUDA usable. And the
+staged-DMA moves built on it (transfer.BlockMover with DMA_MOVES on), over many staging chunks,
+scattered slots, groups of layers and a second thread, bit for bit."""
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 import torch
 
-from tierkv import dma
+from tierkv import dma, transfer
+from tierkv.layout import KVLayout
+from tierkv.tiers.gpu import DevicePool
+from tierkv.tiers.host import HostPool
 
 pytestmark = [
     pytest.mark.gpu,
@@ -38,3 +45,76 @@ def test_a_bad_copy_raises_and_cuda_stays_usable():
     with pytest.raises(RuntimeError, match="cudaMemcpy2DAsync"):
         dma.copy(dev.data_ptr(), dev.data_ptr(), 16, 2, dst_pitch=8, src_pitch=16)  # pitch < width
     assert (dev + 1).sum().item() == 16  # no sticky error for torch's next kernel
+
+
+@pytest.fixture
+def staged_dma(monkeypatch):
+    """Staged DMA for every move, through a staging buffer of 5 blocks (many chunks a move)."""
+    layout = KVLayout(num_layers=8, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16)
+    monkeypatch.setattr(transfer, "DMA_MOVES", True)
+    monkeypatch.setattr(transfer, "MIN_DMA_BYTES", 0)
+    monkeypatch.setattr(transfer, "MIN_DMA_ROW", 0)
+    monkeypatch.setattr(transfer, "STAGING_BYTES", 5 * layout.bytes_per_block)
+    l1, l2 = DevicePool(layout, 64, "cuda"), HostPool(layout, 96, pin=True)
+    mover = transfer.BlockMover(l1, l2)
+    assert mover.dma and mover.staging.shape[0] == 5
+    return l1, l2, mover
+
+
+def slots(n: int, of: int, seed: int) -> list[int]:
+    """`n` distinct slots below `of`: runs of neighbours in shuffled order, as an LRU hands them back."""
+    g = torch.Generator().manual_seed(seed)
+    picked = sorted(torch.randperm(of, generator=g)[:n].tolist())
+    runs = [list(r) for r in _split(picked)]
+    order = torch.randperm(len(runs), generator=g).tolist()
+    return [s for i in order for s in runs[i]]
+
+
+def _split(picked: list[int]):
+    run = [picked[0]]
+    for s in picked[1:]:
+        if s != run[-1] + 1:
+            yield run
+            run = []
+        run.append(s)
+    yield run
+
+
+@pytest.mark.parametrize("on_thread", [False, True], ids=["main-thread", "engine-thread"])
+def test_staged_dma_moves_are_bit_for_bit_over_many_chunks(staged_dma, on_thread):
+    l1, l2, mover = staged_dma
+    src, dst = slots(37, 64, seed=1), slots(37, 64, seed=2)
+    at = slots(37, 96, seed=3)  # L2 slots: 37 blocks in several runs, not in order
+    l1.kv.copy_(torch.randn(l1.kv.shape, dtype=torch.float32, device="cuda").to(l1.kv.dtype))
+    want = l1.read(src).cpu()
+
+    def moves():
+        mover.l1_to_l2(src, at).synchronize()  # whole blocks: gathered, then a DMA per run
+        assert torch.equal(l2.kv[torch.tensor(at)], want)
+        l1.kv[:, torch.tensor(dst, device="cuda")] = 0
+        load = mover.l2_to_l1(at, dst)  # by groups of layers: strided DMAs, then scatters
+        for layer in range(l1.layout.num_layers):  # the compute stream waits layer by layer, as attention does
+            load.wait_layer(layer)
+            got = l1.kv[layer, torch.tensor(dst, device="cuda")].cpu()
+            assert torch.equal(got, want[:, layer]), f"layer {layer}"
+        # a save of some layers only (a layer-wise save): strided DMAs into those layers of each block
+        l2.kv[torch.tensor(at)] = 0
+        mover.l1_to_l2(dst, at, layers=range(2, 5)).synchronize()
+        got = l2.kv[torch.tensor(at)]
+        assert torch.equal(got[:, 2:5], want[:, 2:5]) and not got[:, :2].any() and not got[:, 5:].any()
+
+    errors = []
+    if on_thread:  # tierkv-serve moves blocks from its engine thread
+        worker = threading.Thread(target=lambda: _collect(moves, errors))
+        worker.start()
+        worker.join()
+    else:
+        _collect(moves, errors)
+    assert not errors, errors[0]
+
+
+def _collect(fn, errors: list) -> None:
+    try:
+        fn()
+    except BaseException as e:  # noqa: BLE001 - handed to the test's thread
+        errors.append(e)

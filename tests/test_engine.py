@@ -14,7 +14,7 @@ import pytest
 import torch
 from models import bundled_cache_dir, save_tiny_checkpoint, truncate_at_eos
 
-from tierkv import LLM, SamplingParams
+from tierkv import LLM, SamplingParams, transfer
 from tierkv.errors import ConfigError
 
 transformers = pytest.importorskip("transformers")
@@ -185,14 +185,25 @@ def test_a_request_that_outgrows_all_of_l1_ends_with_length(tiny_llama):
     assert not llm.engine.has_unfinished()
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA GPU (run through the device tool)")])])
-def test_several_l2_hits_are_admitted_in_one_step_beside_a_decode(tiny_llama, device):
+_ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                               reason="needs a CUDA GPU (run through the device tool)")]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=_ON_GPU),
+                                    pytest.param("cuda-dma", marks=_ON_GPU)])
+def test_several_l2_hits_are_admitted_in_one_step_beside_a_decode(tiny_llama, device, monkeypatch):
     # Three prompts cached, then pushed out of L1 into L2; while a fourth request decodes, all
     # three come back extended: the next step admits them together, each starting after its L2
     # part (loaded, not recomputed), and the tokens equal a run without caching. On a GPU the
     # loads are asynchronous: a hit computes once its blocks landed (beside the decode) or at
     # once, layer by layer, when nothing else runs; the tokens must not change.
+    dma_on = device == "cuda-dma"
+    if dma_on:  # every move by staged DMA, through a staging buffer of one block
+        device = "cuda"
+        monkeypatch.setattr(transfer, "DMA_MOVES", True)
+        monkeypatch.setattr(transfer, "MIN_DMA_BYTES", 0)
+        monkeypatch.setattr(transfer, "MIN_DMA_ROW", 0)
+        monkeypatch.setattr(transfer, "STAGING_BYTES", 1)  # rounds up to one block: a chunk per block
     prompts = random_prompts(512, (48, 48, 48, 20), seed=7)
     later = [p + [7, 8, 9] for p in prompts[:3]]
     params = SamplingParams(temperature=0, max_tokens=8)
@@ -200,6 +211,7 @@ def test_several_l2_hits_are_admitted_in_one_step_beside_a_decode(tiny_llama, de
     probe = LLM(tiny_llama, device=device, l1=1 << 20)
     llm = LLM(tiny_llama, device=device, l1=64 * block_bytes(probe), l2=64 * block_bytes(probe),
               write_policy="write_back", max_num_batched_tokens=256)
+    assert llm.cache.tiers.mover.dma == dma_on
     llm.generate(prompts[:3], params, use_tqdm=False)
     llm.cache.evict("l1")
     engine, steps = llm.engine, []
