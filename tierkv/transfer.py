@@ -199,11 +199,18 @@ class BlockMover:
             self.bandwidth += EWMA_ALPHA * (nbytes / seconds - self.bandwidth)
 
     def _index(self, slots: list[int]) -> torch.Tensor:
-        """`slots` as a device tensor, without a host sync: built in pinned memory and copied
-        asynchronously (a copy from pageable memory would wait for the copy stream to drain, so
-        the host would sit out every chunk's DMA instead of launching the compute meanwhile)."""
+        """`slots` as a device tensor for the copy stream's kernels, without a host sync: built in
+        pinned memory and copied asynchronously (a copy from pageable memory would wait for the
+        copy stream to drain, so the host would sit out every chunk's DMA instead of launching the
+        compute meanwhile). Allocated on the copy stream, so that the allocator gives its memory
+        to nothing else before the copies that read it have run: made on the compute stream, it
+        went back to that stream's pool when the move returned, and a forward issued beside a
+        load still waiting its turn overwrote it (an illegal address on the H200, tierkv-serve)."""
         index = torch.tensor(slots, dtype=torch.int64)
-        return index.pin_memory().to(self.device, non_blocking=True) if self.cuda else index
+        if not self.cuda:
+            return index
+        with torch.cuda.stream(self.stream):
+            return index.pin_memory().to(self.device, non_blocking=True)
 
     def l1_to_l2(self, l1_slots: list[int], l2_slots: list[int], layers: range | None = None) -> Transfer:
         """Copy L1 blocks `l1_slots` into L2 slots `l2_slots` (same length); `layers`: only these
