@@ -12,8 +12,8 @@ blocks: 2 MiB a block), for a prompt of `--blocks` blocks:
 each against one contiguous pinned cudaMemcpy of the same bytes measured in the same run, with
 L1 and L2 slots in order (a fresh cache) and scattered (both free lists shuffled, as after churn).
 A move goes by staged DMA or by the GPU's own copy through unified addressing, by the average DMA
-length (tierkv.transfer.MIN_DMA_BYTES), where staged DMA is on (tierkv.transfer.DMA_MOVES, off for
-now); `--compare-paths` also times each way forced, in vLLM's layout.
+length (tierkv.transfer.MIN_DMA_BYTES), where staged DMA is on (tierkv.transfer.DMA_MOVES, the
+default); `--compare-paths` also times each way forced, in vLLM's layout.
 Target (BENCHMARKS.md): >= 90% of the memcpy both ways. Needs CUDA.
 Writes benchmarks/results/bench_custom_engine-<machine>.json.
 """

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tierkv import CacheConfig, TieredKVCache
 from tierkv.layout import KVLayout
 from tierkv.tiers.gpu import DevicePool
 from tierkv.tiers.host import HostPool
@@ -40,3 +41,29 @@ def test_a_load_waiting_its_turn_keeps_its_slot_lists():
     assert torch.equal(l1.read(dst).cpu(), l2.kv[torch.tensor(src)])
     assert not l1.kv[:, :20].any()  # nothing landed elsewhere (slot lists of zeros would write slot 0)
     del scratch
+
+
+def test_a_hit_waits_on_its_load_once_per_layer():
+    # A 40-block prefix comes back from L2 in one load: the sequence holds that load once (not
+    # once a block), so the forward's wait before each layer is one event wait, and the blocks
+    # are the ones stored.
+    layout = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64)
+    cache = TieredKVCache(layout, CacheConfig(l1=64 * layout.bytes_per_block, l2=64 * layout.bytes_per_block),
+                          device="cuda")
+    prompt = list(range(1000, 1000 + 40 * 16 + 1))
+    kv = torch.randn((4, 2, len(prompt), 2, 64), device="cuda").to(layout.dtype)  # [L, 2, T, H, D]
+    assert cache.store(prompt, kv) == 40 * 16
+    cache.evict("l1")
+    with torch.cuda.stream(cache.tiers.mover.stream):
+        torch.cuda._sleep(100_000_000)  # the copy stream is busy: the load is still in flight below
+    hit = cache.admit(prompt)
+    assert hit.num_cached_tokens == 40 * 16
+    assert len(hit.pending) == 1
+    for layer in range(4):
+        cache.wait_for_layer(layer, [hit])
+    torch.cuda.synchronize()
+    got = cache.l1.read(hit.slots[:40])  # [40, L, 2, bs, H, D]
+    want = kv[:, :, : 40 * 16].reshape(4, 2, 40, 16, 2, 64).permute(2, 0, 1, 3, 4, 5)
+    assert torch.equal(got, want)
+    cache.free(hit)
+    cache.close()

@@ -25,6 +25,7 @@ from .streaming import LayerStreamer
 from .tiering import Prefetch, Tiering
 from .tiers import DevicePool, HostPool
 from .tiers.codec import BlockId
+from .transfer import in_flight
 
 DEFAULT_L3_DEADLINE_S = 5.0  # how long retrieve() and admit() wait for L3 reads before recomputing instead
 
@@ -336,7 +337,7 @@ class Admission:
         fresh = self.tiers.take_l1(self.blocks_needed(reserved) - k - len(l1_hits))
         self.tiers.load_pinned(l2_hits, fresh[: len(l2_hits)])
         self.index.release_l2(l2_hits)
-        pending = [e.loading for e in cached if e.loading is not None and not e.loading.done()]
+        pending = in_flight(e.loading for e in cached)
         self.tiers.used(blocks, priority)
         rest = fresh[len(l2_hits) :]
         return SequenceBlocks(

@@ -35,6 +35,7 @@ from .sequence import SequenceBlocks
 from .streaming import LayerStreamer
 from .tiering import Prefetch, Tiering
 from .tiers import DevicePool
+from .transfer import in_flight
 
 __all__ = ["TieredKVCache", "SequenceBlocks", "Match", "Prefetch", "max_sequence_tokens", "stream_window_blocks"]
 
@@ -263,9 +264,8 @@ class TieredKVCache(PagedCache):
         out = torch.empty((L, 2, n + k, bs, H, D), dtype=self.layout.dtype, device=self.device)
         in_l1 = [i for i, e in enumerate(m.blocks) if e.l1 >= 0]
         in_l2 = [i for i, e in enumerate(m.blocks) if e.l1 < 0]
-        for i in in_l1:
-            if m.blocks[i].loading is not None:
-                m.blocks[i].loading.wait()
+        for load in in_flight(m.blocks[i].loading for i in in_l1):
+            load.wait()
         if in_l1:
             # [k, L, 2, bs, H, D] -> [L, 2, k, bs, H, D]
             _put_blocks(out, in_l1, self.l1.read([m.blocks[i].l1 for i in in_l1]).permute(1, 2, 0, 3, 4, 5))

@@ -24,7 +24,7 @@ from .hashing import hash_blocks, token_bytes
 from .index import BlockEntry
 from .sequence import LayerSave, SequenceBlocks, fill_block_table
 from .streaming import LayerStream, StreamPlan
-from .transfer import DONE
+from .transfer import DONE, Transfer, in_flight
 
 COPY_CHUNK = 128  # blocks a commit enters before it tells the tiers (see commit)
 
@@ -78,6 +78,7 @@ class PagedCache(Admission):
         self._check_extends(seq, tb[4 * seq.committed * bs : 4 * end * bs], seq.committed * bs, "adopt")
         start = i = seq.committed
         from_l2: list[tuple[int, BlockEntry]] = []
+        loads: list[Transfer | None] = []
         while i < end and seq.entries[i] is None and seq.slots[i] >= 0:
             entry, _ = self.index.lookup(seq.hashes[i], seq.hashes[i - 1] if i else 0, seq.ns,
                                          tb[i * 4 * bs : (i + 1) * 4 * bs])
@@ -87,15 +88,13 @@ class PagedCache(Admission):
                 self.index.pin(entry)
                 self.tiers.give_l1([seq.slots[i]])
                 seq.slots[i] = entry.l1
-                if entry.loading is not None and not entry.loading.done():
-                    seq.pending.append(entry.loading)
+                loads.append(entry.loading)  # the block may still be landing for someone else
             else:
                 from_l2.append((i, entry))
             seq.entries[i] = entry
             i += 1
-        load = self.tiers.load_pinned([e for _, e in from_l2], [seq.slots[j] for j, _ in from_l2])
-        if load is not DONE:
-            seq.pending.append(load)
+        loads.append(self.tiers.load_pinned([e for _, e in from_l2], [seq.slots[j] for j, _ in from_l2]))
+        seq.pending = in_flight([*seq.pending, *loads])
         self.tiers.used(seq.entries[start:i], seq.priority)
         seq.committed = i
         return i - start
@@ -340,10 +339,11 @@ class PagedCache(Admission):
         LOAD_LAYER_GROUPS groups of layers (transfer.py), so waiting for layer 0 waits for its group."""
         if not 0 <= layer < self.layout.num_layers:
             raise UsageError(f"wait_for_layer() takes a layer in 0..{self.layout.num_layers - 1}, got {layer}")
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         for seq in seqs:
             self._check_seq(seq, "wait_for_layer")
             for load in seq.pending:
-                load.wait_layer(layer)
+                load.wait_layer(layer, stream)
 
     @guarded
     def save_layer(self, layer: int, seqs: list[SequenceBlocks]) -> None:

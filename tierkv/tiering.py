@@ -37,7 +37,7 @@ from .tiers import DevicePool, HostPool
 from .tiers.codec import BlockId
 from .tiers.open import open_store
 from .tiers.pool import blocks_for
-from .transfer import DONE, BlockMover, L3Job, L3Mover, Transfer
+from .transfer import DONE, BlockMover, L3Job, L3Mover, Transfer, in_flight
 
 log = logging.getLogger(__name__)
 
@@ -211,10 +211,10 @@ class Tiering:
     def _evict_l1(self, victims: list[BlockEntry]) -> None:
         copied = self.write_down([e for e in victims if e.l2 < 0 and self._admits(e)])
         # a victim still being copied down (write-through, a layer-by-layer save) keeps its slot
-        # until that copy has read it: the copies run in order, so waiting for the last will do
-        reading = [t for e in victims if (t := e.reading) is not None and not t.done()]
-        if reading and not copied:
-            reading[-1].wait()
+        # until that copy has read it (the fence below orders after every copy when there are new ones)
+        if not copied:
+            for t in in_flight(e.reading for e in victims):
+                t.wait()
         for e in victims:
             if e.l2 < 0:
                 self.counters.tiers["l1"].drops += 1

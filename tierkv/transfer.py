@@ -11,9 +11,8 @@ engine's registered buffers):
   the GPU's own copy: where L2 is pinned in L1's format and the runs are short (scattered slots,
     one layer at a time: below MIN_DMA_BYTES a DMA), one kernel (kernels.copy_planes) copies the
     blocks straight between the pools, reading and writing host memory through unified addressing.
-Staged DMA for L2 in L1's format waits behind DMA_MOVES (off: see there); such moves take the
-GPU's own copy meanwhile. A load goes in groups of layers, each with its own event, so that attention can wait for its
-layer alone. On CPU a move is a plain copy that is done on return. `to_host` / `from_host`
+DMA_MOVES switches staged DMA off for L2 in L1's format. A load goes in groups of layers, each
+with its own event, so that attention can wait for its layer alone. On CPU a move is a plain copy that is done on return. `to_host` / `from_host`
 convert blocks that bypass L2 (spills, direct L3 reads).
 
 L2<->L3: one writer and one reader thread call the stores' batched, internally parallel APIs on
@@ -33,7 +32,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,11 +63,10 @@ LOAD_LAYER_GROUPS = 4
 MIN_DMA_BYTES = 2**20
 MIN_DMA_ROW = 256 * 2**10  # ... and each block's part is at least this long: narrower strided rows
 # crawl (one layer of 64 KiB a block, 2-D D2H: ~35% of a memcpy)
-# Staged DMA for L2 in L1's format is OFF by default: alone it moves blocks at ~95% of a memcpy
-# (bench_custom_engine, H200), but tierkv-serve on the H200 with it on hit an illegal memory access
-# on its first L2 hit (bench_server_overhead, 3e99349), cause not found yet. Until an engine run
-# with it passes, the GPU copies such blocks itself, as it did before.
-DMA_MOVES = False
+# Staged DMA for L2 in L1's format (off: the GPU copies such blocks itself, ~89% of a memcpy).
+# It was off while tierkv-serve crashed with it; the cause was slot lists that the compute stream
+# reused (see _index), and the crash came with it off too.
+DMA_MOVES = True
 
 
 class Transfer:
@@ -96,13 +94,14 @@ class Transfer:
         if self.event is not None:
             torch.cuda.current_stream().wait_event(self.event)
 
-    def wait_layer(self, layer: int) -> None:
-        """Make the current CUDA stream wait for the copies of layer `layer` (all of them when
-        the transfer was not issued by layer)."""
-        if self.groups is None:
-            self.wait()
-        elif self.event is not None:
-            torch.cuda.current_stream().wait_event(self.groups[self.group_of(layer)])
+    def wait_layer(self, layer: int, stream: torch.cuda.Stream | None = None) -> None:
+        """Make `stream` (default: the current CUDA stream) wait for the copies of layer `layer`
+        (all of them when the transfer was not issued by layer). A forward that waits before each
+        layer passes its stream: looking it up costs ~10 us a call."""
+        if self.event is None:
+            return
+        stream = stream or torch.cuda.current_stream()
+        stream.wait_event(self.event if self.groups is None else self.groups[self.group_of(layer)])
 
     def wait_on(self, stream: torch.cuda.Stream) -> None:
         """Make `stream` wait for this transfer (no host sync)."""
@@ -116,6 +115,13 @@ class Transfer:
 
 
 DONE = Transfer()
+
+
+def in_flight(transfers: Iterable[Transfer | None]) -> list[Transfer]:
+    """The distinct transfers among `transfers` (None skipped) that have not finished. Every block
+    of a load shares its Transfer: a 12K-token hit names the same one 750 times, and each repeat
+    would cost a query here and a wait per layer in the forward."""
+    return [t for t in dict.fromkeys(t for t in transfers if t is not None) if not t.done()]
 
 
 def runs(slots: list[int]) -> Iterator[tuple[int, int, int]]:
