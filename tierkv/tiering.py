@@ -31,13 +31,14 @@ from .errors import CacheFullError, ConfigError
 from .events import BlockEvents
 from .guard import Guard
 from .index import BlockEntry, BlockIndex
+from .l3_mover import L3Job, L3Mover
 from .layout import KVLayout, stored_layout
 from .metrics import CacheCounters
 from .tiers import DevicePool, HostPool
 from .tiers.codec import BlockId
 from .tiers.open import open_store
 from .tiers.pool import blocks_for
-from .transfer import DONE, BlockMover, L3Job, L3Mover, Transfer, in_flight
+from .transfer import DONE, BlockMover, Transfer, in_flight
 
 log = logging.getLogger(__name__)
 
