@@ -170,16 +170,40 @@ def test_too_much_memory_fails_at_construction_with_sizes():
         TieredKVCache(LAYOUT, CacheConfig(l1=BPB - 1), device="cpu")
 
 
-def test_stats_report_hits_per_tier():
-    cache = make(l1=2, l2=8, write_policy="write_back")
+def test_stats_count_hits_where_blocks_are_taken_by_the_tier_each_comes_from():
+    # Hits count where a lookup is used (allocate, retrieve), by the tier each block comes from;
+    # a lookup alone (a scheduler repeats one for a prompt that waits) counts nothing.
+    cache = make(l1=4, l2=8, write_policy="write_back")
     store(cache, list(range(9)))
-    cache.match(list(range(9)))
-    store(cache, list(range(100, 109)))
-    cache.match(list(range(9)))
+    for _ in range(3):
+        cache.match(list(range(9)))
+    assert cache.stats()["queries"] == 0 and cache.stats()["hit_tokens"] == 0
+    assert cache.retrieve(list(range(9)))[0] == 8  # from L1
+    store(cache, list(range(100, 117)))  # four blocks: the first prompt goes down to L2
+    seq = cache.allocate(list(range(9)))  # loaded from L2
+    assert seq.num_cached_tokens == 8
+    cache.free(seq)
     s = cache.stats()
     assert s["queries"] == 2 and s["query_tokens"] == 16 and s["hit_tokens"] == 16
     assert s["tiers"]["l1"]["hit_tokens"] == 8 and s["tiers"]["l2"]["hit_tokens"] == 8
     assert s["hit_rate"] == 1.0
+
+
+def test_an_l3_prefix_read_up_through_l2_counts_once_as_an_l3_hit(tmp_path):
+    # Found in L3, read into L2, found again there: one hit, from L3 (it once counted in both).
+    # Used again later, the same blocks count where they are then: L2.
+    first = make(l1=8, l2=8, l3=[f"file://{tmp_path}"])
+    store(first, list(range(9)))
+    assert first.flush(timeout=30)
+    first.close()
+    cache = make(l1=8, l2=8, l3=[f"file://{tmp_path}"])
+    assert cache.retrieve(list(range(9)))[0] == 8
+    tiers = cache.stats()["tiers"]
+    assert (tiers["l1"]["hit_tokens"], tiers["l2"]["hit_tokens"], tiers["l3"]["hit_tokens"]) == (0, 0, 8)
+    assert cache.retrieve(list(range(9)))[0] == 8
+    s = cache.stats()
+    assert (s["tiers"]["l2"]["hit_tokens"], s["tiers"]["l3"]["hit_tokens"], s["hit_tokens"]) == (8, 8, 16)
+    cache.close()
 
 
 def test_evict_empties_a_tier_into_the_next_one_down(tmp_path):

@@ -70,7 +70,10 @@ def test_disk_l3_written_at_one_tp_size_is_read_at_another(checkpoints, tmp_path
         got, cached = greedy(second, prompts)
         assert got == want
         stats = second.engine.cache_stats()["tiers"]
-        assert stats["l3"]["hit_tokens"] == sum(cached) > 0  # every cached token came from L3
+        # every cached block came from L3 on its first use; the 20-token head the two prompts
+        # share (five blocks) was in L1 by the second prompt's turn
+        assert sum(stats[t]["hit_tokens"] for t in ("l1", "l2", "l3")) == sum(cached) > 0
+        assert stats["l3"]["hit_tokens"] == sum(cached) - 20
         assert stats["l3"]["blocks_out"] > 0
         if reader > 1:
             # rank 0's L2 slots hold exactly its heads of the stored whole-model bytes

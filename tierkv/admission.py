@@ -105,13 +105,25 @@ class Admission:
         for e in blocks:
             by_tier[e.tier()] += self.block_size
         matched = (len(blocks) + l3_blocks) * self.block_size
-        c = self.counters
-        c.queries += 1
-        c.query_tokens += limit
-        c.hit_tokens += matched
-        for tier, hit in by_tier.items():
-            c.tiers[tier].hit_tokens += hit
-        return Match(matched, by_tier, ns, tb, hashes, blocks, self.index.removals, tail, owner=self)
+        return Match(matched, by_tier, ns, tb, hashes, blocks, self.index.removals, tail, owner=self,
+                     query_tokens=limit)
+
+    def _count_hits(self, blocks: list[BlockEntry], query_tokens: int | None, direct_l3: int = 0) -> None:
+        """A sequence (or a retrieve) starts from `blocks`, and `direct_l3` blocks read straight
+        from L3: count them as hits by the tier each comes from (a block read up from L3 into L2
+        for it counts as an L3 hit, once), and the lookup of `query_tokens` (None: more of a
+        sequence's own prompt, no new lookup). Counted when blocks are used, not in `match`: a
+        scheduler looks a waiting prompt up again every step, and an L3 prefix is found once in
+        L3 and again in L2 once prefetched; counted here, the hits are the cached tokens requests got."""
+        c, bs = self.counters, self.block_size
+        if query_tokens is not None:
+            c.queries += 1
+            c.query_tokens += query_tokens
+        c.hit_tokens += (len(blocks) + direct_l3) * bs
+        c.tiers["l3"].hit_tokens += direct_l3 * bs
+        for e in blocks:
+            c.tiers["l3" if e.staged else e.tier()].hit_tokens += bs
+            e.staged = False
 
     @guarded
     def prefetch(
@@ -328,6 +340,7 @@ class Admission:
         short = self._shortfall(reserved, cached, k)
         if short > 0:
             raise CacheFullError(f"a sequence of {reserved} tokens needs {short} more L1 blocks than can be freed")
+        self._count_hits(blocks, m.query_tokens)
         self.index.hold_l2(offloaded)  # they stay in L2 for as long as the sequence runs
         l1_hits = [e for e in cached if e.l1 >= 0]
         l2_hits = [e for e in cached if e.l1 < 0]

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 
 @dataclass(slots=True)
 class TierCounters:
-    hit_tokens: int = 0  # prefix tokens found in this tier by match()
+    hit_tokens: int = 0  # prefix tokens taken from this tier (allocate, adopt, retrieve)
     blocks_in: int = 0  # blocks written into this tier
     blocks_out: int = 0  # blocks read out of this tier (loads to a faster tier, retrieve)
     bytes_in: int = 0
@@ -23,9 +23,9 @@ class TierCounters:
 
 @dataclass(slots=True)
 class CacheCounters:
-    queries: int = 0  # match() calls
-    query_tokens: int = 0  # tokens those calls could have hit (the limit of each)
-    hit_tokens: int = 0  # tokens they hit, all tiers together
+    queries: int = 0  # prefix lookups used: allocate (admit), retrieve
+    query_tokens: int = 0  # tokens those lookups could have hit (the limit of each)
+    hit_tokens: int = 0  # tokens they hit, all tiers together (and what adopt added)
     stored_blocks: int = 0  # new blocks entered into the index (store or commit)
     tiers: dict[str, TierCounters] = field(default_factory=lambda: {t: TierCounters() for t in ("l1", "l2", "l3")})
 

@@ -93,6 +93,7 @@ class PagedCache(Admission):
                 from_l2.append((i, entry))
             seq.entries[i] = entry
             i += 1
+        self._count_hits(seq.entries[start:i], None)  # before the loads: each counts in the tier it is taken from
         loads.append(self.tiers.load_pinned([e for _, e in from_l2], [seq.slots[j] for j, _ in from_l2]))
         seq.pending = in_flight([*seq.pending, *loads])
         self.tiers.used(seq.entries[start:i], seq.priority)

@@ -37,6 +37,7 @@ class Match:
     # while blocks up to j are recomputed than to load first or to recompute (see `match`).
     tail: tuple[int, int] | None = None
     owner: object = field(default=None, repr=False)  # the cache that made it
+    query_tokens: int = field(default=0, repr=False)  # tokens the lookup could have hit (its limit)
 
 
 @dataclass(slots=True)

@@ -456,7 +456,7 @@ class Tiering:
             broken = broken or not ok
             if not broken and bid.hash not in self.index.entries:
                 e = self.index.create(bid.hash, bid.parent, bid.ns, bid.tokens, job.priority, pos=bid.pos)
-                e.l3 = "written"
+                e.l3, e.staged = "written", True
                 self.index.place(e, "l2", slot)
                 arrived += 1
             else:

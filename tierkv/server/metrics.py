@@ -61,8 +61,8 @@ class ServerMetrics:
                               "mean time between output tokens after the first", buckets=_PER_TOKEN, registry=r)
         self.e2e = Histogram("tierkv_e2e_request_latency_seconds", "arrival to last token",
                              buckets=_LATENCY, registry=r)
-        # counted when a request gets its first token, whether or not it finishes: as the cache counts
-        # tierkv_prefix_cache_hit_tokens when it looks the prompt up
+        # counted when a request gets its first token, whether or not it finishes; the cache counts
+        # tierkv_prefix_cache_hit_tokens when it admits the prompt (a step before)
         self.prompt_tokens = Counter("tierkv_prompt_tokens", "prompt tokens of requests that got their first token",
                                      registry=r)
         self.cached_tokens = Counter("tierkv_cached_prompt_tokens", "prompt tokens served from the cache, of "
@@ -132,12 +132,12 @@ class _EngineCollector:
         yield GaugeMetricFamily("tierkv_kv_cache_usage", "fraction of L1 blocks that requests hold (the rest is free "
                                 "or cached and evictable)", value=held / l1["capacity_blocks"] if l1.get(
                                     "capacity_blocks") else 0.0)
-        yield CounterMetricFamily("tierkv_prefix_cache_queries", "prefix lookups (match calls)",
+        yield CounterMetricFamily("tierkv_prefix_cache_queries", "prefix lookups used (sequences admitted)",
                                   value=s.get("queries", 0))
         yield CounterMetricFamily("tierkv_prefix_cache_query_tokens", "tokens those lookups could have hit",
                                   value=s.get("query_tokens", 0))
         per_tier = {
-            "tierkv_prefix_cache_hit_tokens": ("hit_tokens", "prefix tokens found, by tier"),
+            "tierkv_prefix_cache_hit_tokens": ("hit_tokens", "prefix tokens taken from the cache, by the tier each came from"),
             "tierkv_tier_bytes_in": ("bytes_in", "bytes written into a tier"),
             "tierkv_tier_bytes_out": ("bytes_out", "bytes read out of a tier"),
             "tierkv_tier_blocks_in": ("blocks_in", "blocks written into a tier"),
