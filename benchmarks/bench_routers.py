@@ -53,18 +53,40 @@ READY_TIMEOUT_S = 60.0
 
 # ------------------------------------------------------------------------------------------ fleet
 
+@dataclass(frozen=True)
+class Ports:
+    """Where a replica serves HTTP, publishes its KV-cache events and answers replays."""
+
+    http: int
+    events: int
+    replay: int
+
+    @classmethod
+    def free(cls) -> Ports:
+        return cls(free_port(), free_port(), free_port())
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.http}"
+
+    @property
+    def sources(self) -> tuple[str, str]:
+        """The event and replay sockets, as a router connects to them."""
+        return f"tcp://127.0.0.1:{self.events}", f"tcp://127.0.0.1:{self.replay}"
+
+
 class Replica(ServerProcess):
     """tierkv-serve (the bundled model) writing every block through to the shared L3 and
-    publishing its KV-cache events, with a replay socket, on ports of its own."""
+    publishing its KV-cache events, with a replay socket, on ports of its own (`ports`: given ones)."""
 
-    def __init__(self, log_path: Path, l3: str) -> None:
-        ports = free_port(), free_port()
+    def __init__(self, log_path: Path, l3: str, ports: Ports | None = None) -> None:
+        ports = ports or Ports.free()
         # '*' binds the server's host; a named host would make the publisher connect there (vLLM's rule)
-        events = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{ports[0]}",
-                  "replay_endpoint": f"tcp://*:{ports[1]}"}
-        self.events, self.replay = (f"tcp://127.0.0.1:{p}" for p in ports)
+        events = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{ports.events}",
+                  "replay_endpoint": f"tcp://*:{ports.replay}"}
+        self.sources = ports.sources  # (events, replay) as a router connects to them
         super().__init__(["--l3", l3, "--write-policy", "write_through", "--kv-events-config", json.dumps(events),
-                          *REPLICA_ARGS], log_path)
+                          *REPLICA_ARGS], log_path, port=ports.http)
 
     def counters(self) -> dict[str, float]:
         text = httpx.get(self.url + "/metrics", timeout=10).text
@@ -98,8 +120,8 @@ class Fleet:
             self.stop()
             raise
 
-    def add(self, wait: bool = True) -> Replica:
-        r = Replica(self.workdir / f"replica{len(self.replicas)}.log", self.redis.url)
+    def add(self, wait: bool = True, ports: Ports | None = None) -> Replica:
+        r = Replica(self.workdir / f"replica{len(self.replicas)}.log", self.redis.url, ports)
         self.replicas.append(r)
         if wait:
             r.wait_ready()
@@ -142,10 +164,11 @@ class Router:
     through /kv_event_sources, and without the replay it skips every block whose parent was
     published before it subscribed (`unknown parent; skipping unanchored store`)."""
 
-    def __init__(self, kind: str, policy: str, workers: list[Replica], model: str, log_path: Path,
+    def __init__(self, kind: str, policy: str, workers: list[Replica | Ports], model: str, log_path: Path,
                  extra: tuple[str, ...] = ()) -> None:
         self.port, self.log_path, self.kind, self.n = free_port(), log_path, kind, len(workers)
         self.url = f"http://127.0.0.1:{self.port}"
+        # a worker is a running replica, or the ports of one that may start later (listed all the same)
         urls = [w.url for w in workers]
         common = ["--worker-urls", *urls, "--policy", policy, "--host", "127.0.0.1", "--port", str(self.port),
                   "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), "--log-level", "debug",
@@ -155,8 +178,8 @@ class Router:
             if policy == "kv_aware":
                 cmd += ["--kv-event-block-size", str(BLOCK_SIZE), "--kv-event-model", model]
                 for w in workers:
-                    cmd += ["--kv-event-source", f"{w.url}={w.events}",
-                            "--kv-event-replay-source", f"{w.url}={w.replay}"]
+                    events, replay = w.sources
+                    cmd += ["--kv-event-source", f"{w.url}={events}", "--kv-event-replay-source", f"{w.url}={replay}"]
         else:
             cmd = [sys.executable, "-m", "sglang_router.launch_router", *common]
         with open(log_path, "w") as out:

@@ -30,10 +30,10 @@ def free_port() -> int:
 
 class ServerProcess:
     def __init__(self, args: list[str], log_path: Path, env: dict | None = None,
-                 command: tuple[str, ...] = ("-m", "tierkv.server.cli")) -> None:
+                 command: tuple[str, ...] = ("-m", "tierkv.server.cli"), port: int | None = None) -> None:
         """`command`: what follows the Python interpreter, before `--port` (e.g. the vllm shim's
-        `-m tierkv.server.vllm_shim serve`)."""
-        self.port = free_port()
+        `-m tierkv.server.vllm_shim serve`); `port`: a given one (default: a free one)."""
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         full_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}

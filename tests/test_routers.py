@@ -22,7 +22,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_routers  # noqa: E402
-from bench_routers import Fleet, Router, Workload, converse  # noqa: E402
+from bench_routers import Fleet, Ports, Router, Workload, converse  # noqa: E402
 from services import unavailable  # noqa: E402
 
 WORK = Workload()  # 6 conversations of 4 rounds, 4 tokens an answer
@@ -89,6 +89,30 @@ def test_sglang_router_cache_aware_completes_every_request(fleet, workdir):
         turns = converse(router.url, fleet.model, work)
     assert len(turns) == 6 and not [t.error for t in turns if t.error]
     assert sum(t.cached_tokens for t in turns if t.round == 1) > 0
+
+
+def test_a_listed_replica_that_starts_later_is_routed_to_and_credited(fleet, workdir):
+    """What deploy/k8s/router.yaml relies on (vllm-router 0.1.17 subscribes to no events it
+    discovers): the router lists every replica that may run, with its event and replay sockets.
+    One listed replica is not running: requests sent to it are retried on the other, and none
+    fails. Once it starts on its listed ports, the router subscribes to it by itself, sends it
+    requests, and credits the prefixes its events announce."""
+    fleet.reset()
+    later = Ports.free()
+    with Router("vllm", "kv_aware", [fleet.live[0], later], fleet.model, workdir / "router-later.log",
+                extra=("--health-check-interval-secs", "1")) as router:
+        turns = converse(router.url, fleet.model, Workload(conversations=2, rounds=1))
+        assert len(turns) == 2 and not [t.error for t in turns if t.error]
+        replica = fleet.add(ports=later)
+        try:
+            turns = converse(router.url, fleet.model, Workload(conversations=4, rounds=3, seed=2))
+            assert len(turns) == 12 and not [t.error for t in turns if t.error]
+            assert replica.counters()["requests"] > 0
+            log = router.log()
+            assert f"live sequence advanced source={later.url}" in log
+            assert max(router.credited()) > 0
+        finally:
+            replica.stop()
 
 
 def test_a_rolling_update_under_load_fails_no_request(fleet, workdir):
