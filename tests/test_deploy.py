@@ -73,11 +73,15 @@ def options(args: list[str]) -> dict:
         pytest.fail(f"tierkv-serve refuses `{shlex.join(args)}` (its message is in the captured stderr)")
 
 
-def events_port(opts_args: list[str]) -> int:
-    """The ZMQ port of the --kv-events-config endpoint (tcp://*:PORT)."""
+def events_port(opts_args: list[str], key: str = "endpoint") -> int:
+    """The ZMQ port of the --kv-events-config `key` (tcp://*:PORT): the events, or the replay."""
     config = json.loads(opts_args[opts_args.index("--kv-events-config") + 1])
     assert config["enable_kv_cache_events"] and config["publisher"] == "zmq"
-    return int(config["endpoint"].rsplit(":", 1)[1])
+    return int(config[key].rsplit(":", 1)[1])
+
+
+def servers(docs: list[dict]) -> dict:
+    return one(docs, "StatefulSet", "tierkv-serve")
 
 
 def values(name: str) -> dict:
@@ -108,7 +112,7 @@ def production_stack_command(values: dict) -> list[str]:
 
 def test_manifests_validate_against_the_kubernetes_schemas(rendered):
     kinds = {d["kind"] for d in rendered}
-    assert {"Deployment", "Service", "StatefulSet", "Job", "NetworkPolicy", "Role"} <= kinds
+    assert {"Deployment", "Service", "StatefulSet", "Job", "NetworkPolicy", "PodDisruptionBudget"} <= kinds
     assert kinds & CRD_KINDS == CRD_KINDS  # checked by hand below, and nothing else is skipped
     for version in ("1.30", kubernetes_validate.latest_version()):
         for doc in rendered:
@@ -132,7 +136,7 @@ def test_image(rendered):
     cmd = json.loads(re.search(r"^CMD (.+)$", text, re.M).group(1))
     opts = options(cmd)
     assert opts["host"] == "0.0.0.0" and opts["port"] == cli.DEFAULT_PORT
-    serve = container(one(rendered, "Deployment", "tierkv-serve"))
+    serve = container(servers(rendered))
     exposed = {int(p) for line in re.findall(r"^EXPOSE (.+)$", text, re.M) for p in line.split()}
     assert exposed == {cli.DEFAULT_PORT, events_port(serve["args"])}
     # `vllm` in the image is the shim's console script
@@ -145,18 +149,27 @@ def test_image(rendered):
 
 
 def test_server_listens_where_it_is_probed_and_scraped(rendered):
-    deploy = one(rendered, "Deployment", "tierkv-serve")
-    c = container(deploy)
+    sts = servers(rendered)
+    c = container(sts)
     opts = options(c["args"])
     assert opts["host"] == "0.0.0.0"  # the default (127.0.0.1) is unreachable from the kubelet and the router
     assert port_named(c, "http") == opts["port"]
     assert port_named(c, "kv-events") == events_port(c["args"])
+    assert port_named(c, "kv-replay") == events_port(c["args"], "replay_endpoint")
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert c[probe]["httpGet"]["port"] == "http"
-    svc = one(rendered, "Service", "tierkv-serve")
-    pod_labels = deploy["spec"]["template"]["metadata"]["labels"]
+    # the headless Service that names each pod (tierkv-serve-0.tierkv-serve, ...)
+    svc = one(rendered, "Service", sts["spec"]["serviceName"])
+    assert svc["spec"]["clusterIP"] == "None"
+    pod_labels = sts["spec"]["template"]["metadata"]["labels"]
     assert svc["spec"]["selector"].items() <= pod_labels.items()
-    assert {p["name"]: p["targetPort"] for p in svc["spec"]["ports"]} == {"http": "http", "kv-events": "kv-events"}
+    assert {p["name"]: p["targetPort"] for p in svc["spec"]["ports"]} == {
+        "http": "http", "kv-events": "kv-events", "kv-replay": "kv-replay"}
+    # KEDA's scale-ups start pods at once; updates replace one pod at a time, drained as a deletion is
+    assert sts["spec"]["podManagementPolicy"] == "Parallel"
+    assert sts["spec"]["updateStrategy"]["type"] == "RollingUpdate"
+    pdb = one(rendered, "PodDisruptionBudget", "tierkv-serve")
+    assert pdb["spec"]["maxUnavailable"] == 1 and pdb["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
     assert "nvidia.com/gpu" in c["resources"]["limits"]
     assert c["env"][0]["name"] == cli.API_KEY_ENV and "secretKeyRef" in c["env"][0]["valueFrom"]
     assert "--api-key" not in c["args"]  # a secret stays off the command line
@@ -170,10 +183,10 @@ def drain_s(args: list[str], pre_stop: dict | None) -> float:
 
 
 def test_grace_period_covers_the_drain(rendered):
-    deploy = one(rendered, "Deployment", "tierkv-serve")
-    c = container(deploy)
+    sts = servers(rendered)
+    c = container(sts)
     assert c["lifecycle"]["preStop"]["exec"]["command"][0] == "sleep"
-    assert deploy["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= \
+    assert sts["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= \
         drain_s(c["args"], c["lifecycle"]["preStop"])
     decode = values("llm-d-modelservice.values.yaml")["decode"]
     (llmd,) = decode["containers"]
@@ -184,14 +197,14 @@ def test_grace_period_covers_the_drain(rendered):
 
 def test_autoscaling_and_scraping_target_the_servers(rendered):
     so = one(rendered, "ScaledObject", "tierkv-serve")
-    deploy = one(rendered, "Deployment", "tierkv-serve")
-    assert so["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "tierkv-serve"}
-    assert "replicas" not in deploy["spec"]  # KEDA owns the count; re-applying must not reset it
+    sts = servers(rendered)
+    assert so["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "tierkv-serve"}
+    assert "replicas" not in sts["spec"]  # KEDA owns the count; re-applying must not reset it
     assert 1 <= so["spec"]["minReplicaCount"] <= so["spec"]["maxReplicaCount"]
     (trigger,) = so["spec"]["triggers"]
     assert trigger["type"] == "prometheus" and float(trigger["metadata"]["threshold"]) > 0
     ((name, matchers),) = selectors(trigger["metadata"]["query"])
-    assert matchers == {"namespace": deploy["metadata"]["namespace"], "service": "tierkv-serve"}
+    assert matchers == {"namespace": sts["metadata"]["namespace"], "service": "tierkv-serve"}
     sm = one(rendered, "ServiceMonitor", "tierkv-serve")
     svc = one(rendered, "Service", "tierkv-serve")
     assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
@@ -208,7 +221,7 @@ def test_l3_is_the_redis_cluster_of_the_manifests(rendered):
     job = container(one(rendered, "Job", "tierkv-redis-init"))
     assert f"for i in {' '.join(map(str, range(n)))}; do" in job["command"][-1]
     assert "cluster-enabled yes" in one(rendered, "ConfigMap", "tierkv-redis")["data"]["redis.conf"]
-    serve = one(rendered, "Deployment", "tierkv-serve")
+    serve = servers(rendered)
     (url,) = options(container(serve)["args"])["l3"]
     assert redis_cluster_nodes(url) == [(p, port) for p in pods]
     # the chart values reach the same cluster from another namespace
@@ -239,30 +252,48 @@ def flag(args: list[str], name: str) -> str:
     return args[args.index(name) + 1]
 
 
+def repeated(args: list[str], name: str) -> dict[str, str]:
+    """{worker URL: endpoint} from each `name URL=ENDPOINT` in `args`."""
+    pairs = [args[i + 1].split("=", 1) for i, a in enumerate(args) if a == name]
+    assert len({url for url, _ in pairs}) == len(pairs), f"{name} names a worker twice"
+    return dict(pairs)
+
+
+def probe_window_s(c: dict) -> int:
+    return c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"]
+
+
 def test_router_runs_kv_aware_over_the_servers(rendered):
     router = one(rendered, "Deployment", "tierkv-router")
-    args = container(router)["args"]
+    r = container(router)
+    args = r["args"]
     unknown = {a for a in args if a.startswith("--")} - router_flags()
     assert not unknown, f"vllm-router 0.1.17 has no {unknown}"
     assert flag(args, "--policy") == "kv_aware"
-    serve = one(rendered, "Deployment", "tierkv-serve")
-    c = container(serve)
+    sts = servers(rendered)
+    c = container(sts)
     opts = options(c["args"])
     assert int(flag(args, "--kv-event-block-size")) == opts["block_size"]
     assert flag(args, "--kv-event-model") == opts["served_model_name"]
-    assert int(flag(args, "--service-discovery-port")) == port_named(c, "http")
-    key, value = flag(args, "--selector").split("=")
-    assert serve["spec"]["template"]["metadata"]["labels"][key] == value
-    assert flag(args, "--service-discovery-namespace") == "$(POD_NAMESPACE)"
-    env = {e["name"]: e for e in container(router)["env"]}
-    assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
-    # service discovery watches pods: the router's account may
-    account = router["spec"]["template"]["spec"]["serviceAccountName"]
-    binding = one(rendered, "RoleBinding", "tierkv-router")
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account, "namespace": binding["metadata"][
-        "namespace"]}]
-    (rule,) = one(rendered, "Role", binding["roleRef"]["name"])["rules"]
-    assert rule["resources"] == ["pods"] and {"list", "watch"} <= set(rule["verbs"])
+    # every pod KEDA may run, by its name in the headless Service, in the router's own namespace
+    # (short names resolve there only); vllm-router 0.1.17 subscribes to no discovered source
+    n = one(rendered, "ScaledObject", "tierkv-serve")["spec"]["maxReplicaCount"]
+    assert router["metadata"]["namespace"] == sts["metadata"]["namespace"]
+    hosts = [f"{sts['metadata']['name']}-{i}.{sts['spec']['serviceName']}" for i in range(n)]
+    urls = [f"http://{h}:{port_named(c, 'http')}" for h in hosts]
+    start = args.index("--worker-urls") + 1
+    listed = args[start:next(i for i in range(start, len(args)) if args[i].startswith("--"))]
+    assert listed == urls
+    assert repeated(args, "--kv-event-source") == {
+        u: f"tcp://{h}:{events_port(c['args'])}" for u, h in zip(urls, hosts)}
+    assert repeated(args, "--kv-event-replay-source") == {
+        u: f"tcp://{h}:{events_port(c['args'], 'replay_endpoint')}" for u, h in zip(urls, hosts)}
+    assert not {a for a in args if a.startswith("--service-discovery") or a == "--selector"}
+    assert "serviceAccountName" not in router["spec"]["template"]["spec"]
+    assert not {d["kind"] for d in rendered} & {"ServiceAccount", "Role", "RoleBinding"}
+    # the router listens once a replica is healthy and exits if none is by its startup timeout:
+    # that wait covers a replica's model load, and the router's own startupProbe covers the wait
+    assert probe_window_s(r) >= int(flag(args, "--worker-startup-timeout-secs")) >= probe_window_s(c)
 
 
 # ---------------------------------------------------------------------------------------- the shim
@@ -337,7 +368,7 @@ def served(tiny_model, tmp_path_factory, rendered):  # noqa: F811
     """tierkv-serve started as production-stack starts an engine (`vllm serve MODEL ...` with
     VLLM_API_KEY and PROMETHEUS_MULTIPROC_DIR set), serving the manifests' model name."""
     tmp = tmp_path_factory.mktemp("deploy")
-    name = options(container(one(rendered, "Deployment", "tierkv-serve"))["args"])["served_model_name"]
+    name = options(container(servers(rendered))["args"])["served_model_name"]
     srv = ServerProcess([str(tiny_model), "--host", "127.0.0.1", "--enable-prefix-caching", "--served-model-name",
                          name, "--l1", "4MiB", "--log-level", "warning", "--disable-log-requests"],
                         tmp / "serve.log", command=("-m", "tierkv.server.vllm_shim", "serve"),
@@ -358,7 +389,7 @@ def test_the_shim_serves_with_vllms_key(served):
 
 def test_probes_and_queries_meet_the_real_server(served, rendered):
     srv, name = served
-    c = container(one(rendered, "Deployment", "tierkv-serve"))
+    c = container(servers(rendered))
     llmd = values("llm-d-modelservice.values.yaml")["decode"]["containers"][0]["extraConfig"]
     paths = {c[p]["httpGet"]["path"] for p in ("startupProbe", "readinessProbe", "livenessProbe")}
     paths |= {llmd[p]["httpGet"]["path"] for p in ("startupProbe", "readinessProbe", "livenessProbe")}
