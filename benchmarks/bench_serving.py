@@ -46,6 +46,8 @@ offered rate, one line per config.
     python benchmarks/bench_serving.py --make-model llama-3.1-8b --workloads long_doc --configs l1+l2,l1+l2+disk --budget-s 540
     python benchmarks/bench_serving.py --make-model llama-3.1-8b --workloads shared_prefix --configs l1,l1+l2 --budget-s 540
     python benchmarks/bench_serving.py --smoke --make-model tiny --out /tmp/bs    # CPU, l1+l2+disk, ~1.5 min
+    # add --profile-seconds 2 for one more point per config at its goodput rate with the server's
+    # profiler on (~35 s more a config): the trace lands in --out, a summary of it in the JSON
     python benchmarks/bench_serving.py --url http://127.0.0.1:8000 --smoke        # one external server
 
 H200 wall time (estimated from the committed closed-loop run: model build 27 s, server starts
@@ -81,7 +83,7 @@ import httpx
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))  # the server launcher the tests use
-from common import RESULTS  # noqa: E402
+from common import RESULTS, machine_tag  # noqa: E402
 from serving.bounds import disk_read_bandwidth, h2d_bandwidth  # noqa: E402
 from serving.model import model_info  # noqa: E402
 from serving.presets import H200, SMOKE  # noqa: E402
@@ -129,6 +131,10 @@ def parse(argv) -> argparse.Namespace:
         add(f"--{dest.replace('_', '-')}", type=type(H200[dest]), help=f"H200 {H200[dest]}, smoke {SMOKE[dest]}")
     add("--seed", type=int, default=0)
     add("--timeout", type=float, default=900.0, help="seconds for one request, and for a server to start")
+    add("--profile-seconds", type=float, default=0.0, help="after each search, one more point at the goodput rate "
+        "with the server's torch profiler on for this long, from a third of the way in: its trace goes to --out, a "
+        "summary (GPU and stream busy shares, top kernels, the engine thread's top ops) to the JSON (servers started "
+        "here; default 0: off)")
     add("--label", default="", help="free text stored with the results")
     add("--out", type=Path, default=RESULTS)
     add("--no-plot", action="store_true")
@@ -208,8 +214,14 @@ def run(a, tmp: Path, device: str) -> list[Path]:
                   flush=True)
             src = SOURCES[name](a, vocab)  # the same starting state in every config
 
-            async def session(url, src=src, deadline=deadline, max_len=max_len):
-                return await run_session(a, url, src, limits, max_len, vocab, deadline)
+            # the profiled point needs the server's trace file: only for servers started here
+            trace_to = (Path(a.out) / f"bench_serving_{name}-{config.replace('+', '_')}-{machine_tag()}.pt.trace.json.gz"
+                        if a.profile_seconds and not a.url else None)
+            if trace_to is not None:
+                trace_to.parent.mkdir(parents=True, exist_ok=True)
+
+            async def session(url, src=src, deadline=deadline, max_len=max_len, trace_to=trace_to):
+                return await run_session(a, url, src, limits, max_len, vocab, deadline, trace_to)
 
             try:
                 figures = (asyncio.run(session(a.url)) if a.url

@@ -1,6 +1,7 @@
 """benchmarks/bench_serving.py: the sweep's search over rates by hand, and the script end to end
-on a tiny random Llama whose documents outgrow L1+L2 (so hits come from L1, L2 and the disk).
-The sweep against an external server is in test_server.py (it shares that file's server)."""
+on a tiny random Llama whose documents outgrow L1+L2 (so hits come from L1, L2 and the disk),
+with a profiled point at the goodput rate. The sweep against an external server is in
+test_server.py (it shares that file's server)."""
 
 import json
 import sys
@@ -9,6 +10,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_serving  # noqa: E402
 from serving.sweep import next_rate  # noqa: E402
+from serving.trace_summary import busy_us  # noqa: E402
 
 
 def test_next_rate_doubles_then_bisects_once():
@@ -26,11 +28,17 @@ def test_next_rate_halves_down_to_a_pass():
     assert next_rate([(4.0, False), (2.0, False), (1.0, True), (1.5, True)], 4.0, bisections=1) is None
 
 
+def test_busy_time_is_the_union_of_intervals():
+    assert busy_us([(0, 10), (5, 15), (20, 25), (21, 22)]) == 20
+    assert busy_us([]) == 0
+
+
 def test_long_doc_sweep_on_l1_l2_disk(tmp_path):
     """One server (l1+l2+disk), two points at rates no CPU misses a 600 s SLO at: every arrival is
     served, the disk and L2 give bytes that the bounds turn into seconds, and the PNG is drawn."""
     [path] = bench_serving.main(["--smoke", "--make-model", "tiny", "--workloads", "long_doc", "--start-rate", "2",
-                                 "--point-seconds", "2", "--drain-seconds", "30", "--slo", "600", "--out", str(tmp_path)])
+                                 "--point-seconds", "2", "--drain-seconds", "30", "--slo", "600", "--out", str(tmp_path),
+                                 "--profile-seconds", "0.5"])
     out = json.loads(path.read_text())
     assert not out["failed_configs"] and list(out["configs"]) == ["l1+l2+disk"]
     assert 3 <= out["sizes"]["kv_over_l1"] <= 5 and out["sizes"]["l2_over_kv"] < 0.5  # documents outgrow L1+L2
@@ -46,3 +54,9 @@ def test_long_doc_sweep_on_l1_l2_disk(tmp_path):
                / out["limits"]["h2d_bytes_per_s"] for p in points)
     assert run["prime"]["prompts"] == 8 and run["prime"]["l3_bytes_written"] > 0
     assert path.with_suffix(".png").stat().st_size > 0
+    # the profiled point: at the goodput rate, served, its trace next to the JSON and summarised
+    prof = run["profile"]
+    assert prof["offered_rate"] == 4.0 and prof["point"]["completed"] == prof["point"]["arrivals"] > 0
+    assert (tmp_path / prof["trace"]).stat().st_size > 0
+    assert prof["summary"]["window_ms"] > 0 and 0 < prof["summary"]["engine_thread_busy_fraction"] <= 1
+    assert any(op.startswith("aten::") for op in prof["summary"]["engine_thread_top_cpu_ops_inclusive_ms"])

@@ -411,3 +411,9 @@ def test_sglang_router_reads_the_load_in_its_shape(strict, tmp_path):
         # -1 is what it reports for a worker whose /get_load it cannot read
         assert httpx.get(url + "/get_loads", timeout=30).json()["workers"] == [{"worker": strict.url, "load": 0}]
         assert httpx.post(url + "/flush_cache", timeout=30).json()["workers_flushed"] == 1
+
+
+def test_profiling_routes_exist_only_with_a_profile_dir(server):
+    # tests/test_server_profile.py serves them; without --profile-dir no one can start a profile
+    for path in ("/start_profile", "/stop_profile"):
+        assert httpx.post(server.url + path, timeout=30).status_code == 404

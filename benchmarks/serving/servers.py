@@ -70,6 +70,8 @@ def server_args(a, config: str, model: ModelInfo, sizes: dict, max_len: int, l3_
         args += ["--l3", f"file://{l3_dir}?size={sizes['l3_bytes']}&direct=1"]
     if a.enforce_eager:
         args.append("--enforce-eager")
+    if a.profile_seconds:  # /start_profile and /stop_profile, for the profiled point (session.py)
+        args += ["--profile-dir", str(l3_dir.with_name(f"traces-{config.replace('+', '_')}"))]
     return args + a.server_args.split()
 
 

@@ -1,12 +1,17 @@
 """One server's session for one workload: warm-up, the isolated cold probe, the priming, then the
 sweep over offered rates until the search is done, --max-points ran or the time share is spent;
-each point's figures with its bound, and the config's goodput. It drives a server that is
-already up (started here or external) and never starts or stops one.
+each point's figures with its bound, and the config's goodput. With --profile-seconds, one more
+point at the goodput rate with the server's profiler on for part of it: where the time went at
+saturation. It drives a server that is already up (started here or external) and never starts or
+stops one.
 """
 
 from __future__ import annotations
 
+import asyncio
+import shutil
 import time
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -17,6 +22,7 @@ from .figures import summarize
 from .probes import cold_probe, prime, warm_up
 from .report import fmt
 from .sweep import next_rate, run_point
+from .trace_summary import summarize_trace
 from .workloads import Source, rng_for
 
 PRIME_CONCURRENCY = 8
@@ -49,7 +55,39 @@ def point_line(p: dict) -> str:
             f"{fmt(b.get('served_over_bound'), '.2f')}")
 
 
-async def session(a, h: Http, src: Source, limits: dict, max_len: int, deadline: float) -> dict:
+async def profiled_point(a, h: Http, src: Source, rate: float, trace_to: Path) -> dict:
+    """One more point at `rate`, with the server's torch profiler on for --profile-seconds from a
+    third of the way in: the point's figures (the profiler slows the server: they stay apart from
+    the sweep's), the trace copied to `trace_to`, and its summary (trace_summary.py)."""
+
+    async def profile() -> Path | str:
+        await asyncio.sleep(a.point_seconds / 3)
+        r = await h.client.post(h.url + "/start_profile", headers=h.headers)
+        if r.status_code != 200:
+            return f"/start_profile answered {r.status_code}: {r.text[:300]}"
+        await asyncio.sleep(a.profile_seconds)
+        r = await h.client.post(h.url + "/stop_profile", headers=h.headers)
+        return Path(r.json()["trace"]) if r.status_code == 200 else f"/stop_profile answered {r.status_code}: {r.text[:300]}"
+
+    profiling = asyncio.create_task(profile())
+    clock = rng_for(a.seed, src.name, 8)
+    results, delta, span, late = await run_point(h, src, rate, a.point_seconds, a.drain_seconds, clock)
+    trace = await profiling
+    p = summarize(rate, a.point_seconds, results, span, late, delta, a.slo)
+    out = dict(offered_rate=rate, profile_seconds=a.profile_seconds, point=p)
+    if isinstance(trace, str):
+        print(f"  profile: {trace}", flush=True)
+        return dict(out, error=trace)
+    shutil.copyfile(trace, trace_to)  # the server wrote it where this process can read (started here)
+    summary = await asyncio.to_thread(summarize_trace, trace_to)
+    print(f"  profiled {rate:.2f}/s for {a.profile_seconds:g} s: GPU busy {summary['gpu_busy_fraction']:.0%}, by "
+          f"stream {', '.join(f'{k} {v:.0%}' for k, v in summary['stream_busy_fraction'].items())}; trace "
+          f"{trace_to.name}", flush=True)
+    return dict(out, trace=trace_to.name, summary=summary)
+
+
+async def session(a, h: Http, src: Source, limits: dict, max_len: int, deadline: float,
+                  trace_to: Path | None = None) -> dict:
     g = np.random.default_rng([a.seed, 1000])  # warm-up and probe: the same prompts in every config
     await warm_up(h, min(a.warm_tokens, max_len - 24), g)  # long enough to be a chunked prefill
     cold_tokens = min(src.largest_request - src.answer_tokens, max_len - src.answer_tokens - 2)
@@ -76,13 +114,21 @@ async def session(a, h: Http, src: Source, limits: dict, max_len: int, deadline:
         points.append(p)
         print(point_line(p), flush=True)
     extra = {"answers": src.answers, "conversations_retired": src.retired} if src.name == "multi_round" else {}
+    best = goodput(points)
+    if trace_to is not None and best["point"] is not None:
+        if time.perf_counter() + a.point_seconds + a.drain_seconds > deadline:
+            extra["profile"] = dict(error="no time left in the budget for the profiled point")
+        else:
+            extra["profile"] = await profiled_point(a, h, src, best["requests_per_s"], trace_to)
     return dict(cold_probe=cold, prime=primed, start_rate=start, points=points, stopped=stopped,
-                goodput=goodput(points), **extra)
+                goodput=best, **extra)
 
 
-async def run_session(a, url: str, src: Source, limits: dict, max_len: int, vocab: int, deadline: float) -> dict:
+async def run_session(a, url: str, src: Source, limits: dict, max_len: int, vocab: int, deadline: float,
+                      trace_to: Path | None = None) -> dict:
     """A session against the server at `url`: a client with room for every request in flight, the
-    model name from /v1/models unless --served-model-name gives it."""
+    model name from /v1/models unless --served-model-name gives it. `trace_to`: profile the
+    goodput rate, its trace copied there."""
     headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}
     limits_http = httpx.Limits(max_connections=2000, max_keepalive_connections=2000)
     async with httpx.AsyncClient(timeout=a.timeout, limits=limits_http) as client:
@@ -90,4 +136,4 @@ async def run_session(a, url: str, src: Source, limits: dict, max_len: int, voca
         if name is None:
             models = (await client.get(url + "/v1/models", headers=headers)).json()["data"]
             name, max_len = models[0]["id"], models[0].get("max_model_len", max_len)
-        return await session(a, Http(client, url, headers, name, vocab), src, limits, max_len, deadline)
+        return await session(a, Http(client, url, headers, name, vocab), src, limits, max_len, deadline, trace_to)

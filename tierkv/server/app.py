@@ -15,6 +15,7 @@ import re
 import time
 import uuid
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -27,6 +28,7 @@ from .api_errors import api_error, error_response
 from .async_engine import AsyncEngine, ShuttingDown
 from .limits import PARSED, BodyLimits, default_max_request_bytes
 from .metrics import ServerMetrics
+from .profiling import add_profile_routes
 from .protocol import (
     ERRORS,
     APIError,
@@ -107,11 +109,12 @@ class _Guard:
 
 def create_app(engine: AsyncEngine, served: Served, *, api_key: str | None = None, grace_s: float = 30.0,
                flush_timeout_s: float = 60.0, max_request_bytes: int | None = None, kv_events=None,
-               strict_request_fields: bool = False, load_format: str = "vllm") -> FastAPI:
+               strict_request_fields: bool = False, load_format: str = "vllm", profile_dir: Path | None = None) -> FastAPI:
     """`served`: the model and how it is named. `max_request_bytes`: the largest request body read
     (default: derived from its context length). `kv_events`: the KVEventPublisher (kv_events.py)
     when KV-cache events are published. `strict_request_fields`: refuse unknown request fields
-    instead of ignoring and counting them. `load_format`: GET /get_load's shape (worker_routes.py)."""
+    instead of ignoring and counting them. `load_format`: GET /get_load's shape (worker_routes.py).
+    `profile_dir`: serve /start_profile and /stop_profile, writing traces there (profiling.py)."""
     metrics = ServerMetrics(engine, served.name, served.cache_config, kv_events)
     names, max_model_len = [served.name], served.max_model_len
 
@@ -344,6 +347,8 @@ def create_app(engine: AsyncEngine, served: Served, *, api_key: str | None = Non
         return _events(stream, chunk, include_usage, continuous)
 
     add_worker_routes(app, engine, served, accept=accept, load_format=load_format)
+    if profile_dir is not None:
+        add_profile_routes(app, engine, profile_dir)
     state.routes = {r.path for r in app.routes}
     state.max_request_bytes = max_request_bytes or default_max_request_bytes(max_model_len)
     app.add_middleware(BodyLimits, max_bytes=state.max_request_bytes)

@@ -40,7 +40,7 @@ SERVER_OPTIONS = {
     # what one client may make the server hold (tierkv/server/limits.py); None: derived from max_model_len
     "max_request_bytes": None, "header_timeout": 10.0, "body_timeout": 30.0, "send_timeout": 30.0,
     "send_buffer_bytes": "256KiB", "keep_alive_timeout": 5.0, "max_connections": 1000, "max_keep_alive_requests": 1000,
-    "kv_events_config": None, "strict_request_fields": False, "load_format": "vllm",
+    "kv_events_config": None, "strict_request_fields": False, "load_format": "vllm", "profile_dir": None,
 }
 TIMEOUTS = ("header_timeout", "body_timeout", "send_timeout", "keep_alive_timeout")
 COUNTS = ("max_connections", "max_keep_alive_requests", "max_waiting")
@@ -111,6 +111,9 @@ def parser() -> argparse.ArgumentParser:
       "with their token ids) over ZMQ for cache-aware routers, as vLLM does and with its JSON, e.g. "
       "'{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": "
       "\"tcp://*:5558\"}'; '*' binds the --host address (default off)")
+    a("--profile-dir", metavar="DIR", help="serve POST /start_profile and /stop_profile (vLLM's and SGLang's): a "
+      "torch.profiler trace of the engine's steps, CPU and GPU, written to DIR as a gzipped Chrome trace (vLLM: "
+      "VLLM_TORCH_PROFILER_DIR; default off)")
     g = p.add_argument_group("limits on clients", "what one client may make the server hold "
                              "(docs/serving.md, 'Limits'); the defaults are safe to expose behind a proxy")
     b = g.add_argument
@@ -189,6 +192,16 @@ def _check_server_options(p: argparse.ArgumentParser, opts: dict) -> None:
             opts["kv_events_config"] = KVEventsConfig.parse(opts["kv_events_config"])
         except ConfigError as err:
             p.error(str(err))
+    if opts["profile_dir"] is not None:
+        opts["profile_dir"] = Path(str(opts["profile_dir"])).expanduser()
+        try:  # made now, so that an unwritable place fails before the model loads, not at /stop_profile
+            opts["profile_dir"].mkdir(parents=True, exist_ok=True)
+            probe = opts["profile_dir"] / f".tierkv-write-check-{os.getpid()}"
+            probe.touch()
+            probe.unlink()
+        except OSError as err:
+            p.error(f"--profile-dir {opts['profile_dir']} is not a directory this server can write traces to: "
+                    f"{err.strerror or err}; give another one")
     port = opts["port"]
     if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
         p.error(f"--port must be an int from 0 to 65535, got {port!r}")
@@ -369,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     app = create_app(aengine, served, api_key=opts["api_key"], grace_s=opts["grace_period"],
                      flush_timeout_s=opts["flush_timeout"], max_request_bytes=opts["max_request_bytes"],
                      kv_events=kv_events, strict_request_fields=opts["strict_request_fields"],
-                     load_format=opts["load_format"])
+                     load_format=opts["load_format"], profile_dir=opts["profile_dir"])
     limits = Limits(**{f.name: opts[f.name] for f in dataclasses.fields(Limits) if f.name != "max_request_bytes"},
                     max_request_bytes=app.state.max_request_bytes)
     metrics = app.state.metrics

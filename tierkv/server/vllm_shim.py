@@ -42,6 +42,7 @@ DRY_RUN = "--dry-run"
 # production-stack sets these for vLLM: the API key under vLLM's name, and a prometheus_client
 # multiprocess directory, which would switch tierkv's single-process metrics to mmap'd files.
 API_KEY_ENV = "VLLM_API_KEY"
+PROFILER_ENV = "VLLM_TORCH_PROFILER_DIR"  # vLLM serves /start_profile and /stop_profile when it is set
 DROPPED_ENV = ("PROMETHEUS_MULTIPROC_DIR",)
 
 USAGE = f"""usage: vllm serve [MODEL] [tierkv-serve options] [{DRY_RUN}]
@@ -128,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if os.environ.get(API_KEY_ENV) and not os.environ.get(cli.API_KEY_ENV):
         os.environ[cli.API_KEY_ENV] = os.environ[API_KEY_ENV]
+    if os.environ.get(PROFILER_ENV) and "--profile-dir" not in args:
+        args += ["--profile-dir", os.environ[PROFILER_ENV]]
     for name in DROPPED_ENV:
         os.environ.pop(name, None)
     if dry:

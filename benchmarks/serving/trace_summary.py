@@ -1,0 +1,61 @@
+"""Where a profiled server's time went: a summary of a torch.profiler Chrome trace (tierkv-serve's
+/stop_profile writes one). Per CUDA stream, the share of the traced window its kernels and copies
+kept it busy; the whole GPU's busy share (any stream); the kernels and copies that took the most
+GPU time; and on the busiest CPU thread (the engine's) the share of the window it spent inside
+ops and the ops that took longest (inclusive: an op's time counts in its callers too). It reads a
+trace file and never talks to a server.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections import Counter, defaultdict
+from pathlib import Path
+
+GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+TOP = 12
+
+
+def busy_us(intervals: list[tuple[float, float]]) -> float:
+    """Microseconds covered by the union of (start, end) intervals."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def summarize_trace(path: Path) -> dict:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    gpu = [e for e in events if e.get("cat") in GPU_CATS]
+    cpu = [e for e in events if e.get("cat") == "cpu_op"]
+    if not events:
+        return dict(window_ms=0.0)
+    start = min(e["ts"] for e in events)
+    window = max(e["ts"] + e["dur"] for e in events) - start
+    streams: dict[str, list] = defaultdict(list)
+    for e in gpu:
+        streams[str(e.get("args", {}).get("stream", e.get("tid")))].append((e["ts"], e["ts"] + e["dur"]))
+    by_name: Counter = Counter()
+    for e in gpu:
+        by_name[e["name"][:100]] += e["dur"]
+    threads = Counter(e["tid"] for e in cpu)
+    engine_tid = threads.most_common(1)[0][0] if threads else None
+    engine = [e for e in cpu if e["tid"] == engine_tid]
+    ops: Counter = Counter()
+    for e in engine:
+        ops[e["name"][:100]] += e["dur"]
+    return dict(
+        window_ms=window / 1e3,
+        gpu_busy_fraction=busy_us([(e["ts"], e["ts"] + e["dur"]) for e in gpu]) / window,
+        stream_busy_fraction={s: busy_us(iv) / window for s, iv in sorted(streams.items())},
+        top_gpu_ms={n: d / 1e3 for n, d in by_name.most_common(TOP)},
+        # the engine thread inside any op: near 1 with the GPU idle means the host is what binds
+        engine_thread_busy_fraction=busy_us([(e["ts"], e["ts"] + e["dur"]) for e in engine]) / window,
+        engine_thread_top_cpu_ops_inclusive_ms={n: d / 1e3 for n, d in ops.most_common(TOP)},
+    )

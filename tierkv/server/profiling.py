@@ -1,0 +1,71 @@
+"""POST /start_profile and /stop_profile: a torch.profiler trace of the engine's steps, as vLLM and SGLang serve them.
+
+Registered only when tierkv-serve runs with --profile-dir (vLLM: VLLM_TORCH_PROFILER_DIR). The
+profiler starts and stops on the engine thread, between two steps, so a trace holds whole steps:
+CPU ops of every thread and, on a GPU, the kernels and copies of every stream (the copy stream's
+L1<->L2 moves included). /stop_profile writes it as a gzipped Chrome trace (chrome://tracing,
+Perfetto) named by the process and the time it ended (ms), and answers its path. Nothing here runs while no profile is
+being taken; this file never changes what the engine computes.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import torch
+from fastapi import FastAPI
+
+from .api_errors import api_error, error_response
+from .async_engine import AsyncEngine
+from .protocol import ERRORS, APIError
+
+
+class EngineProfiler:
+    """One torch.profiler session at a time, started and stopped by the engine thread."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self._session: torch.profiler.profile | None = None
+
+    def start(self, _engine=None) -> None:
+        if self._session is not None:
+            raise APIError(409, "a profile is being taken already: POST /stop_profile first", code="profiling")
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        session = torch.profiler.profile(activities=activities)
+        session.start()
+        self._session = session
+
+    def stop(self, _engine=None) -> Path:
+        if self._session is None:
+            raise APIError(409, "no profile is being taken: POST /start_profile first", code="profiling")
+        session, self._session = self._session, None
+        session.stop()
+        path = self.directory / f"tierkv-serve-{os.getpid()}-{time.time_ns() // 1_000_000}.pt.trace.json.gz"
+        session.export_chrome_trace(str(path))
+        return path
+
+
+def add_profile_routes(app: FastAPI, engine: AsyncEngine, directory: Path) -> None:
+    profiler = EngineProfiler(directory)
+
+    @app.post("/start_profile", responses=ERRORS)
+    async def start_profile():
+        """Start tracing the engine's steps (until /stop_profile)."""
+        try:
+            await engine.call(profiler.start)
+        except Exception as err:  # noqa: BLE001 (every failure becomes an error response)
+            return error_response(api_error(err))
+        return {"status": "profiling", "directory": str(directory)}
+
+    @app.post("/stop_profile", responses=ERRORS)
+    async def stop_profile():
+        """Stop tracing; the trace is written to --profile-dir, and its path answered."""
+        try:
+            path = await engine.call(profiler.stop)
+        except Exception as err:  # noqa: BLE001
+            return error_response(api_error(err))
+        return {"status": "stopped", "trace": str(path)}
