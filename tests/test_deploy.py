@@ -138,7 +138,7 @@ def test_image(rendered):
     assert opts["host"] == "0.0.0.0" and opts["port"] == cli.DEFAULT_PORT
     serve = container(servers(rendered))
     exposed = {int(p) for line in re.findall(r"^EXPOSE (.+)$", text, re.M) for p in line.split()}
-    assert exposed == {cli.DEFAULT_PORT, events_port(serve["args"])}
+    assert exposed == {cli.DEFAULT_PORT, events_port(serve["args"]), events_port(serve["args"], "replay_endpoint")}
     # `vllm` in the image is the shim's console script
     link = re.search(r"ln -s /opt/venv/bin/(\S+) /usr/local/bin/vllm", text).group(1)
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]

@@ -88,6 +88,17 @@ def test_a_wildcard_binds_the_servers_host():
     assert resolve("ipc:///tmp/kv", "127.0.0.1") == "ipc:///tmp/kv"
 
 
+def test_the_log_says_whether_the_publisher_binds_or_connects_out(caplog):
+    # a named host connects out (vLLM's rule), where a router connecting too would hear nothing
+    caplog.set_level("INFO", logger="tierkv.server.kv_events")
+    for endpoint, says in ((f"tcp://*:{free_port()}", "bound to tcp://127.0.0.1:"),
+                           (f"tcp://127.0.0.1:{free_port()}", "connecting out to (a named host")):
+        pub = KVEventPublisher(KVEventsConfig(enable_kv_cache_events=True, endpoint=endpoint), host="127.0.0.1",
+                               block_size=BS)
+        pub.close()
+        assert says in caplog.text, caplog.text
+
+
 # ---------------------------------------------------------------------------------------- wire format
 
 def chain(n: int, first_token: int = 0) -> list[tuple]:

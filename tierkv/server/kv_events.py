@@ -199,8 +199,12 @@ class KVEventPublisher:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tierkv-kv-events", daemon=True)
         self._thread.start()
-        log.info("KV-cache events on %s (topic %r)%s", self.endpoint, config.topic,
-                 f", replay on {self.replay_endpoint}" if self.replay_endpoint else "")
+        # say which: a named host makes the publisher connect out (vLLM's rule), and a router that
+        # connects to it too then hears nothing
+        log.info("KV-cache events: %s %s (topic %r)%s",
+                 "bound to" if _binds(config.endpoint) else "connecting out to (a named host: use tcp://*:PORT "
+                 "for routers to connect to)", self.endpoint, config.topic,
+                 f", replay bound to {self.replay_endpoint}" if self.replay_endpoint else "")
 
     def _open(self, sock, endpoint: str, bind: bool) -> None:
         if "[" in endpoint or "::" in endpoint:
