@@ -108,22 +108,27 @@ class Admission:
         return Match(matched, by_tier, ns, tb, hashes, blocks, self.index.removals, tail, owner=self,
                      query_tokens=limit)
 
-    def _count_hits(self, blocks: list[BlockEntry], query_tokens: int | None, direct_l3: int = 0) -> None:
-        """A sequence (or a retrieve) starts from `blocks`, and `direct_l3` blocks read straight
-        from L3: count them as hits by the tier each comes from (a block read up from L3 into L2
-        for it counts as an L3 hit, once), and the lookup of `query_tokens` (None: more of a
-        sequence's own prompt, no new lookup). Counted when blocks are used, not in `match`: a
-        scheduler looks a waiting prompt up again every step, and an L3 prefix is found once in
-        L3 and again in L2 once prefetched; counted here, the hits are the cached tokens requests got."""
+    def _count_hits(self, query_tokens: int | None, from_l1: list[BlockEntry], from_l2: list[BlockEntry],
+                    direct_l3: int = 0) -> None:
+        """A sequence (or a retrieve) starts from blocks taken from L1 and L2, and `direct_l3`
+        blocks read straight from L3: count them as hits by the tier each came from (a block read
+        up from L3 into L2 for it counts as an L3 hit, once), and the lookup of `query_tokens`
+        (None: more of a sequence's own prompt, no new lookup). Counted when blocks are used, not
+        in `match`: a scheduler looks a waiting prompt up again every step, and an L3 prefix is
+        found once in L3 and again in L2 once prefetched; counted here, the hits are the cached
+        tokens requests got. Called after the loads are issued: this loop overlaps their copies."""
         c, bs = self.counters, self.block_size
         if query_tokens is not None:
             c.queries += 1
             c.query_tokens += query_tokens
-        c.hit_tokens += (len(blocks) + direct_l3) * bs
-        c.tiers["l3"].hit_tokens += direct_l3 * bs
-        for e in blocks:
-            c.tiers["l3" if e.staged else e.tier()].hit_tokens += bs
+        staged = 0
+        for e in from_l2:
+            staged += e.staged
             e.staged = False
+        c.hit_tokens += (len(from_l1) + len(from_l2) + direct_l3) * bs
+        c.tiers["l1"].hit_tokens += len(from_l1) * bs
+        c.tiers["l2"].hit_tokens += (len(from_l2) - staged) * bs
+        c.tiers["l3"].hit_tokens += (staged + direct_l3) * bs
 
     @guarded
     def prefetch(
@@ -340,7 +345,6 @@ class Admission:
         short = self._shortfall(reserved, cached, k)
         if short > 0:
             raise CacheFullError(f"a sequence of {reserved} tokens needs {short} more L1 blocks than can be freed")
-        self._count_hits(blocks, m.query_tokens)
         self.index.hold_l2(offloaded)  # they stay in L2 for as long as the sequence runs
         l1_hits = [e for e in cached if e.l1 >= 0]
         l2_hits = [e for e in cached if e.l1 < 0]
@@ -350,6 +354,7 @@ class Admission:
         fresh = self.tiers.take_l1(self.blocks_needed(reserved) - k - len(l1_hits))
         self.tiers.load_pinned(l2_hits, fresh[: len(l2_hits)])
         self.index.release_l2(l2_hits)
+        self._count_hits(m.query_tokens, l1_hits, [*offloaded, *l2_hits])
         pending = in_flight(e.loading for e in cached)
         self.tiers.used(blocks, priority)
         rest = fresh[len(l2_hits) :]

@@ -277,7 +277,7 @@ class TieredKVCache(PagedCache):
             out[:, :, n:] = direct.permute(1, 2, 0, 3, 4, 5).to(self.device)
         self.tiers.count("l1", len(in_l1), into=False)
         self.tiers.count("l2", len(in_l2), into=False)
-        self._count_hits(m.blocks, m.query_tokens, direct_l3=k)
+        self._count_hits(m.query_tokens, [m.blocks[i] for i in in_l1], [m.blocks[i] for i in in_l2], direct_l3=k)
         self.tiers.used(m.blocks, 0)
         return (n + k) * bs, out.view(L, 2, (n + k) * bs, H, D)
 

@@ -78,6 +78,7 @@ class PagedCache(Admission):
         self._check_extends(seq, tb[4 * seq.committed * bs : 4 * end * bs], seq.committed * bs, "adopt")
         start = i = seq.committed
         from_l2: list[tuple[int, BlockEntry]] = []
+        shared: list[BlockEntry] = []  # found in L1
         loads: list[Transfer | None] = []
         while i < end and seq.entries[i] is None and seq.slots[i] >= 0:
             entry, _ = self.index.lookup(seq.hashes[i], seq.hashes[i - 1] if i else 0, seq.ns,
@@ -88,13 +89,15 @@ class PagedCache(Admission):
                 self.index.pin(entry)
                 self.tiers.give_l1([seq.slots[i]])
                 seq.slots[i] = entry.l1
+                shared.append(entry)
                 loads.append(entry.loading)  # the block may still be landing for someone else
             else:
                 from_l2.append((i, entry))
             seq.entries[i] = entry
             i += 1
-        self._count_hits(seq.entries[start:i], None)  # before the loads: each counts in the tier it is taken from
-        loads.append(self.tiers.load_pinned([e for _, e in from_l2], [seq.slots[j] for j, _ in from_l2]))
+        taken = [e for _, e in from_l2]
+        loads.append(self.tiers.load_pinned(taken, [seq.slots[j] for j, _ in from_l2]))
+        self._count_hits(None, shared, taken)
         seq.pending = in_flight([*seq.pending, *loads])
         self.tiers.used(seq.entries[start:i], seq.priority)
         seq.committed = i
