@@ -26,6 +26,7 @@ from .trace_summary import summarize_trace
 from .workloads import Source, rng_for
 
 PRIME_CONCURRENCY = 8
+PROFILE_SLACK_S = 30.0
 
 
 def goodput(points: list[dict]) -> dict:
@@ -104,7 +105,8 @@ async def session(a, h: Http, src: Source, limits: dict, max_len: int, deadline:
         if len(points) == a.max_points:
             stopped = f"--max-points {a.max_points}"
             break
-        if time.perf_counter() + a.point_seconds + a.drain_seconds > deadline:
+        # writing and reading an 8B server's trace takes tens of seconds beyond the point itself
+        if time.perf_counter() + a.point_seconds + a.drain_seconds + PROFILE_SLACK_S > deadline:
             stopped = "time budget"
             break
         clock = rng_for(a.seed, src.name, 7, len(points))  # arrival gaps: the same draws in every config
@@ -116,7 +118,8 @@ async def session(a, h: Http, src: Source, limits: dict, max_len: int, deadline:
     extra = {"answers": src.answers, "conversations_retired": src.retired} if src.name == "multi_round" else {}
     best = goodput(points)
     if trace_to is not None and best["point"] is not None:
-        if time.perf_counter() + a.point_seconds + a.drain_seconds > deadline:
+        # writing and reading an 8B server's trace takes tens of seconds beyond the point itself
+        if time.perf_counter() + a.point_seconds + a.drain_seconds + PROFILE_SLACK_S > deadline:
             extra["profile"] = dict(error="no time left in the budget for the profiled point")
         else:
             extra["profile"] = await profiled_point(a, h, src, best["requests_per_s"], trace_to)
