@@ -40,3 +40,11 @@ def api_error(err: Exception) -> APIError:
         return APIError(400, str(err).replace("SamplingParams.", ""), param=m.group(1) if m else None)
     log.error("request failed: %s", type(err).__name__)  # no message: it could quote the request
     return APIError(500, "internal server error", type="server_error")
+
+
+async def answer(work):
+    """Await `work` (a route's coroutine); any failure becomes its error response."""
+    try:
+        return await work
+    except Exception as err:  # noqa: BLE001 (every failure becomes an error response)
+        return error_response(api_error(err))

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from fastapi import FastAPI
 
-from .api_errors import api_error, error_response
+from .api_errors import answer
 from .async_engine import AsyncEngine
 from .protocol import ERRORS, APIError
 
@@ -52,20 +52,19 @@ class EngineProfiler:
 def add_profile_routes(app: FastAPI, engine: AsyncEngine, directory: Path) -> None:
     profiler = EngineProfiler(directory)
 
+    async def start() -> dict:
+        await engine.call(profiler.start)
+        return {"status": "profiling", "directory": str(directory)}
+
+    async def stop() -> dict:
+        return {"status": "stopped", "trace": str(await engine.call(profiler.stop))}
+
     @app.post("/start_profile", responses=ERRORS)
     async def start_profile():
         """Start tracing the engine's steps (until /stop_profile)."""
-        try:
-            await engine.call(profiler.start)
-        except Exception as err:  # noqa: BLE001 (every failure becomes an error response)
-            return error_response(api_error(err))
-        return {"status": "profiling", "directory": str(directory)}
+        return await answer(start())
 
     @app.post("/stop_profile", responses=ERRORS)
     async def stop_profile():
         """Stop tracing; the trace is written to --profile-dir, and its path answered."""
-        try:
-            path = await engine.call(profiler.stop)
-        except Exception as err:  # noqa: BLE001
-            return error_response(api_error(err))
-        return {"status": "stopped", "trace": str(path)}
+        return await answer(stop())

@@ -26,7 +26,7 @@ from fastapi import FastAPI, Request
 from .. import __version__
 from ..engine.sampler import SamplingParams
 from ..engine.tokenizer import Tokenizer
-from .api_errors import api_error, error_response
+from .api_errors import answer, error_response
 from .async_engine import AsyncEngine
 from .protocol import (
     ERRORS,
@@ -117,13 +117,6 @@ def add_worker_routes(app: FastAPI, engine: AsyncEngine, served: Served, *, acce
     shape /get_load answers in when the caller names none (`?format=`)."""
     tokenizing = _Tokenizing(served.root)
     names = [served.name]
-
-    async def answer(work):
-        """Await `work`; any failure becomes its error response."""
-        try:
-            return await work
-        except Exception as err:  # noqa: BLE001 (every failure becomes an error response)
-            return error_response(api_error(err))
 
     # -------------------------------------------------------------- what is served
 
