@@ -8,7 +8,10 @@ blocks: 2 MiB a block), for a prompt of `--blocks` blocks:
         (timed from the commit call until the copy is complete);
   save by layer: `save_layer` for each of the 32 layers, then `commit` (same bytes, same end);
   load: after `evict("l1")`, `admit` brings the blocks L2 -> L1 (timed until `seq.wait()` holds),
-        and the share of that time after which layer 0 is usable (`wait_for_layer(0)`);
+        and the share of that time after which layer 0 is usable (`wait_for_layer(0)`); `lookup`
+        is the part of it that hashes and finds the blocks (`match` timed alone), and
+        `load_matched` times `allocate(match=...)` with the lookup made beforehand, the way
+        vLLM's scheduler looks a request up before the step that loads it;
 each against one contiguous pinned cudaMemcpy of the same bytes measured in the same run, with
 L1 and L2 slots in order (a fresh cache) and scattered (both free lists shuffled, as after churn).
 A move goes by staged DMA or by the GPU's own copy through unified addressing, by the average DMA
@@ -65,7 +68,7 @@ def run(kind: str, blocks: int, scattered: bool, repeats: int) -> dict:
         for free in (cache.l1.free, cache.l2.free):
             random.Random(0).shuffle(free._stack)
     times: dict[str, list[float]] = {"save": [], "save_by_layer": [], "load": [], "load_layer0": [],
-                                     "save_copy": [], "load_copy": []}
+                                     "save_copy": [], "load_copy": [], "lookup": [], "load_matched": []}
     mover = cache.tiers.mover
     for r in range(repeats + 1):
         tokens = [r * 1_000_000 + i for i in range(blocks * BS + 1)]  # a new prompt each round
@@ -86,6 +89,20 @@ def run(kind: str, blocks: int, scattered: bool, repeats: int) -> dict:
                 times["save_copy"].append(copy_seconds(mover, len(mover._timings) - moves))
             cache.free(seq)
         cache.evict("l1")  # every block of both prompts is in L2 only now
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        found = cache.match(tokens)  # the lookup alone (hashing and walking the blocks): part of admit
+        times["lookup"].append(time.perf_counter() - t)
+        # as vLLM's scheduler does it: the lookup made before the step (get_num_new_matched_tokens),
+        # the load timed from the allocation that starts it
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        seq = cache.allocate(match=found)
+        seq.wait()
+        torch.cuda.synchronize()
+        times["load_matched"].append(time.perf_counter() - t)
+        cache.free(seq)
+        cache.evict("l1")
         torch.cuda.synchronize()
         t = time.perf_counter()
         seq = cache.admit(tokens)
@@ -210,13 +227,14 @@ def main() -> None:
         for scattered in (False, True):
             s = run(kind, args.blocks, scattered, args.repeats)
             row = {"seconds": s, "GBps": {}, "ratio_to_memcpy": {}, "layer0_share_of_load": s["load_layer0"]}
-            for move in ("save", "save_by_layer", "load", "save_copy", "load_copy"):
+            for move in ("save", "save_by_layer", "load", "load_matched", "save_copy", "load_copy"):
                 base = memcpy["d2h" if move.startswith("save") else "h2d"]
                 row["GBps"][move] = nbytes / s[move] / 1e9
                 row["ratio_to_memcpy"][move] = base / s[move]
                 print(f"{kind + ('' if path_name == 'auto' else '/' + path_name):<16}{'scattered' if scattered else 'in order':<11}{move:<15}"
                       f"{row['GBps'][move]:>7.1f}{row['ratio_to_memcpy'][move]:>11.1%}")
-            print(f"{'':<27}layer 0 usable after {s['load_layer0']:.0%} of the load")
+            print(f"{'':<27}layer 0 usable after {s['load_layer0']:.0%} of the load; "
+                  f"lookup {s['lookup'] * 1e3:.2f} ms of it")
             suffix = "" if path_name == "auto" else f"-{path_name}"
             results[f"{kind}-{'scattered' if scattered else 'in_order'}{suffix}"] = row
     transfer.MIN_DMA_BYTES, transfer.DMA_MOVES = default
@@ -228,7 +246,7 @@ def main() -> None:
         "blocks": args.blocks, "bytes": nbytes, "bytes_per_block": LAYOUT.bytes_per_block,
         "memcpy_seconds": memcpy, "memcpy_GBps": {k: nbytes / v / 1e9 for k, v in memcpy.items()},
         "min_dma_bytes": default[0], "dma_moves": default[1], "results": results, "bytes_checked": checks, "host_memory_GBps": memory,
-        "timing": "save/save_by_layer/load: wall clock from the API call (commit, admit) until the copy is "
+        "timing": "save/save_by_layer/load/load_matched: wall clock from the API call (commit, admit, allocate) until the copy is "
                   "complete (cache.synchronize / seq.wait plus a device sync), hashing and bookkeeping included; "
                   "save_copy/load_copy: the copy's own CUDA events; best of the repeats after a warm-up round; "
                   "memcpy: wall clock around one copy_ and a device sync",

@@ -1,13 +1,15 @@
 """Moves blocks between L1 (the device pool) and L2 (the host pool); L2<->L3 is l3_mover.py.
 
-L1<->L2: on CUDA every move runs on one dedicated copy stream, so moves never block the compute
+L1<->L2: on CUDA every move runs on a dedicated copy stream, so moves never block the compute
 stream and are ordered among themselves (a slot written by one move and read by a later one
 needs no extra sync). A move goes one of two ways, whatever L1's layout (tierkv's own or an
 engine's registered buffers):
   staged DMA: one kernel gathers the blocks into a device staging buffer (or scatters them out of
     it), and the copy engines move each run of neighbouring L2 slots in one DMA (dma.py), at the
     speed of a pinned memcpy. Where L2 holds another format (an OffloadLayout: fp8 and scales)
-    the kernels also quantise and dequantise, so PCIe carries the small format.
+    the kernels also quantise and dequantise, so PCIe carries the small format. The buffer has
+    two halves, and the kernels run on a stream of their own: a chunk's gather or scatter
+    overlaps the next chunk's DMA (on one stream they took turns).
   the GPU's own copy: where L2 is pinned in L1's format and the runs are short (scattered slots,
     one layer at a time: below MIN_DMA_BYTES a DMA), one kernel (kernels.copy_planes) copies the
     blocks straight between the pools, reading and writing host memory through unified addressing.
@@ -143,7 +145,12 @@ class BlockMover:
         self.l2_planes = block_planes(l2.kv, self.device) if self.fmt is None and (l2.pinned or not self.cuda) else None
         self.dma = self.cuda and DMA_MOVES and dma.available()  # staged DMA for L2 in L1's format
         if self.cuda:
-            self.stream = torch.cuda.Stream(self.device)
+            self.stream = torch.cuda.Stream(self.device)  # DMAs, and the GPU's own copies
+            self.kernels = torch.cuda.Stream(self.device)  # a staged move's gathers and scatters
+            # per half of the staging buffer: the event after which the chunk in it has been read
+            # (reset by every move, which starts after the previous one ended on both streams)
+            self._free: list[torch.cuda.Event | None] = [None, None]
+            self._chunks = 0  # chunks staged so far in this move: the next one takes half _chunks % 2
             self._compile()
 
     def _compile(self) -> None:
@@ -151,20 +158,22 @@ class BlockMover:
         hit of a process waited ~0.1 s for it (12K tokens, H200). Both pools' slot 0 are free at
         this point: copying between them is harmless."""
         zero = self._index([0])
-        with torch.cuda.stream(self.stream):
-            if self.l2_planes is not None:  # the GPU's own copies
-                kernels.copy_planes(self.l1.planes, zero, self.l2_planes, zero)
-                kernels.copy_planes(self.l2_planes, zero, self.l1.planes, zero, (0, 2))
-            if self.l2_planes is None or self.dma:  # staged copies, whole blocks (and by layer with DMA)
-                self._d2h([0], [0])
-                self._h2d([0], [0], zero, None)
-                if self.dma:
-                    self._h2d([0], [0], zero, range(0, 1))
-            if self.fmt is not None:
-                out = self.staging[:1]
-                kernels.quantize_fp8(self._blocks(1), self.fmt.payload(out), self.fmt.scales(out))  # to_host
-                kernels.dequantize_fp8(self.fmt.payload(out), self.fmt.scales(out), self._blocks(1))  # read_l2
-        self.stream.synchronize()
+        launches = []
+        if self.l2_planes is not None:  # the GPU's own copies
+            launches += [lambda: kernels.copy_planes(self.l1.planes, zero, self.l2_planes, zero),
+                         lambda: kernels.copy_planes(self.l2_planes, zero, self.l1.planes, zero, (0, 2))]
+        if self.l2_planes is None or self.dma:  # staged copies, whole blocks (and by layer with DMA)
+            launches += [lambda: self._d2h([0], [0], zero), lambda: self._h2d([0], [0], zero, None)]
+            if self.dma:
+                launches.append(lambda: self._h2d([0], [0], zero, range(0, 1)))
+        if self.fmt is not None:
+            out = self.staging[:1]
+            launches += [  # to_host, read_l2
+                lambda: kernels.quantize_fp8(self._blocks(1), self.fmt.payload(out), self.fmt.scales(out)),
+                lambda: kernels.dequantize_fp8(self.fmt.payload(out), self.fmt.scales(out), self._blocks(1))]
+        self._on_stream(1, launches).synchronize()
+        self._timings.clear()  # compile time is no bandwidth sample
+        self.last = DONE
 
     @functools.cached_property
     def staging(self) -> torch.Tensor:
@@ -177,6 +186,11 @@ class BlockMover:
     @functools.cached_property
     def _staging_planes(self):
         return block_planes(self.staging)
+
+    @functools.cached_property
+    def chunk(self) -> int:
+        """Blocks a staged chunk holds: half the staging buffer (all of it when it holds one block)."""
+        return max(1, self.staging.shape[0] // 2)
 
     def _blocks(self, n: int) -> torch.Tensor:
         """Scratch blocks [n, layers, 2, bs, h, d] in L1's dtype on the device."""
@@ -197,15 +211,18 @@ class BlockMover:
         """`slots` as a device tensor for the copy stream's kernels, without a host sync: built in
         pinned memory and copied asynchronously (a copy from pageable memory would wait for the
         copy stream to drain, so the host would sit out every chunk's DMA instead of launching the
-        compute meanwhile). Allocated on the copy stream, so that the allocator gives its memory
-        to nothing else before the copies that read it have run: made on the compute stream, it
+        compute meanwhile). Allocated on the copy stream (and recorded on the kernels' stream), so
+        that the allocator gives its memory to nothing else before the copies and kernels that read
+        it have run: made on the compute stream, it
         went back to that stream's pool when the move returned, and a forward issued beside a
         load still waiting its turn overwrote it (an illegal address on the H200, tierkv-serve)."""
         index = torch.tensor(slots, dtype=torch.int64)
         if not self.cuda:
             return index
         with torch.cuda.stream(self.stream):
-            return index.pin_memory().to(self.device, non_blocking=True)
+            index = index.pin_memory().to(self.device, non_blocking=True)
+        index.record_stream(self.kernels)  # a staged move's gathers and scatters read it there
+        return index
 
     def l1_to_l2(self, l1_slots: list[int], l2_slots: list[int], layers: range | None = None) -> Transfer:
         """Copy L1 blocks `l1_slots` into L2 slots `l2_slots` (same length); `layers`: only these
@@ -226,9 +243,9 @@ class BlockMover:
             return self._on_stream(len(l1_slots), [lambda: kernels.copy_planes(
                 self.l1.planes, self._index(l1_slots), self.l2_planes, self._index(l2_slots), _planes(layers))])
         assert layers is None or self.fmt is None, "L2 in another format than L1 is written whole blocks at a time"
-        cap = self.staging.shape[0]
+        cap, index = self.chunk, self._index(l1_slots)
         return self._on_stream(len(l1_slots), [
-            lambda i=i: self._d2h(l1_slots[i : i + cap], l2_slots[i : i + cap], layers)
+            lambda i=i: self._d2h(l1_slots[i : i + cap], l2_slots[i : i + cap], index[i : i + cap], layers)
             for i in range(0, len(l1_slots), cap)])
 
     def l2_to_l1(self, l2_slots: list[int], l1_slots: list[int]) -> Transfer:
@@ -254,11 +271,11 @@ class BlockMover:
                 for g in groups], starts=bounds[:-1])
         if not self.dma:
             groups = [None]  # whole blocks: packed rows (fp8), or torch's copies of a pageable L2
-        cap = self.staging.shape[0]
-        chunks = [(l2_slots[i : i + cap], l1_slots[i : i + cap]) for i in range(0, len(l1_slots), cap)]
-        index = functools.cache(lambda c: self._index(chunks[c][1]))  # made as the first group needs it
+        cap, index = self.chunk, self._index(l1_slots)
+        chunks = [(l2_slots[i : i + cap], l1_slots[i : i + cap], index[i : i + cap])
+                  for i in range(0, len(l1_slots), cap)]
         # Group by group, so that layer l's attention waits only for its group's DMAs and scatters
-        launches = [lambda c=c, g=g: self._h2d(*chunks[c], index(c), g) for g in groups for c in range(len(chunks))]
+        launches = [lambda c=c, g=g: self._h2d(*chunks[c], g) for g in groups for c in range(len(chunks))]
         starts = [0 if g is None else g.start for g in groups for _ in chunks]
         return self._on_stream(len(l1_slots), launches, starts=starts if groups[0] is not None else None)
 
@@ -322,22 +339,49 @@ class BlockMover:
         self.last.wait()
 
     def _on_stream(self, num_blocks: int, launches: list, starts: list[int] | None = None) -> Transfer:
-        """Run `launches` in order on the copy stream, each followed by an event; `starts`: they
-        copy consecutive groups of layers beginning there (a load), which Transfer.wait_layer tells apart."""
+        """Run `launches` in order on the copy stream, each followed by an event on the stream it
+        ended on (a staged chunk returns it: see _staged); `starts`: they copy consecutive groups
+        of layers beginning there (a load), which Transfer.wait_layer tells apart. The move ends
+        when both streams have done its work."""
         # The copy stream must see everything the compute stream wrote to these blocks so far,
-        # and must not overwrite an L1 slot the compute stream may still be reading.
+        # and must not overwrite an L1 slot the compute stream may still be reading; the kernels'
+        # stream starts where the copy stream is (after the previous move, and the slot lists).
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        self.kernels.wait_stream(self.stream)
+        self._free, self._chunks = [None, None], 0
         start = torch.cuda.Event(enable_timing=True)
         start.record(self.stream)
         events = []
         with torch.cuda.stream(self.stream):
             for launch in launches:
-                launch()
-                events.append(torch.cuda.Event(enable_timing=True))
-                events[-1].record(self.stream)
-        self._timings.append((start, events[-1], num_blocks * self.l1.layout.bytes_per_block))
-        self.last = Transfer(events[-1], events, starts) if starts is not None else Transfer(events[-1])
+                ended = launch()
+                events.append(torch.cuda.Event())
+                events[-1].record(ended if isinstance(ended, torch.cuda.Stream) else self.stream)
+        self.stream.wait_stream(self.kernels)
+        end = torch.cuda.Event(enable_timing=True)
+        end.record(self.stream)
+        self._timings.append((start, end, num_blocks * self.l1.layout.bytes_per_block))
+        self.last = Transfer(end, events, starts) if starts is not None else Transfer(end)
         return self.last
+
+    def _staged(self, fill, drain, to_l2: bool) -> torch.cuda.Stream:
+        """One chunk through a half of the staging buffer: `fill(first_row)` writes the half,
+        `drain(first_row)` reads it. Towards L2 the kernels' stream fills (gather) and the copy
+        stream drains (DMA); towards L1 the other way round. A half is filled again only after
+        the chunk before in it was drained. Returns the stream the chunk ends on."""
+        half = self._chunks % 2 if self.staging.shape[0] > 1 else 0
+        self._chunks += 1
+        first, then = (self.kernels, self.stream) if to_l2 else (self.stream, self.kernels)
+        if self._free[half] is not None:
+            first.wait_event(self._free[half])
+        with torch.cuda.stream(first):
+            fill(half * self.chunk)
+        then.wait_stream(first)
+        with torch.cuda.stream(then):
+            drain(half * self.chunk)
+        self._free[half] = torch.cuda.Event()
+        self._free[half].record(then)
+        return then
 
     @functools.cached_property
     def _rows(self) -> torch.Tensor:
@@ -360,51 +404,60 @@ class BlockMover:
         per_layer = row // self.layers  # L2 in L1's format: [layers, 2, bs, h, d] per block
         return layers.start * per_layer, len(layers) * per_layer
 
-    def _dma(self, l2_slots: list[int], layers: range | None, to_l2: bool) -> None:
-        """Between staging rows 0..n-1 and L2 slots `l2_slots`: one DMA per run of neighbouring
+    def _dma(self, l2_slots: list[int], layers: range | None, to_l2: bool, base: int) -> None:
+        """Between staging rows base.. and L2 slots `l2_slots`: one DMA per run of neighbouring
         slots, of `layers` of each block (a strided copy when that is not the whole block)."""
         offset, width = self._span(layers)
         row = self.l2.layout.bytes_per_block
         if width == row:  # whole blocks: torch's copies, one a run
             assert offset == 0
             for pos, first, n in runs(l2_slots):
-                host, staged = self.l2.kv[first : first + n], self.staging[pos : pos + n]
+                host, staged = self.l2.kv[first : first + n], self.staging[base + pos : base + pos + n]
                 (host if to_l2 else staged).copy_(staged if to_l2 else host, non_blocking=True)
             return
         assert self.dma, "a part of each block moves by staged DMA only"
         stream = torch.cuda.current_stream(self.device).cuda_stream  # strided: one cudaMemcpy2DAsync a run
-        host, staged = self.l2.kv.data_ptr() + offset, self.staging.data_ptr() + offset
+        host, staged = self.l2.kv.data_ptr() + offset, self.staging.data_ptr() + offset + base * row
         for pos, first, n in runs(l2_slots):
             src, dst = staged + pos * row, host + first * row
             if not to_l2:
                 src, dst = dst, src
             dma.copy(dst, src, width, n, dst_pitch=row, src_pitch=row, stream=stream)
 
-    def _d2h(self, l1_slots: list[int], l2_slots: list[int], layers: range | None = None) -> None:
+    def _d2h(self, l1_slots: list[int], l2_slots: list[int], l1_index: torch.Tensor,
+             layers: range | None = None) -> torch.cuda.Stream:
         """One staged chunk L1 -> L2 in L2's format (fp8: quantised on the device, so the DMA
         carries packed rows)."""
-        staged = self.staging[: len(l1_slots)]
-        if self.fmt is None:  # gathered into staging blocks, then DMA
-            kernels.copy_planes(self.l1.planes, self._index(l1_slots), self._staging_planes,
-                                self._rows[: len(l1_slots)], _planes(layers))
-        elif self.l1.kv is not None:
-            kernels.gather_quantize_fp8(self.l1.kv, self._index(l1_slots), self.fmt.payload(staged),
-                                        self.fmt.scales(staged))
-        else:  # an engine's own layout: gathered into tierkv's block layout first
-            self._encode(self.l1.read(l1_slots), staged)
-        self._dma(l2_slots, layers, to_l2=True)
+        n = len(l1_slots)
 
-    def _h2d(self, l2_slots: list[int], l1_slots: list[int], l1_index: torch.Tensor, layers: range | None) -> None:
+        def gather(base: int) -> None:
+            staged = self.staging[base : base + n]
+            if self.fmt is None:  # gathered into staging blocks
+                kernels.copy_planes(self.l1.planes, l1_index, self._staging_planes, self._rows[base : base + n],
+                                    _planes(layers))
+            elif self.l1.kv is not None:
+                kernels.gather_quantize_fp8(self.l1.kv, l1_index, self.fmt.payload(staged), self.fmt.scales(staged))
+            else:  # an engine's own layout: gathered into tierkv's block layout first
+                self._encode(self.l1.read(l1_slots), staged)
+
+        return self._staged(gather, lambda base: self._dma(l2_slots, layers, True, base), to_l2=True)
+
+    def _h2d(self, l2_slots: list[int], l1_slots: list[int], l1_index: torch.Tensor,
+             layers: range | None) -> torch.cuda.Stream:
         """One staged chunk L2 -> L1 (`layers` of each block, where L2 holds L1's format)."""
-        self._dma(l2_slots, layers, to_l2=False)
-        staged = self.staging[: len(l1_slots)]
-        if self.fmt is None:
-            kernels.copy_planes(self._staging_planes, self._rows[: len(l1_slots)], self.l1.planes, l1_index,
-                                _planes(layers))
-        elif self.l1.kv is not None:  # dequantised on the device, straight into the L1 slots
-            kernels.dequantize_scatter_fp8(self.fmt.payload(staged), self.fmt.scales(staged), self.l1.kv, l1_index)
-        else:
-            self.l1.write(l1_slots, self._decode(staged))
+        n = len(l1_slots)
+
+        def scatter(base: int) -> None:
+            staged = self.staging[base : base + n]
+            if self.fmt is None:
+                kernels.copy_planes(self._staging_planes, self._rows[base : base + n], self.l1.planes, l1_index,
+                                    _planes(layers))
+            elif self.l1.kv is not None:  # dequantised on the device, straight into the L1 slots
+                kernels.dequantize_scatter_fp8(self.fmt.payload(staged), self.fmt.scales(staged), self.l1.kv, l1_index)
+            else:
+                self.l1.write(l1_slots, self._decode(staged))
+
+        return self._staged(lambda base: self._dma(l2_slots, layers, False, base), scatter, to_l2=False)
 
 
 def load_groups(num_layers: int) -> list[int]:
