@@ -198,6 +198,8 @@ def test_several_l2_hits_are_admitted_in_one_step_beside_a_decode(tiny_llama, de
     # loads are asynchronous: a hit computes once its blocks landed (beside the decode) or at
     # once, layer by layer, when nothing else runs; the tokens must not change.
     dma_on = device == "cuda-dma"
+    if device == "cuda":  # every move by the GPU's own copies
+        monkeypatch.setattr(transfer, "DMA_MOVES", False)
     if dma_on:  # every move by staged DMA, through a staging buffer of one block
         device = "cuda"
         monkeypatch.setattr(transfer, "DMA_MOVES", True)

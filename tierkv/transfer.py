@@ -143,7 +143,9 @@ class BlockMover:
         # writing pinned host memory through unified addressing (no staging, no DMA per run of
         # slots; ~89% of a pinned memcpy on the H200, scattered slots alike: bench_custom_engine)
         self.l2_planes = block_planes(l2.kv, self.device) if self.fmt is None and (l2.pinned or not self.cuda) else None
-        self.dma = self.cuda and DMA_MOVES and dma.available()  # staged DMA for L2 in L1's format
+        # staged DMA for L2 in L1's format (by groups of layers, too); fp8 L2 is always staged, and
+        # moves whole packed rows (a layer's part of one is not where it is in L1's format)
+        self.dma = self.cuda and self.fmt is None and DMA_MOVES and dma.available()
         if self.cuda:
             self.stream = torch.cuda.Stream(self.device)  # DMAs, and the GPU's own copies
             self.kernels = torch.cuda.Stream(self.device)  # a staged move's gathers and scatters
