@@ -262,3 +262,58 @@ def test_a_block_l3_reported_but_cannot_read_is_recomputed_from_there(tmp_path):
     cache.free(seq)
     check_retrieve(cache, doc, 4)
     cache.close()
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_a_prefix_recomputed_though_l3_holds_it_is_not_written_again(tmp_path, policy):
+    # An engine recomputes an L3 part when reading it looks slower (or its read came late). Those
+    # blocks are new in the index, but L3 has them: evicting them must not write them again (on
+    # a saturated disk, such rewrites took most of its time from the reads requests waited for).
+    # The blocks past the stored part are new to L3 and are written.
+    url = f"file://{tmp_path}?size=64MiB"
+    doc = list(range(4 * 10 + 1))  # 10 full blocks
+    longer = doc[:-1] + list(range(500, 500 + 4 * 3 + 1))  # the same 10, then 3 more
+    with make([url], l1=48, l2=48, write_policy=policy) as first:
+        store(first, doc)
+        assert first.flush(timeout=30)
+    with make([url], l1=48, l2=48, write_policy=policy) as cache:
+        m = cache.match(longer)
+        assert m.by_tier["l3"] == 40 and m.in_l3 == (0, 10)
+        seq = cache.allocate(longer, match=m)  # no prefetch: the engine computes everything
+        assert seq.num_cached_tokens == 0
+        write_into_slots(cache, seq, longer, 0)
+        cache.commit(seq, longer)
+        cache.free(seq)
+        cache.evict("l1")
+        cache.evict("l2")
+        assert cache.flush(timeout=30)
+        assert cache.stats()["l3_stores"][0]["puts"] == 3  # the 3 new blocks only
+        assert cache.stats()["tiers"]["l3"]["blocks_in"] == 3
+        check_retrieve(cache, longer, 52)  # and what L3 holds is the prompt's KV, all 13 blocks
+
+
+def test_reads_queued_on_l3_count_in_its_load_estimate(tmp_path):
+    # One thread reads L3 for every request, in order: a read submitted behind others lands after
+    # them. Load-or-recompute must see that wait, or requests queue on a busy disk while the GPU,
+    # which could recompute their prefixes, idles.
+    import threading
+
+    url = f"file://{tmp_path}?size=64MiB"
+    doc = list(range(4 * 40 + 1))
+    with make([url], l1=48, l2=48) as first:
+        store(first, doc)
+        assert first.flush(timeout=30)
+    with make([url], l1=48, l2=48) as cache:
+        l3 = cache.tiers.l3
+        gate = threading.Event()
+        l3._reader.submit(gate.wait)  # the reader is busy: the next read waits its turn
+        try:
+            alone = l3.estimate_seconds(10)
+            p = cache.prefetch(cache.match(doc), 30)
+            assert p.num_blocks == 40 and l3.queued_reads == 40
+            assert l3.estimate_seconds(10) == l3.stores[0].estimate_load_seconds(50) > alone
+        finally:
+            gate.set()
+        assert p.wait(30)
+        cache.match(doc)  # takes the finished read in
+        assert l3.queued_reads == 0

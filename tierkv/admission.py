@@ -94,7 +94,7 @@ class Admission:
         blocks = self.index.walk(usable, ns, tb, self.block_size)
         l3_blocks = (self.tiers.l3_present(hashes[len(blocks) :], len(blocks), len(usable) - len(blocks))
                      if len(blocks) < len(usable) else 0)
-        tail = None
+        tail, in_l3 = None, (len(blocks), len(blocks) + l3_blocks)
         if recompute_seconds_per_token is not None:
             per_block = recompute_seconds_per_token * self.block_size
             found, found_l3 = len(blocks), l3_blocks
@@ -106,7 +106,7 @@ class Admission:
             by_tier[e.tier()] += self.block_size
         matched = (len(blocks) + l3_blocks) * self.block_size
         return Match(matched, by_tier, ns, tb, hashes, blocks, self.index.removals, tail, owner=self,
-                     query_tokens=limit)
+                     query_tokens=limit, in_l3=in_l3)
 
     def _count_hits(self, query_tokens: int | None, from_l1: list[BlockEntry], from_l2: list[BlockEntry],
                     direct_l3: int = 0) -> None:
@@ -371,4 +371,5 @@ class Admission:
             token_bytes=bytearray(m.token_bytes),
             l2_slots=[e.l2 for e in offloaded],
             owner=self,
+            in_l3=m.in_l3,
         )

@@ -55,6 +55,8 @@ class L3Mover:
         self._finished: queue.SimpleQueue[L3Job] = queue.SimpleQueue()
         self._signal = threading.Event()
         self.in_flight = 0  # jobs submitted and not yet returned by finished_jobs()
+        # blocks submitted to read and not yet returned: a new read lands after them (one reader)
+        self.queued_reads = 0
 
     @property
     def chunk_blocks(self) -> int:
@@ -89,6 +91,7 @@ class L3Mover:
         self.gets += 1
         job = L3Job("get", ids, slots, priority=priority, ticket=ticket, number=self.gets)
         self.in_flight += 1
+        self.queued_reads += len(ids)
         self._reader.submit(self._run, job, self._get, deadline)
         return job
 
@@ -142,6 +145,7 @@ class L3Mover:
                 jobs.append(self._finished.get_nowait())
             except queue.Empty:
                 self.in_flight -= len(jobs)
+                self.queued_reads -= sum(len(job.ids) for job in jobs if job.kind == "get")
                 return jobs
 
     def wait_any(self, timeout: float | None) -> None:
@@ -151,8 +155,11 @@ class L3Mover:
         self._signal.clear()
 
     def estimate_seconds(self, num_blocks: int) -> float:
-        """Expected seconds to read `num_blocks` from the first store (where reads go first)."""
-        return self.stores[0].estimate_load_seconds(num_blocks)
+        """Expected seconds to read `num_blocks` from the first store (where reads go first), after
+        the reads queued before them: under load, load-or-recompute then sees a busy disk as
+        slow (it had counted each read as if it had the disk alone, and requests queued on a
+        saturated one while the GPU idled: long-doc, H200)."""
+        return self.stores[0].estimate_load_seconds(self.queued_reads + num_blocks)
 
     @property
     def read_measured(self) -> bool:

@@ -147,6 +147,8 @@ class PagedCache(Admission):
                 continue  # someone else holds this block (or its hash): ours stays private
             if entry is None:
                 entry = self.index.create(h, parent, seq.ns, blk, seq.priority, pos=i)
+                if seq.in_l3[0] <= i < seq.in_l3[1]:
+                    entry.l3 = "written"  # recomputed, though L3 has it: nothing to write
                 new.append(entry)
             self.index.pin(entry)
             self.index.place(entry, "l1", seq.slots[i])
@@ -216,7 +218,7 @@ class PagedCache(Admission):
                 entries=entries + [None] * (partial > 0), hashes=seq.hashes[:full],
                 committed=min(seq.committed, full), num_tokens=num_tokens,
                 num_cached_tokens=seq.num_cached_tokens, pending=list(seq.pending),
-                token_bytes=seq.token_bytes[: 4 * num_tokens], owner=self,
+                token_bytes=seq.token_bytes[: 4 * num_tokens], owner=self, in_l3=seq.in_l3,
             )
             for i in range(count)
         ]

@@ -38,6 +38,9 @@ class Match:
     tail: tuple[int, int] | None = None
     owner: object = field(default=None, repr=False)  # the cache that made it
     query_tokens: int = field(default=0, repr=False)  # tokens the lookup could have hit (its limit)
+    # Blocks [first, end) of the prompt that the lookup found in L3, whether or not load-or-recompute
+    # takes them: a sequence that recomputes them knows L3 has them already (SequenceBlocks.in_l3)
+    in_l3: tuple[int, int] = (0, 0)
 
 
 @dataclass(slots=True)

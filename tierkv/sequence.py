@@ -38,6 +38,10 @@ class SequenceBlocks:
     token_bytes: bytearray = field(default_factory=bytearray, repr=False)
     l2_slots: list[int] = field(default_factory=list)  # L2 slot of each offloaded leading block
     saving: LayerSave | None = None  # this step's full blocks, copied to L2 layer by layer (save_layer)
+    # Blocks [first, end) that L3 held when the sequence was looked up (Match.in_l3): the ones
+    # it computes itself are entered as written to L3, so that evicting them writes nothing
+    # again (a recomputed document's rewrite took 72% of a saturated disk: long-doc, H200)
+    in_l3: tuple[int, int] = (0, 0)
     freed: bool = False
     owner: object = field(default=None, repr=False)  # the cache that made it
 

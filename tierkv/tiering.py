@@ -353,7 +353,8 @@ class Tiering:
 
     def _flush(self, entries: list[BlockEntry], after: Transfer) -> None:
         """Write L2 blocks to every L3 store in the background; they stay held in L2 until done."""
-        entries = self._with_chunk_heads([e for e in entries if e.l3 != "writing"])
+        # written ones are in L3 already (a chunk object still takes them whole: _with_chunk_heads)
+        entries = self._with_chunk_heads([e for e in entries if e.l3 not in ("writing", "written")])
         if not entries:
             return
         for e in entries:
