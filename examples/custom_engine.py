@@ -4,8 +4,9 @@ The engine keeps K/V in vLLM's layout (one tensor [2, blocks, block_size, kv_hea
 layer) and attends through its own block tables. It registers those tensors with tierkv
 (`kv_caches=`, `kv_layout="vllm"`), so tierkv moves blocks in and out of them where they are:
 `admit` finds a prompt's cached prefix in L1, L2 or L3 and brings it in, the forward waits for
-each layer's loads (`wait_for_layer`) and copies each layer's new full blocks down as soon as
-they are written (`save_layer`), and `commit` shares them with later requests and processes.
+each layer's loads (`wait_for_layer`) and hands each layer's new full blocks to `save_layer`,
+which copies them down a group of layers at a time while the forward goes on, and `commit`
+shares them with later requests and processes.
 Safe to call from several threads: the cache serialises its calls, and each sequence writes only
 its own slots. Greedy decoding of Llama-family checkpoints (plain RoPE).
 

@@ -210,3 +210,31 @@ def test_admit_waits_for_l2_room_held_by_blocks_on_their_way_to_l3(tmp_path):
         seq = cache.admit(prompt, deadline_s=30)
         assert seq.num_cached_tokens == 4
         assert torch.equal(read_slots(cache, seq, 4), prefix_kv(LAYOUT, prompt)[:, :, :4])
+
+
+def test_a_layer_by_layer_save_copies_each_group_once_its_last_layer_is_written():
+    # Eight layers go down in groups of two (transfer.LAYER_GROUPS = 4): a group is copied once
+    # its last layer is saved, and commit copies the rest, so that L2 ends up with every layer.
+    from tierkv.transfer import LAYER_GROUPS
+
+    layout = KVLayout(num_layers=8, num_kv_heads=2, head_dim=4, dtype=torch.float16, block_size=4)
+    assert LAYER_GROUPS == 4
+    cache = TieredKVCache(layout, CacheConfig(l1=16 * layout.bytes_per_block, l2=16 * layout.bytes_per_block,
+                                              write_policy="write_through"), device="cpu", model="groups")
+    tokens = list(range(13))  # 3 full blocks
+    seq = cache.admit(tokens)
+    write_into_slots(cache, seq, tokens, 0)
+    cache.l2.kv.zero_()  # nothing in L2 yet: what is not copied stays zero
+    want = prefix_kv(layout, tokens)[:, :, :12].reshape(8, 2, 3, 4, 2, 4).transpose(1, 2)  # [L, 3, 2, bs, H, D]
+    for layer in range(5):  # the forward stops after layer 4, halfway through the third group
+        cache.save_layer(layer, [seq])
+    slots = seq.saving.l2_slots
+    got = cache.l2.kv[torch.tensor(slots)].transpose(0, 1)  # [L, 3, 2, bs, H, D]
+    assert torch.equal(got[:4], want[:4])  # groups 0-1 and 2-3 are down
+    assert not got[4:].any()  # layer 4 waits for layer 5, the end of its group
+    assert cache.commit(seq, tokens) == 3
+    assert [e.l2 for e in seq.entries[:3]] == slots  # entered where the save put them
+    assert torch.equal(cache.l2.kv[torch.tensor(slots)].transpose(0, 1), want)
+    assert cache.stats()["tiers"]["l2"]["blocks_in"] == 3
+    cache.free(seq)
+    cache.close()

@@ -213,10 +213,10 @@ def test_fp8_l2_under_registered_buffers_rounds_like_tierkvs_own_pool():
 def test_a_load_by_layer_groups_waits_for_the_group_that_holds_the_layer(layers):
     """Transfer.group_of maps every layer to the one launch of a load that copies it (30 layers in
     4 groups: 0-6, 7-14, 15-21, 22-29), so wait_for_layer never waits for too little."""
-    from tierkv.transfer import LOAD_LAYER_GROUPS, Transfer, load_groups
+    from tierkv.transfer import LAYER_GROUPS, Transfer, layer_groups
 
-    starts = load_groups(layers)
-    assert len(starts) == min(layers, LOAD_LAYER_GROUPS) and starts[0] == 0 and starts == sorted(set(starts))
+    starts = layer_groups(layers)
+    assert len(starts) == min(layers, LAYER_GROUPS) and starts[0] == 0 and starts == sorted(set(starts))
     load = Transfer(None, [object()] * len(starts), starts)
     ends = starts[1:] + [layers]
     for layer in range(layers):

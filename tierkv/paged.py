@@ -24,7 +24,7 @@ from .hashing import hash_blocks, token_bytes
 from .index import BlockEntry
 from .sequence import LayerSave, SequenceBlocks, fill_block_table
 from .streaming import LayerStream, StreamPlan
-from .transfer import DONE, Transfer, in_flight
+from .transfer import DONE, Transfer, in_flight, layer_groups
 
 COPY_CHUNK = 128  # blocks a commit enters before it tells the tiers (see commit)
 
@@ -169,8 +169,8 @@ class PagedCache(Admission):
         save, seq.saving = seq.saving, None
         layers = self.layout.num_layers
         l1_slots = [seq.slots[i] for i in save.blocks]
-        if save.layers < layers:
-            save.moved = self.tiers.save_layers(l1_slots, save.l2_slots, range(save.layers, layers))
+        if save.copied < layers:
+            save.moved = self.tiers.save_layers(l1_slots, save.l2_slots, range(save.copied, layers))
         at = dict(zip(save.blocks, save.l2_slots))
         placed = [(e, at.pop(e.pos)) for e in new if e.pos in at]
         if placed:
@@ -342,7 +342,7 @@ class PagedCache(Admission):
         """Order the current stream after the L2 loads of layer `layer` of `seqs`' blocks, and no
         more (no host sync): call it before that layer's attention, in place of `seq.wait()`, so
         that the first layers compute while the later ones still load. Loads go in
-        LOAD_LAYER_GROUPS groups of layers (transfer.py), so waiting for layer 0 waits for its group."""
+        LAYER_GROUPS groups of layers (transfer.py), so waiting for layer 0 waits for its group."""
         if not 0 <= layer < self.layout.num_layers:
             raise UsageError(f"wait_for_layer() takes a layer in 0..{self.layout.num_layers - 1}, got {layer}")
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
@@ -353,11 +353,13 @@ class PagedCache(Admission):
 
     @guarded
     def save_layer(self, layer: int, seqs: list[SequenceBlocks]) -> None:
-        """Copy layer `layer` of the blocks this step fills to L2 now, right after the forward
-        wrote them (call it after that layer's K/V write, layers in order from 0), so that the
-        copy down overlaps the rest of the forward; `commit` then enters the blocks in L1 and L2
-        (and, write-through, L3) without another copy. The step's full blocks are those up to
-        the room `append` made (`seq.num_tokens`). Only write-through copies down at commit:
+        """Layer `layer` of the blocks this step fills is written: copy it to L2 while the rest of
+        the forward runs (call it after that layer's K/V write, layers in order from 0). Layers
+        go down in LAYER_GROUPS groups (transfer.py), each once its last layer is written: one
+        layer of a block alone is too narrow a piece for a DMA. `commit` then enters the blocks
+        in L1 and L2 (and, write-through, L3) without another copy, after copying the layers
+        not saved yet. The step's full blocks are those up to the room `append` made
+        (`seq.num_tokens`). Only write-through copies down at commit:
         under write-back and selective, blocks go down later, and this does nothing; nor does it
         when L2 holds another format (fp8), whose blocks are converted whole at commit."""
         if not 0 <= layer < self.layout.num_layers:
@@ -366,7 +368,7 @@ class PagedCache(Admission):
             self._check_seq(seq, "save_layer")
         if self.l2 is None or self.config.write_policy != "write_through" or self.tiers.mover.l2_planes is None:
             return
-        l1_slots, l2_slots, saves = [], [], []
+        saves: list[tuple[SequenceBlocks, LayerSave]] = []
         for seq in seqs:
             save = seq.saving
             if save is None and layer == 0:
@@ -379,11 +381,18 @@ class PagedCache(Admission):
             if save.layers != layer:
                 raise UsageError(f"save_layer() takes the layers in order from 0: this sequence's next is "
                                  f"{save.layers}, got {layer}")
-            l1_slots += [seq.slots[i] for i in save.blocks]
-            l2_slots += save.l2_slots
-            saves.append(save)
-        if not saves:
+            saves.append((seq, save))
+        for _, save in saves:
+            save.layers = layer + 1
+        if not saves or layer + 1 not in (*layer_groups(self.layout.num_layers)[1:], self.layout.num_layers):
             return
-        moved = self.tiers.save_layers(l1_slots, l2_slots, range(layer, layer + 1))
-        for save in saves:
-            save.layers, save.moved = layer + 1, moved
+        # the group is written: copy it, one move for the saves that copied as far before
+        by_start: dict[int, list[tuple[SequenceBlocks, LayerSave]]] = {}
+        for seq, save in saves:
+            by_start.setdefault(save.copied, []).append((seq, save))
+        for start, group in by_start.items():
+            l1_slots = [seq.slots[i] for seq, save in group for i in save.blocks]
+            l2_slots = [slot for _, save in group for slot in save.l2_slots]
+            moved = self.tiers.save_layers(l1_slots, l2_slots, range(start, layer + 1))
+            for _, save in group:
+                save.copied, save.moved = layer + 1, moved

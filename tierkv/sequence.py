@@ -70,13 +70,14 @@ class SequenceBlocks:
 
 @dataclass(slots=True)
 class LayerSave:
-    """A sequence's blocks that the running step fills, copied to L2 a layer at a time as the
-    forward writes them (TieredKVCache.save_layer); `commit` then enters them in both tiers."""
+    """A sequence's blocks that the running step fills, copied to L2 a group of layers at a time
+    as the forward writes them (TieredKVCache.save_layer); `commit` then enters them in both tiers."""
 
     blocks: list[int]  # block numbers in the sequence
     l2_slots: list[int]  # the L2 slot each is copied into, taken for it
-    layers: int = 0  # layers copied so far (0..layers-1)
-    moved: Transfer = DONE  # the copy of the latest layer: the earlier ones are complete when it is
+    layers: int = 0  # layers written and saved so far (0..layers-1)
+    copied: int = 0  # of those, the layers whose copy has started (a group at a time)
+    moved: Transfer = DONE  # the copy of the latest group: the earlier ones are complete when it is
 
 
 def fill_block_table(slots: list[list[int]], out: np.ndarray) -> np.ndarray:

@@ -42,9 +42,11 @@ EWMA_ALPHA = 0.2  # weight of the newest bandwidth sample
 
 STAGING_BYTES = 256 * 2**20  # device staging buffer: big enough for full-speed DMA, small next to L1
 # Loads are issued in this many groups of layers, each with its own event: layer l's attention may
-# start once its group has landed (Transfer.wait_layer). More groups overlap more finely, at ~46 us
-# of host time per launch (H200, bench_planes).
-LOAD_LAYER_GROUPS = 4
+# start once its group has landed (Transfer.wait_layer); a layer-by-layer save copies a group once
+# its last layer is written. More groups overlap more finely, at ~46 us of host time per launch
+# (H200, bench_planes), and make each block's part of a DMA narrower (a layer alone, 64 KiB of a
+# Llama-3.1-8B block, is too narrow for one: the GPU copies it, at ~89% of a memcpy).
+LAYER_GROUPS = 4
 # Where L2 is pinned in L1's format, the GPU can copy the blocks itself through unified addressing
 # (one kernel however scattered the slots: ~89% of a pinned memcpy on the H200) or stage them for
 # the copy engines (one DMA per run of neighbouring L2 slots: ~memcpy speed when the runs are long).
@@ -252,7 +254,7 @@ class BlockMover:
 
     def l2_to_l1(self, l2_slots: list[int], l1_slots: list[int]) -> Transfer:
         """Copy L2 blocks `l2_slots` into L1 slots `l1_slots` (same length). Where L2 holds L1's
-        format, the copy goes in LOAD_LAYER_GROUPS groups of layers, each with its own event."""
+        format, the copy goes in LAYER_GROUPS groups of layers, each with its own event."""
         assert len(l1_slots) == len(l2_slots)
         if not l1_slots:
             return DONE
@@ -264,7 +266,7 @@ class BlockMover:
                 self.l1.write(l1_slots, self._decode(self.l2.kv[torch.tensor(l2_slots)]))
             self._sample(len(l1_slots) * self.l1.layout.bytes_per_block, time.perf_counter() - t)
             return DONE
-        bounds = [*load_groups(self.layers), self.layers]
+        bounds = [*layer_groups(self.layers), self.layers]
         groups = [range(a, b) for a, b in zip(bounds, bounds[1:])]
         if self.l2_planes is not None and not self._dma_pays(l2_slots, groups[0]):
             src, dst = self._index(l2_slots), self._index(l1_slots)
@@ -462,9 +464,10 @@ class BlockMover:
         return self._staged(lambda base: self._dma(l2_slots, layers, False, base), scatter, to_l2=False)
 
 
-def load_groups(num_layers: int) -> list[int]:
-    """The first layer of each group of layers a load is issued in (LOAD_LAYER_GROUPS, as even as can be)."""
-    groups = min(num_layers, LOAD_LAYER_GROUPS)
+def layer_groups(num_layers: int) -> list[int]:
+    """The first layer of each group of layers a load, or a layer-by-layer save, moves together
+    (LAYER_GROUPS, as even as can be)."""
+    groups = min(num_layers, LAYER_GROUPS)
     return [g * num_layers // groups for g in range(groups)]
 
 
