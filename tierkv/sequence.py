@@ -40,7 +40,7 @@ class SequenceBlocks:
     saving: LayerSave | None = None  # this step's full blocks, copied to L2 layer by layer (save_layer)
     # Blocks [first, end) that L3 held when the sequence was looked up (Match.in_l3): the ones
     # it computes itself are entered as written to L3, so that evicting them writes nothing
-    # again (a recomputed document's rewrite took 72% of a saturated disk: long-doc, H200)
+    # again (such rewrites were most of a saturated disk's traffic: long-doc QA, H200)
     in_l3: tuple[int, int] = (0, 0)
     freed: bool = False
     owner: object = field(default=None, repr=False)  # the cache that made it
