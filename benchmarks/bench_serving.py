@@ -35,8 +35,9 @@ for an idle conversation, throughput, goodput, hit tokens and bytes moved per ti
 /v1/cache/stats before and after each point), and the point's bound (serving/bounds.py): per
 request, compute = uncached tokens x cold prefill s/token + its share of batched decode steps;
 PCIe = L2 bytes loaded / pinned host->device bandwidth; disk = disk bytes read / raw disk read
-bandwidth; bound = 1 / the largest (they run side by side); served / bound. The bandwidths are
-measured here (a 4 GiB pinned copy; a 2 GiB file read with O_DIRECT), the compute costs by each
+bandwidth + disk bytes written / raw disk write bandwidth; bound = 1 / the largest (they run side
+by side); served / bound. The bandwidths are measured here (a 4 GiB pinned copy; a 2 GiB file
+written and fsynced, then read with O_DIRECT), the compute costs by each
 server's isolated cold request. Writes bench_serving_<workload>-<machine>.json (after every
 config, so a run cut short keeps what finished) and a PNG: goodput and p99 TTFT against the
 offered rate, one line per config.
@@ -84,7 +85,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))  # the server launcher the tests use
 from common import RESULTS, machine_tag  # noqa: E402
-from serving.bounds import disk_read_bandwidth, h2d_bandwidth  # noqa: E402
+from serving.bounds import disk_bandwidth, h2d_bandwidth  # noqa: E402
 from serving.model import model_info  # noqa: E402
 from serving.presets import H200, SMOKE  # noqa: E402
 from serving.ratios import TARGETS  # noqa: E402
@@ -124,7 +125,7 @@ def parse(argv) -> argparse.Namespace:
     add("--enforce-eager", action="store_true", help="server flag: no CUDA graphs (faster start)")
     add("--server-args", default="", help="more tierkv-serve flags, space separated")
     add("--warm-tokens", type=int, help="warm-up prompt length (H200 9000)")
-    add("--disk-probe-bytes", type=int, help="raw disk read probe file size (H200 2 GiB)")
+    add("--disk-probe-bytes", type=int, help="raw disk write and read probe file size (H200 2 GiB)")
     add("--h2d-bytes", type=int, help="pinned host->device copy size (H200 4 GiB)")
     add("--tmp", type=Path, help="directory for the model, the disk L3 and the probe file (default: system temp)")
     for dest in (k for k in H200 if k.split("_")[0] in FLAG_PREFIX.values()):  # --mr-users, --ld-docs, ...
@@ -173,11 +174,13 @@ def run(a, tmp: Path, device: str) -> list[Path]:
     kvb, vocab = model.kv_bytes_per_token, model.vocab_size
     configs = ["external"] if a.url else a.configs.split(",")
     h2d, h2d_kind = h2d_bandwidth(a.h2d_bytes)
-    disk, disk_kind = (disk_read_bandwidth(tmp, a.disk_probe_bytes) if a.url or any("disk" in c for c in configs)
-                       else (None, "not measured: no disk config"))
-    limits = dict(h2d_bytes_per_s=h2d, h2d_kind=h2d_kind, disk_read_bytes_per_s=disk, disk_read_kind=disk_kind)
+    disk, disk_write, disk_kind = (disk_bandwidth(tmp, a.disk_probe_bytes) if a.url or any("disk" in c for c in configs)
+                                   else (None, None, "not measured: no disk config"))
+    limits = dict(h2d_bytes_per_s=h2d, h2d_kind=h2d_kind, disk_read_bytes_per_s=disk,
+                  disk_write_bytes_per_s=disk_write, disk_read_kind=disk_kind)
     print(f"model {model.source}: {model.shape}, {kvb} KV bytes a token; host->device {h2d / 1e9:.1f} GB/s "
-          f"({h2d_kind}); disk read {disk / 1e9 if disk else 0:.2f} GB/s ({disk_kind})", flush=True)
+          f"({h2d_kind}); disk read {disk / 1e9 if disk else 0:.2f} GB/s, write "
+          f"{disk_write / 1e9 if disk_write else 0:.2f} GB/s ({disk_kind})", flush=True)
     sweeps_left, paths = len(configs) * len(a.workloads.split(",")), []
     for name in a.workloads.split(","):
         shape = SOURCES[name](a, vocab)

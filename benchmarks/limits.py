@@ -1,6 +1,7 @@
 """Physical limits that benchmarks divide by, measured in the same run: pinned host -> device
-bandwidth (PCIe, the floor of an L2 hit) and a disk's raw sequential read speed (the floor of a
-disk hit). Each function measures one thing and returns bytes/second; none touches tierkv.
+bandwidth (PCIe, the floor of an L2 hit) and a disk's raw sequential read and write speeds (the
+floor of a disk hit, and what writing to the disk tier takes from it). Each function measures one
+thing and returns bytes/second; none touches tierkv.
 """
 
 from __future__ import annotations
@@ -38,17 +39,26 @@ def drop_page_cache() -> bool:
 
 
 def disk_read_bandwidth(directory: Path, nbytes: int = 2**31, chunk: int = 8 << 20) -> tuple[float, str]:
-    """(bytes/s, how) of one sequential read of an `nbytes` file in `directory`, written and
-    fsynced first: with O_DIRECT into page-aligned memory (the disk itself, as the disk tier's
-    ?direct=1 reads it), or where the filesystem refuses O_DIRECT, buffered after evicting the file
-    from the page cache (fadvise DONTNEED)."""
+    """(bytes/s, how) of one sequential read of an `nbytes` file in `directory`: disk_bandwidth's read."""
+    read_bps, _, how = disk_bandwidth(directory, nbytes, chunk)
+    return read_bps, how
+
+
+def disk_bandwidth(directory: Path, nbytes: int = 2**31, chunk: int = 8 << 20) -> tuple[float, float, str]:
+    """(read bytes/s, write bytes/s, how) of an `nbytes` file in `directory`: written sequentially
+    and fsynced (the write's speed, until the data is on the disk), then read sequentially with
+    O_DIRECT into page-aligned memory (the disk itself, as the disk tier's ?direct=1 reads it), or
+    where the filesystem refuses O_DIRECT, buffered after evicting the file from the page cache
+    (fadvise DONTNEED)."""
     path = Path(directory) / "tierkv-raw-read.bin"
     block = os.urandom(chunk)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
+        t = time.perf_counter()
         for _ in range(max(1, nbytes // chunk)):
             os.write(fd, block)
         os.fsync(fd)
+        write_bps = max(1, nbytes // chunk) * chunk / (time.perf_counter() - t)
     finally:
         os.close(fd)
     buf = mmap.mmap(-1, chunk)  # page-aligned, as O_DIRECT needs
@@ -71,4 +81,4 @@ def disk_read_bandwidth(directory: Path, nbytes: int = 2**31, chunk: int = 8 << 
     finally:
         buf.close()
         path.unlink()
-    return total / seconds, f"{how} read of {total >> 20} MiB"
+    return total / seconds, write_bps, f"{how} read of {total >> 20} MiB, after its fsynced write"

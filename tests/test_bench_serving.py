@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_serving  # noqa: E402
 from serving.sweep import next_rate  # noqa: E402
@@ -50,6 +52,13 @@ def test_long_doc_sweep_on_l1_l2_disk(tmp_path):
     moved = {t: sum(p["cache"][t]["bytes_out"] for p in points) for t in ("l2", "l3")}
     assert moved["l2"] > 0 and moved["l3"] > 0, moved
     assert any(p["bound"]["seconds"]["disk"] > 0 for p in points)
+    lim = out["limits"]
+    assert lim["disk_write_bytes_per_s"] > 0
+    for p in points:  # the disk is busy with what the tier writes as well as with what it reads
+        l3, n = p["cache"]["l3"], p["completed"]
+        assert p["bound"]["seconds"]["disk"] == pytest.approx(
+            l3["bytes_out"] / n / lim["disk_read_bytes_per_s"] + l3["bytes_in"] / n / lim["disk_write_bytes_per_s"])
+    assert any(p["cache"]["l3"]["bytes_in"] > 0 for p in points)
     assert all(p["bound"]["seconds"]["pcie"] == p["cache"]["l2"]["bytes_out"] / p["completed"]
                / out["limits"]["h2d_bytes_per_s"] for p in points)
     assert run["prime"]["prompts"] == 8 and run["prime"]["l3_bytes_written"] > 0

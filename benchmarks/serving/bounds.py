@@ -1,5 +1,6 @@
 """The bounds each sweep point is read against, from limits measured in the same run: the pinned
-host->device copy (L2 hits cross PCIe), the disk's raw read (disk hits), and the cold prefill cost
+host->device copy (L2 hits cross PCIe), the disk's raw read and write (disk hits, and the blocks
+written to the disk tier), and the cold prefill cost
 per token and the batch-1 decode step of an isolated cold request (compute). The measuring itself
 is benchmarks/limits.py's; this file adds the CPU fallback and the per-request arithmetic, and
 never talks to a server.
@@ -9,6 +10,7 @@ A point's bound, per request served:
             + output tokens x decode step / mean requests decoding (a decode step serves the batch)
   pcie    = bytes L2 gave to L1 (the L2 counter bytes_out) / host->device bandwidth
   disk    = bytes read from the disk (the L3 counter bytes_out) / raw disk read bandwidth
+            + bytes written to it (bytes_in) / raw disk write bandwidth (one device does both)
 GPU compute, the copy engine and the disk work side by side, so the request rate cannot pass
 1 / max(compute, pcie, disk): that is the bound, and the largest term names what binds.
 """
@@ -18,7 +20,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from limits import disk_read_bandwidth as raw_disk_read_bandwidth
+from limits import disk_bandwidth as raw_disk_bandwidth
 from limits import h2d_bandwidth as pinned_h2d_bandwidth
 
 from .presets import GiB
@@ -42,10 +44,11 @@ def h2d_bandwidth(nbytes: int) -> tuple[float, str]:
     return 3 * nbytes / (time.perf_counter() - t), f"host memcpy of {nbytes / 2**20:.0f} MiB (no CUDA)"
 
 
-def disk_read_bandwidth(directory: Path, nbytes: int) -> tuple[float, str]:
-    """The disk tier's bound: a sequential read of an nbytes file in `directory` (where the L3
-    lives), from the disk itself (O_DIRECT, or buffered after evicting it from the page cache)."""
-    return raw_disk_read_bandwidth(directory, nbytes, chunk=DISK_CHUNK)
+def disk_bandwidth(directory: Path, nbytes: int) -> tuple[float, float, str]:
+    """The disk tier's bound: (read bytes/s, write bytes/s, how) of an nbytes file in `directory`
+    (where the L3 lives), written and fsynced, then read from the disk itself (O_DIRECT, or
+    buffered after evicting it from the page cache)."""
+    return raw_disk_bandwidth(directory, nbytes, chunk=DISK_CHUNK)
 
 
 def point_bound(p: dict, cold: dict, limits: dict) -> dict | None:
@@ -57,12 +60,14 @@ def point_bound(p: dict, cold: dict, limits: dict) -> dict | None:
     decode = p["output_tokens"] / n * cold["step_s"] / max(1.0, p["mean_decoding"])
     pcie_bytes = cache["l2"]["bytes_out"] / n if cache else 0.0
     disk_bytes = cache["l3"]["bytes_out"] / n if cache else 0.0
-    seconds = {"compute": prefill + decode, "pcie": pcie_bytes / limits["h2d_bytes_per_s"],
-               "disk": disk_bytes / limits["disk_read_bytes_per_s"] if limits["disk_read_bytes_per_s"] else 0.0}
+    disk_write_bytes = cache["l3"]["bytes_in"] / n if cache else 0.0
+    read_bps, write_bps = limits["disk_read_bytes_per_s"], limits.get("disk_write_bytes_per_s")
+    disk_s = (disk_bytes / read_bps if read_bps else 0.0) + (disk_write_bytes / write_bps if write_bps else 0.0)
+    seconds = {"compute": prefill + decode, "pcie": pcie_bytes / limits["h2d_bytes_per_s"], "disk": disk_s}
     binding = max(seconds, key=seconds.get)
     rate = p["throughput"]["requests_per_s"]
     return dict(prefill_s=prefill, decode_s=decode, pcie_bytes=pcie_bytes, disk_bytes=disk_bytes,
-                seconds=seconds, binding=binding,
+                disk_write_bytes=disk_write_bytes, seconds=seconds, binding=binding,
                 requests_per_s=1 / seconds[binding] if seconds[binding] else None,
                 served_over_bound=rate * seconds[binding],
                 served_over_pcie_bound=rate * seconds["pcie"] if seconds["pcie"] else None)
