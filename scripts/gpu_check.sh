@@ -53,7 +53,7 @@ part() {  # part NAME SECONDS COMMAND...
   for p in "$@"; do
     case $p in
       # the files that hold GPU tests (the others may import what the device lacks: zmq, kubernetes_validate)
-      tests) part tests 300 python3 -m pytest -m gpu -q -p no:cacheprovider --durations=10 \
+      tests) part tests ${TESTS_LIMIT:-300} python3 -m pytest -m gpu -q -p no:cacheprovider --durations=10 \
                ${GPU_TESTS:-$(grep -l "pytest.mark.gpu" tests/test_*.py)} ;;
       kernels) part kernels 300 python3 benchmarks/bench_kernels.py --out "$OUT" ${KERNELS_ARGS:-} ;;
       throughput) part throughput 540 python3 benchmarks/bench_throughput.py --out "$OUT" ${THROUGHPUT_ARGS:-} ;;
