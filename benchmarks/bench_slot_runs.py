@@ -16,7 +16,9 @@ Usage: python benchmarks/bench_slot_runs.py [--requests 3000] [--out DIR]
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import random
 import sys
 from pathlib import Path
 
@@ -39,7 +41,7 @@ CONFIGS = [(1024, 65536, "write_back"), (2048, 16384, "write_back"), (2048, 1638
 def runs(slots: list[int]) -> int:
     """How many runs of consecutive slot numbers `slots` holds (one DMA each)."""
     s = sorted(slots)
-    return 1 + sum(b != a + 1 for a, b in zip(s, s[1:]))
+    return 1 + sum(b != a + 1 for a, b in itertools.pairwise(s))
 
 
 def summary(moves: list[list[int]]) -> dict:
@@ -79,8 +81,6 @@ def replay(requests: list[dict], l1_blocks: int, l2_blocks: int, write_policy: s
 
 def shuffled_case(blocks: int = 1024, pool: int = 4096, seed: int = 0) -> dict:
     """bench_custom_engine's scattered case: `blocks` slots taken from a shuffled free list of `pool`."""
-    import random
-
     free = list(range(pool))
     random.Random(seed).shuffle(free)
     return summary([free[:blocks]])
