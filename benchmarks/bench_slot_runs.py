@@ -45,9 +45,10 @@ def runs(slots: list[int]) -> int:
 
 
 def summary(moves: list[list[int]]) -> dict:
-    blocks = sum(len(m) for m in moves)
-    n_runs = sum(runs(m) for m in moves)
-    dma_blocks = sum(len(m) for m in moves if len(m) >= DMA_RUN * runs(m))
+    counted = [(len(m), runs(m)) for m in moves]  # (blocks, runs) of each move
+    blocks = sum(n for n, _ in counted)
+    n_runs = sum(r for _, r in counted)
+    dma_blocks = sum(n for n, r in counted if n >= DMA_RUN * r)
     return {"moves": len(moves), "blocks": blocks, "mean_run_blocks": blocks / n_runs if n_runs else None,
             "share_of_blocks_in_dma_moves": dma_blocks / blocks if blocks else None}
 
