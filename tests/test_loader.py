@@ -71,6 +71,84 @@ def test_fingerprint_is_stable_and_tells_weights_apart(tiny_dir, tmp_path):
     assert load_model(other, device="cpu").fingerprint != a
 
 
+@pytest.fixture(scope="module")
+def wide_vocab_dir(tmp_path_factory):
+    """A checkpoint whose first MiB is all lm_head/embedding rows (8192 x 64 fp32 = 2 MiB each), as
+    in real models, where the embeddings fill the start of the first shard."""
+    return save_tiny_checkpoint("llama", tmp_path_factory.mktemp("wide"), vocab_size=8192)
+
+
+def fine_tune(base, dst, layer: int = 1, seed: int = 7):
+    """A copy of `base` whose layer `layer` q/k/v/o weights have noise added, as a merged LoRA
+    would change them: config, embeddings and every other tensor stay byte for byte the same."""
+    from safetensors.torch import load_file, save_file
+
+    copy_dir(base, dst)
+    weights = load_file(dst / "model.safetensors")
+    gen = torch.Generator().manual_seed(seed)
+    for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        w = weights[f"model.layers.{layer}.self_attn.{proj}.weight"]
+        w += 0.05 * torch.randn(w.shape, generator=gen)
+    save_file(weights, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+def test_a_fine_tune_of_one_layer_gets_its_own_fingerprint(wide_vocab_dir, tmp_path):
+    base = load_model(wide_vocab_dir, device="cpu", cache_dir=tmp_path / "cache").fingerprint
+    tuned_dir = fine_tune(wide_vocab_dir, tmp_path / "tuned")
+    assert (tuned_dir / "model.safetensors").stat().st_size == (wide_vocab_dir / "model.safetensors").stat().st_size
+    assert load_model(tuned_dir, device="cpu", cache_dir=tmp_path / "cache").fingerprint != base
+
+
+def test_a_shard_rewritten_in_place_with_its_old_mtime_is_hashed_again(wide_vocab_dir, tmp_path):
+    """The remembered digest is keyed by file identity, ctime included: restoring the mtime after
+    a rewrite of the same size does not bring the old digest back."""
+    import os
+
+    d = copy_dir(wide_vocab_dir, tmp_path / "model")
+    cache = tmp_path / "cache"
+    first = loader.fingerprint(d, [d / "model.safetensors"], cache)
+    assert (cache / "shard-digests.json").is_file()
+    assert loader.fingerprint(d, [d / "model.safetensors"], cache) == first  # the record is reused
+    shard = d / "model.safetensors"
+    st = shard.stat()
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF  # one byte of the last tensor
+    time.sleep(0.01)  # a ctime distinct from the first write's, even on coarse clocks
+    shard.write_bytes(bytes(data))
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert shard.stat().st_mtime_ns == st.st_mtime_ns and shard.stat().st_size == st.st_size
+    assert loader.fingerprint(d, [shard], cache) != first
+
+
+def test_a_fine_tune_never_reads_its_base_models_l3(wide_vocab_dir, tmp_path):
+    """The base model fills a disk L3; its fine-tune, served on the same directory afterwards,
+    finds none of it and answers exactly as it does with no cache at all."""
+    from tierkv.engine.llm import LLM
+    from tierkv.engine.sampler import SamplingParams
+
+    tuned_dir = fine_tune(wide_vocab_dir, tmp_path / "tuned")
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 8192, (48,), generator=gen).tolist() for _ in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    l3 = [f"file://{tmp_path / 'l3'}?size=64MiB"]
+    opts = dict(device="cpu", l1="4MiB", l2="4MiB", block_size=16, cache_dir=tmp_path / "cache")
+
+    base = LLM(str(wide_vocab_dir), l3=l3, write_policy="write_through", **opts)
+    base.generate(prompts, params, use_tqdm=False)
+    base.close()
+    assert any((tmp_path / "l3").rglob("*.*")), "the base model stored nothing in L3"
+
+    reference = LLM(str(tuned_dir), enable_prefix_caching=False, **opts)
+    expected = [o.token_ids for o in reference.generate(prompts, params, use_tqdm=False)]
+    reference.close()
+    tuned = LLM(str(tuned_dir), l3=l3, **opts)
+    outs = tuned.generate(prompts, params, use_tqdm=False)
+    assert [o.cached_tokens for o in outs] == [0, 0, 0]
+    assert [o.token_ids for o in outs] == expected
+    tuned.close()
+
+
 def test_directory_without_tokenizer_loads_for_token_ids(tiny_dir):
     assert load_model(tiny_dir, device="cpu").tokenizer is None
 

@@ -243,16 +243,73 @@ def weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def fingerprint(model_dir: Path, files: list[Path]) -> str:
-    """A stable id of a checkpoint, the same on every machine: config + each shard's size and
-    first MiB (header and the start of the data), never mtimes or paths."""
+def fingerprint(model_dir: Path, files: list[Path], cache_dir: str | Path | None = None) -> str:
+    """A stable id of a checkpoint, the same on every machine: config.json plus a digest of every
+    byte of every shard (safetensors header and all tensors), never mtimes or paths. It names the
+    cache's hash namespace, so any changed weight must change it: a merged LoRA that leaves the
+    embeddings alone once shared its base model's L3 objects when only the shards' first MiB was
+    hashed. A shard's digest is computed once and kept in `cache_dir` by file identity."""
     h = xxhash.xxh3_128()
     h.update((model_dir / "config.json").read_bytes())
+    digests = ShardDigests(Path(cache_dir) if cache_dir is not None else default_cache_dir())
     for f in files:
-        h.update(f"{f.name}:{f.stat().st_size}".encode())
-        with open(f, "rb") as fh:
-            h.update(fh.read(1 << 20))
+        h.update(f"{f.name}:{f.stat().st_size}:{digests.of(f)}".encode())
+    digests.save()
     return h.hexdigest()
+
+
+class ShardDigests:
+    """xxh3-128 digests of whole weight files, remembered in `<cache_dir>/shard-digests.json` by
+    file identity: device, inode, size, mtime and ctime. ctime cannot be set back by a user (a
+    rewrite in place that restores the mtime still moves it) and a copy is a new inode, so a
+    remembered digest is only reused for the very file it was computed from. A lost or unreadable
+    record just means hashing again; the record is JSON, never unpickled."""
+
+    CHUNK = 16 << 20  # bytes read at a time: large enough that hashing, not syscalls, dominates
+    KEEP = 1024  # records kept, newest last: old files' records go, so the file stays small
+
+    def __init__(self, cache_dir: Path) -> None:
+        self.path = cache_dir / "shard-digests.json"
+        try:
+            self.known: dict[str, str] = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            self.known = {}
+        self.changed = False
+
+    def of(self, f: Path) -> str:
+        st = f.stat()
+        key = f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+        digest = self.known.get(key)
+        if not isinstance(digest, str):
+            digest = self._hash(f)
+            self.known[key] = digest
+            self.changed = True
+            for old in list(self.known)[: -self.KEEP]:
+                del self.known[old]
+        return digest
+
+    def _hash(self, f: Path) -> str:
+        h = xxhash.xxh3_128()
+        buf = bytearray(self.CHUNK)
+        view = memoryview(buf)
+        with open(f, "rb", buffering=0) as fh:
+            while n := fh.readinto(buf):
+                h.update(view[:n])
+        return h.hexdigest()
+
+    def save(self) -> None:
+        """Write the record atomically (ranks of one machine may race on it); failing to write it
+        only costs hashing again next time."""
+        if not self.changed:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile("w", dir=self.path.parent, delete=False, suffix=".tmp") as tmp:
+                json.dump(self.known, tmp)
+            os.replace(tmp.name, self.path)
+        except OSError as e:
+            log.warning("could not record weight digests in %s (%s); they are recomputed at the next load",
+                        self.path, e)
 
 
 # (prefix of the HF name, fused name, the parts in their order in the fused weight)
@@ -411,4 +468,4 @@ def load_model(
     tokenizer = Tokenizer.from_dir(model_dir)
     log.info("loaded %s (%s, %d layers) on %s in %s, tensor-parallel rank %d of %d", model_dir.name,
              config.model_type, config.num_layers, dev, dt, tp.rank, tp.size)
-    return LoadedModel(net, config, tokenizer, model_dir, fingerprint(model_dir, files), dev, dt)
+    return LoadedModel(net, config, tokenizer, model_dir, fingerprint(model_dir, files, cache_dir), dev, dt)
