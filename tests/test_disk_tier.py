@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import multiprocessing
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -360,4 +361,47 @@ def test_sigkill_while_writing_leaves_no_corrupt_block_and_keeps_completed_ones(
     ok = _check(s, ids, pays)  # asserts every hit is byte-identical
     assert all(ok[i] for i in completed)
     assert sum(s.stats()["errors"].values()) == 0
+    s.close()
+
+
+def _on_disk(root) -> set[str]:
+    """The object names (`<32 hex>.c<K>`) of the files under `root`."""
+    return {p.name[: -len(".kv")] for p in Path(root).rglob("*.kv")}
+
+
+def test_a_deleted_directory_is_made_again_and_the_index_forgets_what_went_with_it(tmp_path):
+    # An operator's `rm -rf` of the store's directory under a running process: the next writes make
+    # the directories again, and the index (the budget, lookups, and the puts it says are done) agrees
+    # with what is on disk, not with what was there before.
+    root = tmp_path / "store"
+    ids, pays = block_chain(LAYOUT, 500, seed=5)
+    s = _store(root)
+    assert s.put_many(ids[:400], pays[:400]) == [True] * 400
+    assert len(_on_disk(root)) == 400
+    shutil.rmtree(root)
+    # a read that finds the directory gone makes the index forget everything it held there
+    assert _check(s, ids[:1], pays[:1]) == [False]
+    assert s.stats()["objects"] == 0 and s.contains_many([b.hash for b in ids[:400]]) == [False] * 400
+    assert s.put_many(ids[400:], pays[400:]) == [True] * 100
+    assert _on_disk(root) == {s.object_name(b.hash) for b in ids[400:]}
+    assert _check(s, ids[400:], pays[400:]) == [True] * 100
+    st = s.stats()
+    assert st["objects"] == 100 and st["used_bytes"] == sum(p.stat().st_size for p in root.rglob("*.kv")), st
+    # a put of a block the index knew from before the deletion is written, not taken as done
+    assert s.put_many(ids[:1], pays[:1]) == [True]
+    assert s.object_name(ids[0].hash) in _on_disk(root) and _check(s, ids[:1], pays[:1]) == [True]
+    assert s.stats()["put_failures"] == 0 and s.stats()["errors"]["io"] == 0
+    s.close()
+
+
+def test_a_put_of_an_object_deleted_behind_the_index_is_written_again(tmp_path):
+    # One file removed by someone else (another process's eviction, an operator): the index still
+    # names it, but a put of its block must write it, not count a block that is not there.
+    ids, pays = block_chain(LAYOUT, 3)
+    s = _store(tmp_path)
+    assert s.put_many(ids, pays) == [True] * 3
+    _file(tmp_path, ids[1].hash).unlink()
+    assert s.put_many(ids[1:2], pays[1:2]) == [True]
+    assert _file(tmp_path, ids[1].hash).exists() and _check(s, ids, pays) == [True] * 3
+    assert s.stats()["objects"] == 3
     s.close()

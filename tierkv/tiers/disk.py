@@ -93,7 +93,7 @@ class DiskStore(L3Store):
         self._reserved = 0  # bytes of writes in flight
         self._evictions = 0
         self._lock = threading.Lock()
-        self._subdirs: set[str] = set()
+        self._remake = threading.Lock()  # one writer at a time makes a vanished directory again
         self._scan()
 
     # -- start-up ------------------------------------------------------------------------
@@ -207,9 +207,17 @@ class DiskStore(L3Store):
 
     def _known(self, name: str, size: int) -> bool:
         with self._lock:
-            if self._lru.get(name) == size:
-                self._lru.move_to_end(name)
+            if self._lru.get(name) != size:
+                return False
+            self._lru.move_to_end(name)
+        # One stat, so that a put of a file deleted behind the index (an operator's rm, another
+        # process's eviction) writes it again instead of counting a block that is not there.
+        try:
+            if os.stat(self._path(name)[1]).st_size == size:
                 return True
+        except OSError:
+            pass
+        self._forget(name)
         return False
 
     def _read(self, name: str, offset: int, views: list[memoryview]) -> tuple[int, int] | None:
@@ -219,6 +227,7 @@ class DiskStore(L3Store):
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (_O_DIRECT if direct else 0))
         except FileNotFoundError:
             self._forget(name)  # evicted by another process, or never there
+            self._check_dir(self._path(name)[0], make=False)  # or its directory was deleted
             return None
         except OSError as err:
             if direct and err.errno == errno.EINVAL:
@@ -251,12 +260,13 @@ class DiskStore(L3Store):
         sub, path = self._path(name)
         tmp = os.path.join(sub, f".{name}.{os.getpid()}.{_TMP_TAG}{next(_tmp_ids):x}.tmp")
         try:
-            if sub not in self._subdirs:
-                os.makedirs(sub, exist_ok=True)
-                self._subdirs.add(sub)
             # with fsync, O_DSYNC: the data is on disk when the write returns, before the name
             # makes it visible (as fdatasync would make it, one syscall less)
-            self._write_file(tmp, parts)
+            try:
+                self._write_file(tmp, parts)
+            except FileNotFoundError:  # a first write there, or the directory was deleted since
+                self._check_dir(sub, make=True)
+                self._write_file(tmp, parts)
             os.rename(tmp, path)  # atomic: readers see the old object, the new one or none
         except OSError:
             try:
@@ -269,6 +279,26 @@ class DiskStore(L3Store):
                 self._reserved -= size
         self._learn(name, size)
         return True
+
+    def _check_dir(self, sub: str, make: bool) -> None:
+        """If the object directory `sub` is not there (an operator may delete it, or the whole
+        root, under a running store), forget the objects the index holds in it (all of them if
+        the root went too), so that the budget, lookups and puts agree with the disk; `make`: make
+        it again (with the root), for a write that found it missing. Directories are made on
+        demand, never remembered as made."""
+        with self._remake:  # the first to find it gone forgets; the others find it made, or forgotten
+            if os.path.isdir(sub):
+                return
+            gone = os.path.basename(sub) if os.path.isdir(self.root) else ""
+            with self._lock:
+                names = [n for n in self._lru if n.startswith(gone)]
+            for n in names:
+                self._forget(n)
+            if names:
+                log.warning("disk L3 %s: %s was deleted with %d objects; the index forgets them, and writes "
+                            "make it again", self.root, sub if gone else self.root, len(names))
+            if make:
+                os.makedirs(sub, exist_ok=True)
 
     def _delete(self, name: str) -> None:
         self._forget(name)
