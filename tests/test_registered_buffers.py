@@ -222,3 +222,112 @@ def test_a_load_by_layer_groups_waits_for_the_group_that_holds_the_layer(layers)
     for layer in range(layers):
         g = load.group_of(layer)
         assert starts[g] <= layer < ends[g]
+
+
+def forward(block, seqs, tokens, starts, ends, save=True):
+    """Play one engine step: layer by layer, write the KV of tokens[b][starts[b]:ends[b]] of each
+    sequence into its buffers, and hand the layer to save_layer as soon as it is written."""
+    kvs = [prefix_kv(LAYOUT, t) for t in tokens]
+    for layer in range(L):
+        for seq, kv, start, end in zip(seqs, kvs, starts, ends):
+            for p in range(start, end):
+                block(layer, seq.slots[p // BS])[:, p % BS] = kv[layer, :, p]
+        if save:
+            seqs and seqs[0].owner.save_layer(layer, seqs)
+
+
+def l2_hit(cache, block, prompt) -> torch.Tensor:
+    """Bring the cached blocks of `prompt` back from L2 into the engine's buffers (which are wiped
+    first), as the admission of a longer prompt would, and read them there, the engine's way:
+    [L, 2, tokens of its full blocks, H, D]."""
+    cache.evict("l1")
+    for t in cache.l1.layers:
+        t.fill_(-2)
+    full = len(prompt) // BS
+    seq = cache.admit(prompt + [0])
+    assert seq.num_cached_tokens == full * BS
+    seq.wait()
+    got = torch.stack([torch.cat([block(layer, s) for s in seq.slots[:full]], dim=1) for layer in range(L)])
+    cache.free(seq)
+    return got
+
+
+@pytest.mark.parametrize("save_next", [True, False])
+def test_a_step_that_fills_no_block_ends_its_save_cleanly(save_next):
+    """Issue 37 item 13: a chunk that fills no block, saved layer by layer and committed (0 blocks),
+    must leave nothing pending: the next step saves again (it raised 'takes the layers in order'),
+    or, without save_layer, commits what it wrote (stale copies of the first chunk landed in L2)."""
+    buffers, block = engine_buffers("vllm")
+    for t in buffers.values():
+        t.fill_(-1)  # what the buffers held before: any copy taken too early shows it
+    cache = TieredKVCache(LAYOUT, CacheConfig(l2=16 * LAYOUT.bytes_per_block, write_policy="write_through"),
+                          kv_caches=buffers, kv_layout="vllm", model="registered")
+    prompt = list(range(20))
+    seq = cache.admit(prompt)  # room for all 20 tokens: save_layer copies blocks 0-4 of the first chunk
+    forward(block, [seq], [prompt], [0], [3])
+    assert cache.commit(seq, prompt[:3]) == 0
+    forward(block, [seq], [prompt], [3], [20], save=save_next)
+    assert cache.commit(seq, prompt) == 5
+    cache.free(seq)
+    assert torch.equal(l2_hit(cache, block, prompt), prefix_kv(LAYOUT, prompt))
+    assert cache.stats()["tiers"]["l2"]["used_blocks"] == 5  # no slot of the dropped save is left behind
+    cache.close()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_layer_by_layer_saves_of_chunks_not_aligned_to_blocks_land_what_was_computed(seed):
+    """A chunked prefill in chunks of any size, batches of sequences that share prefixes, steps
+    with and without save_layer: every block that reaches L2 holds exactly the KV computed for it
+    (prefix_kv is the no-cache reference), as an L2 hit shows in the engine's own buffers."""
+    import random
+
+    rng = random.Random(seed)
+    blocks = 48
+    buffers = [torch.full((2, blocks, BS, H, D), -1, dtype=LAYOUT.dtype) for _ in range(L)]
+
+    def block(layer, slot):
+        return buffers[layer][:, slot]
+
+    cache = TieredKVCache(LAYOUT, CacheConfig(l2=256 * LAYOUT.bytes_per_block, write_policy="write_through"),
+                          kv_caches=buffers, kv_layout="vllm", model="chunks")
+    stems = [[rng.randrange(1000) for _ in range(rng.randrange(1, 12))] for _ in range(3)]
+    for _ in range(12):  # batches
+        prompts = [rng.choice(stems) + [rng.randrange(1000) for _ in range(rng.randrange(1, 20))]
+                   for _ in range(rng.randrange(1, 4))]
+        seqs = [cache.admit(p) for p in prompts]
+        done = [s.num_cached_tokens for s in seqs]
+        while any(d < len(p) for d, p in zip(done, prompts)):
+            step = [i for i, p in enumerate(prompts) if done[i] < len(p)]
+            ends = [min(len(prompts[i]), done[i] + rng.randrange(1, 7)) for i in step]
+            forward(block, [seqs[i] for i in step], [prompts[i] for i in step], [done[i] for i in step], ends,
+                    save=rng.random() < 0.8)
+            for i, end in zip(step, ends):
+                done[i] = end
+                cache.commit(seqs[i], prompts[i][:end])
+        for s in seqs:
+            cache.free(s)
+        if rng.random() < 0.5:
+            for p in (p for p in prompts if len(p) >= BS):
+                want = prefix_kv(LAYOUT, p)[:, :, : len(p) // BS * BS]
+                assert torch.equal(l2_hit(cache, block, p), want)
+    cache.evict("l1")
+    for p in {tuple(p) for p in stems}:
+        assert torch.equal(cache.retrieve(p, limit=len(p))[1], prefix_kv(LAYOUT, list(p))[:, :, : len(p) // BS * BS])
+    cache.close()
+
+
+def test_a_forward_saved_but_not_committed_is_refused_at_the_next_save():
+    buffers, block = engine_buffers("vllm")
+    cache = TieredKVCache(LAYOUT, CacheConfig(l2=16 * LAYOUT.bytes_per_block), kv_caches=buffers,
+                          kv_layout="vllm", model="registered")
+    prompt = list(range(20))
+    seq = cache.admit(prompt)
+    forward(block, [seq], [prompt], [0], [6])
+    with pytest.raises(UsageError, match=r"saved but not committed: call commit\(seq, tokens\) after each forward"):
+        cache.save_layer(0, [seq])  # the engine skipped commit
+    assert cache.commit(seq, prompt[:6]) == 1
+    forward(block, [seq], [prompt], [6], [20])  # and goes on cleanly
+    assert cache.commit(seq, prompt) == 4
+    cache.free(seq)
+    assert torch.equal(l2_hit(cache, block, prompt), prefix_kv(LAYOUT, prompt))
+    cache.close()

@@ -129,6 +129,8 @@ class PagedCache(Admission):
         full = min(len(tokens), seq.num_tokens) // bs
         start = seq.committed
         if full <= start:
+            if seq.saving is not None:  # the step filled no block: what its save copied is not needed
+                self._saved(seq, [])
             return 0
         tb = token_bytes(tokens[start * bs : full * bs])
         self._check_extends(seq, tb, start * bs, "commit")
@@ -158,23 +160,26 @@ class PagedCache(Admission):
                 told = len(new)
         seq.committed = full
         if seq.saving is not None:
-            self._saved(seq, new, full)
+            self._saved(seq, new)
         self.tiers.stored(new[told:])  # under write-through, copies down what a layer-by-layer save did not
         return full - start
 
-    def _saved(self, seq: SequenceBlocks, new: list[BlockEntry], full: int) -> None:
-        """Commit of blocks that `save_layer` copied: the copy is finished (the layers not saved
-        yet go now, after the forward that wrote them) and the new entries live in the L2 slots
-        it filled; slots of blocks that stayed private or were not committed are given back."""
+    def _saved(self, seq: SequenceBlocks, new: list[BlockEntry]) -> None:
+        """The end of a step that `save_layer` copied: the blocks it commits (`new`) live in the L2
+        slots the save filled (their layers not copied yet go now, after the forward that wrote
+        them); the save's other slots, of blocks that stayed private or that the step did not
+        fill (a chunk that ends inside them), are given back. Every commit ends the save, so no
+        copy outlives the step that took it: a later commit never places one taken too early."""
         save, seq.saving = seq.saving, None
-        layers = self.layout.num_layers
-        l1_slots = [seq.slots[i] for i in save.blocks]
-        if save.copied < layers:
-            save.moved = self.tiers.save_layers(l1_slots, save.l2_slots, range(save.copied, layers))
         at = dict(zip(save.blocks, save.l2_slots))
         placed = [(e, at.pop(e.pos)) for e in new if e.pos in at]
         if placed:
-            self.tiers.copied_down([e for e, _ in placed], [slot for _, slot in placed], save.moved)
+            l2_slots = [slot for _, slot in placed]
+            layers = self.layout.num_layers
+            if save.copied < layers:
+                save.moved = self.tiers.save_layers([seq.slots[e.pos] for e, _ in placed], l2_slots,
+                                                    range(save.copied, layers))
+            self.tiers.copied_down([e for e, _ in placed], l2_slots, save.moved)
         if at:
             self._drop_save(save, list(at.values()))
 
@@ -359,7 +364,9 @@ class PagedCache(Admission):
         layer of a block alone is too narrow a piece for a DMA. `commit` then enters the blocks
         in L1 and L2 (and, write-through, L3) without another copy, after copying the layers
         not saved yet. The step's full blocks are those up to the room `append` made
-        (`seq.num_tokens`). Only write-through copies down at commit:
+        (`seq.num_tokens`; `admit` makes room for the whole prompt): `commit`, which the engine
+        calls after every forward (even one that filled no block), keeps the copies of the blocks
+        it enters and drops the others. Only write-through copies down at commit:
         under write-back and selective, blocks go down later, and this does nothing; nor does it
         when L2 holds another format (fp8), whose blocks are converted whole at commit."""
         if not 0 <= layer < self.layout.num_layers:
@@ -368,6 +375,15 @@ class PagedCache(Admission):
             self._check_seq(seq, "save_layer")
         if self.l2 is None or self.config.write_policy != "write_through" or self.tiers.mover.l2_planes is None:
             return
+        for seq in seqs:  # every check before anything changes
+            save = seq.saving
+            if save is not None and save.layers == self.layout.num_layers:  # commit ends a step's save
+                raise UsageError("save_layer() of a sequence whose last forward was saved but not committed: call "
+                                 "commit(seq, tokens) after each forward, with the tokens whose KV is written, "
+                                 "even when no block filled")
+            if save is not None and save.layers != layer:
+                raise UsageError(f"save_layer() takes the layers in order from 0: this sequence's next is "
+                                 f"{save.layers}, got {layer}")
         saves: list[tuple[SequenceBlocks, LayerSave]] = []
         for seq in seqs:
             save = seq.saving
@@ -376,12 +392,8 @@ class PagedCache(Admission):
                 blocks = [i for i in range(seq.committed, seq.num_tokens // bs) if seq.slots[i] >= 0]
                 slots = self.tiers.take_l2(len(blocks))  # fewer when L2 is full: the rest go down at commit
                 save = seq.saving = LayerSave(blocks[: len(slots)], slots) if slots else None
-            if save is None:
-                continue
-            if save.layers != layer:
-                raise UsageError(f"save_layer() takes the layers in order from 0: this sequence's next is "
-                                 f"{save.layers}, got {layer}")
-            saves.append((seq, save))
+            if save is not None:
+                saves.append((seq, save))
         for _, save in saves:
             save.layers = layer + 1
         if not saves or layer + 1 not in (*layer_groups(self.layout.num_layers)[1:], self.layout.num_layers):
