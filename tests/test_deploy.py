@@ -26,10 +26,10 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from load_helpers import tiny_model  # noqa: F401  (module fixture: a tiny Llama with a tokenizer)
-from server_helpers import ServerProcess
+from server_helpers import ServerProcess, free_port
 from test_grafana_dashboard import selectors
 from tierkv.config import redis_cluster_nodes
+from tierkv.engine.loader import bundled_model_dir
 from tierkv.server import cli, vllm_shim
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -86,6 +86,21 @@ def servers(docs: list[dict]) -> dict:
 
 def values(name: str) -> dict:
     return yaml.safe_load((DEPLOY / "helm" / name).read_text())
+
+
+def image_model_dir() -> str:
+    """Where deploy/Dockerfile puts its converted copy of the bundled model, checked to be readable
+    by the server's user (a converted model is written owner-only)."""
+    text = (DEPLOY / "Dockerfile").read_text()
+    found = re.search(r"copytree\(bundled_model_dir\([^)]*\), sys\.argv\[1\]\)\" (/\S+)", text)
+    assert found, "deploy/Dockerfile converts no copy of the bundled model"
+    chmod = re.search(r"chmod -R a\+rX (/\S+)", text)
+    assert chmod and found.group(1).startswith(chmod.group(1).rstrip("/") + "/"), "the model is left owner-only"
+    return found.group(1)
+
+
+def env_of(entries: list[dict]) -> dict[str, str]:
+    return {e["name"]: e.get("value") for e in entries}
 
 
 def production_stack_command(values: dict) -> list[str]:
@@ -342,8 +357,7 @@ def test_chart_values_start_tierkv_serve():
     assert c["modelCommand"] == "custom" and c["command"] == ["tierkv-serve"]
     opts = options(c["args"])
     assert opts["host"] == "0.0.0.0" and opts["port"] == v["routing"]["servicePort"]
-    assert opts["served_model_name"] == v["modelArtifacts"]["name"] == opts["model"]
-    assert v["modelArtifacts"]["uri"] == f"hf://{opts['model']}"
+    assert opts["served_model_name"] == v["modelArtifacts"]["name"]
     assert v["routing"]["proxy"]["enabled"] is False  # else the sidecar owns servicePort
     assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"http": opts["port"],
                                                                   "kv-events": events_port(c["args"])}
@@ -353,9 +367,25 @@ def test_chart_values_start_tierkv_serve():
     opts = options(vllm_shim.translate(cmd[1:]))
     (spec,) = ps["servingEngineSpec"]["modelSpec"]
     assert opts["model"] == spec["modelURL"] and opts["host"] == "0.0.0.0" and opts["enable_prefix_caching"]
+    assert opts["served_model_name"] == v["modelArtifacts"]["name"]
     assert ps["servingEngineSpec"]["vllmApiKey"]["secretName"] == "tierkv-api-key"
     (trigger,) = spec["keda"]["triggers"]  # a list, as KEDA needs (docs/deploy.md: the chart's schema)
     assert selectors(trigger["metadata"]["query"])[0][1] == {"model_name": opts["served_model_name"]}
+
+
+def test_chart_values_serve_the_images_model_with_no_hub():
+    """Both charts serve the model the image carries (deploy/Dockerfile's converted copy of the
+    bundled SmolLM2) and never reach for the Hub: nothing to download at start or at a restart,
+    and no volume for a download (production-stack's HF_HOME is /tmp, emptied by every restart)."""
+    model_dir = image_model_dir()
+    v = values("llm-d-modelservice.values.yaml")
+    (c,) = v["decode"]["containers"]
+    assert options(c["args"])["model"] == model_dir
+    assert c["mountModelVolume"] is False and env_of(c["env"])["HF_HUB_OFFLINE"] == "1"
+    (spec,) = values("production-stack.values.yaml")["servingEngineSpec"]["modelSpec"]
+    assert options(vllm_shim.translate(production_stack_command(values("production-stack.values.yaml"))[1:]))[
+        "model"] == spec["modelURL"] == model_dir
+    assert "pvcStorage" not in spec and env_of(spec["env"])["HF_HUB_OFFLINE"] == "1"
 
 
 # ------------------------------------------------------------------------ a real server via the shim
@@ -364,15 +394,20 @@ KEY = "deploy-test-key"
 
 
 @pytest.fixture(scope="module")
-def served(tiny_model, tmp_path_factory, rendered):  # noqa: F811
+def served(tmp_path_factory, rendered):
     """tierkv-serve started as production-stack starts an engine (`vllm serve MODEL ...` with
-    VLLM_API_KEY and PROMETHEUS_MULTIPROC_DIR set), serving the manifests' model name."""
+    VLLM_API_KEY and PROMETHEUS_MULTIPROC_DIR set), serving the manifests' model name. MODEL is a
+    converted copy of the bundled model, as the image holds one (deploy/Dockerfile copies what
+    `bundled_model_dir` makes), with the Hub out of reach: offline, and its endpoint a closed port."""
     tmp = tmp_path_factory.mktemp("deploy")
     name = options(container(servers(rendered))["args"])["served_model_name"]
-    srv = ServerProcess([str(tiny_model), "--host", "127.0.0.1", "--enable-prefix-caching", "--served-model-name",
-                         name, "--l1", "4MiB", "--log-level", "warning", "--disable-log-requests"],
+    offline = {"HF_HUB_OFFLINE": "1", "HF_ENDPOINT": f"http://127.0.0.1:{free_port()}", "HF_HOME": str(tmp / "hf")}
+    srv = ServerProcess([str(bundled_model_dir()), "--host", "127.0.0.1", "--enable-prefix-caching",
+                         "--served-model-name", name, "--l1", "4MiB", "--log-level", "warning",
+                         "--disable-log-requests"],
                         tmp / "serve.log", command=("-m", "tierkv.server.vllm_shim", "serve"),
-                        env={"OMP_NUM_THREADS": "1", vllm_shim.API_KEY_ENV: KEY, "PROMETHEUS_MULTIPROC_DIR": str(tmp)})
+                        env={"OMP_NUM_THREADS": "1", vllm_shim.API_KEY_ENV: KEY, "PROMETHEUS_MULTIPROC_DIR": str(tmp),
+                             **offline})
     try:
         srv.wait_ready()
         yield srv, name
@@ -385,6 +420,10 @@ def test_the_shim_serves_with_vllms_key(served):
     assert httpx.get(srv.url + "/v1/models", timeout=30).status_code == 401
     r = httpx.get(srv.url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
     assert r.status_code == 200 and [m["id"] for m in r.json()["data"]] == [name]
+    # the image's model answers, with the Hub out of reach
+    r = httpx.post(srv.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=120,
+                   json={"model": name, "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
 
 
 def test_probes_and_queries_meet_the_real_server(served, rendered):
