@@ -331,3 +331,30 @@ def test_a_forward_saved_but_not_committed_is_refused_at_the_next_save():
     cache.free(seq)
     assert torch.equal(l2_hit(cache, block, prompt), prefix_kv(LAYOUT, prompt))
     cache.close()
+
+
+def test_a_second_cache_over_buffers_in_use_is_refused_until_the_first_is_closed():
+    """Two caches over one engine's buffers would both hand out block 0 (issue 37 item 14)."""
+    buffers, _ = engine_buffers("vllm")
+
+    def register(kv, kind="vllm"):
+        return TieredKVCache(LAYOUT, CacheConfig(), kv_caches=kv, kv_layout=kind, model="registered")
+
+    first = register(buffers)
+    refused = "shares memory with the L1 of another TieredKVCache that is still open"
+    with pytest.raises(ConfigError, match=refused):
+        register(buffers)
+    with pytest.raises(ConfigError, match=refused):  # some blocks of them are as much in use
+        register([t[:, 5:9] for t in buffers.values()])
+    other = register(engine_buffers("vllm")[0])  # buffers of its own: fine
+    assert other.allocate(list(range(5))).slots == first.allocate(list(range(5))).slots == [0, 1]
+    first.close()
+    second = register(buffers)  # the first is closed: the buffers are free to use
+    del second  # dropped without close(): its claim goes with it
+    register(buffers).close()
+    own = TieredKVCache(LAYOUT, CacheConfig(l1=8 * LAYOUT.bytes_per_block), device="cpu", model="own")
+    with pytest.raises(ConfigError, match=refused):  # tierkv's own pool is in use as much
+        register(own.l1.kv, "tierkv")
+    with pytest.raises(ConfigError, match="device="):  # a cache that fails to start claims nothing
+        TieredKVCache(LAYOUT, CacheConfig(), device="cuda", kv_caches=buffers, kv_layout="vllm")
+    register(buffers).close()

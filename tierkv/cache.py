@@ -90,6 +90,7 @@ class TieredKVCache(PagedCache):
                                   "are L1: leave CacheConfig.l1 unset")
             l1 = DevicePool.of_buffers(layout, kv_caches, kv_layout)
             if device is not None and torch.device(device).type != l1.device.type:
+                l1.release()
                 raise ConfigError(f"device={device!r} but the kv_caches are on {l1.device}")
             device = l1.device
         self.device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -98,8 +99,13 @@ class TieredKVCache(PagedCache):
         self.model, self.tp_rank = model, tp_rank
         self.block_size = layout.block_size
         self._guard = Guard()
-        # exchange: tensor parallel rank 0's way to the other ranks' KV heads (engine/head_exchange.py)
-        self.tiers = Tiering(layout, config, self.device, exchange, guard=self._guard, l1=l1)
+        try:
+            # exchange: tensor parallel rank 0's way to the other ranks' KV heads (engine/head_exchange.py)
+            self.tiers = Tiering(layout, config, self.device, exchange, guard=self._guard, l1=l1)
+        except BaseException:
+            if l1 is not None:  # a cache that failed to start holds no buffers
+                l1.release()
+            raise
         # The parts engines and tests look at directly.
         self.l1, self.l2, self.index, self.counters = self.tiers.l1, self.tiers.l2, self.tiers.index, self.tiers.counters
         self.streamer = LayerStreamer(self.l1, self.l2) if self.l2 is not None else None
@@ -335,6 +341,7 @@ class TieredKVCache(PagedCache):
                 self.tiers.close(timeout)
             finally:
                 self._guard.closed = True
+                self.l1.release()  # the buffers may serve another cache now
 
     @guarded
     def stats(self) -> dict:

@@ -9,11 +9,15 @@ kernels index through block tables. An engine may instead register the KV tensor
 has (`DevicePool.of_buffers`), in one of KV_LAYOUTS; tierkv then moves blocks in and out of
 them where they are. Every layout is seen the same way by the moves: `planes`, a PlaneTable of
 2 * num_layers views [num_blocks, block_size, kv_heads, head_dim] (K and V of each layer).
-This file owns memory, free slots and the layouts' shapes, never policy.
+A pool claims its memory for as long as it serves a cache: no two pools in a process hand out
+blocks of the same bytes. This file owns memory, free slots and the layouts' shapes, never policy.
 """
 
 from __future__ import annotations
 
+import gc
+import threading
+import weakref
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -34,6 +38,13 @@ KV_LAYOUTS = {
     "flashinfer_hnd": ("N2HBD", lambda t, layer, c: t[:, c].transpose(1, 2)),
 }
 _AXIS_NAMES = {"L": "layers", "N": "N", "2": "2", "B": "block_size", "H": "kv_heads", "D": "head_dim"}
+
+# The memory each live pool hands out blocks of: (device, first byte, end byte, the pool). Two
+# caches over one engine's buffers would each give block 0 to a sequence of their own and write
+# over each other's KV. A claim ends with `release` (the cache's close) or with the pool itself
+# (a weak reference: the pool keeps its buffers alive, so their memory is not reused before).
+_claims: list[tuple[str, int, int, weakref.ref]] = []
+_claims_lock = threading.Lock()
 
 
 def describe_layout(kv_layout: str) -> str:
@@ -80,7 +91,32 @@ class DevicePool:
         self.device = planes[0].device
         self.planes = PlaneTable(planes)  # [2 * layers] x [N, bs, H, D]
         self.num_blocks = self.planes.num_blocks
+        self._claim([kv] if kv is not None else layers)
         self.free = FreeSlots(self.num_blocks)
+
+    def _claim(self, tensors: list[torch.Tensor]) -> None:
+        """Claim the memory of `tensors` for this pool; ConfigError if a live pool holds any of it."""
+        spans = [_span(t) for t in tensors]
+        with _claims_lock:
+            for first_try in (True, False):
+                _claims[:] = [c for c in _claims if c[3]() is not None]
+                clash = next((i for i, (dev, a, b) in enumerate(spans)
+                              for other, c, d, _ in _claims if other == dev and a < d and c < b), None)
+                if clash is None:
+                    break
+                if first_try:  # a cache dropped without close() may still wait in a reference cycle
+                    gc.collect()
+            else:
+                raise ConfigError(f"KV buffer {clash} shares memory with the L1 of another TieredKVCache that is still "
+                                  "open: two caches over the same buffers would both hand out block 0 and write over "
+                                  "each other's KV. close() that cache first, or give this one buffers of its own")
+            me = weakref.ref(self)
+            _claims.extend((dev, a, b, me) for dev, a, b in spans)
+
+    def release(self) -> None:
+        """End this pool's claim on its memory (its cache is closed): another cache may use the buffers."""
+        with _claims_lock:
+            _claims[:] = [c for c in _claims if c[3]() is not self]
 
     def layer(self, i: int) -> torch.Tensor:
         """[num_blocks, 2, block_size, kv_heads, head_dim] view of layer i (tierkv's layout)."""
@@ -147,6 +183,14 @@ def _checked(buffers, layout: KVLayout, kv_layout: str) -> list[torch.Tensor]:
             raise ConfigError(f"KV buffer {i} is on {t.device}, buffer 0 on {buffers[0].device}: put them on one device")
         blocks = n
     return list(buffers)
+
+
+def _span(t: torch.Tensor) -> tuple[str, int, int]:
+    """(device, first byte, end byte) of the memory `t` covers."""
+    if t.numel() == 0:
+        return str(t.device), 0, 0
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))  # elements past the first, to the last
+    return str(t.device), t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
 
 
 def _describe(buffers) -> str:
