@@ -238,3 +238,17 @@ def test_a_layer_by_layer_save_copies_each_group_once_its_last_layer_is_written(
     assert cache.stats()["tiers"]["l2"]["blocks_in"] == 3
     cache.free(seq)
     cache.close()
+
+
+def test_slot_of_a_position_without_room_says_to_append():
+    cache = make()
+    seq = cache.allocate(list(range(6)))  # room for positions 0..5, in two blocks of 4
+    assert [seq.slot_of(p, 4) for p in (0, 5)] == [seq.slots[0] * 4, seq.slots[1] * 4 + 1]
+    for past in (6, 8, 100, -1):  # 6 and 7 lie in the last block, but no room was made for them
+        with pytest.raises(UsageError, match=r"room for positions 0\.\.5; append\(\)"):
+            seq.slot_of(past, 4)
+    cache.append(seq, 3)
+    assert seq.slot_of(8, 4) == seq.slots[2] * 4
+    assert cache.offload(seq, 1) == 1  # block 0 streams from L2 now
+    with pytest.raises(UsageError, match="offloaded to L2"):
+        seq.slot_of(3, 4)

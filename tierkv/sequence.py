@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .errors import UsageError
 from .index import BlockEntry
 from .transfer import DONE, Transfer
 
@@ -65,7 +66,13 @@ class SequenceBlocks:
         """The flat slot of token `position` as tierkv's kv_write kernels take it (block * block_size
         + offset). With buffers of your own, the token is at block `slots[position // block_size]`,
         offset `position % block_size`, of each layer's K and V."""
-        return self.slots[position // block_size] * block_size + position % block_size
+        if not 0 <= position < self.num_tokens:
+            raise UsageError(f"slot_of({position}): this sequence has room for positions 0..{self.num_tokens - 1}; "
+                             "append() room for more tokens before writing their KV")
+        slot = self.slots[position // block_size]
+        if slot < 0:
+            raise UsageError(f"slot_of({position}): that block is offloaded to L2 (streamed), not in L1")
+        return slot * block_size + position % block_size
 
 
 @dataclass(slots=True)
