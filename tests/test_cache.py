@@ -235,3 +235,17 @@ def test_evict_keeps_what_a_running_sequence_holds():
     cache.free(seq)
     cache.evict("l1")
     assert cache.match(tokens).by_tier == {"l1": 0, "l2": 16, "l3": 0}
+
+
+def test_evicting_l2_first_takes_in_the_l3_writes_that_have_ended(tmp_path):
+    """Issue 37 item 14: blocks whose L3 write had ended, but had not been taken in, stayed in L2."""
+    cache = make(l1=4, l2=32, write_policy="write_through", l3=[f"file://{tmp_path}"])
+    tokens = list(range(81))  # 20 full blocks: 4 in L1, every one in L2 and on its way to L3
+    store(cache, tokens)
+    # L3 writes run one after another on one thread: once this no-op has run, every write has ended
+    cache.tiers.l3._writer.submit(lambda: None).result()
+    cache.evict("l1")
+    cache.evict("l2")
+    assert cache.match(tokens).by_tier == {"l1": 0, "l2": 0, "l3": 80}
+    assert cache.stats()["tiers"]["l2"]["used_blocks"] == 0
+    cache.close()

@@ -311,7 +311,8 @@ class TieredKVCache(PagedCache):
     def evict(self, tier: str) -> None:
         """Empty `tier` ("l1" or "l2") of every block no running sequence holds, as memory pressure
         would (L1 demotes to L2 by the write policy, L2 writes to L3 first where it admits them).
-        For operators and benchmarks: cached prefixes then hit the tier below."""
+        For operators and benchmarks: cached prefixes then hit the tier below. An L2 block stays
+        while its L3 write runs: `flush()` waits for those, and another evict("l2") lets them go."""
         if tier not in ("l1", "l2"):
             raise UsageError(f"evict() takes 'l1' or 'l2', got {tier!r}")
         self.tiers.evict_all(tier)

@@ -290,7 +290,9 @@ class Tiering:
 
     def evict_all(self, tier: str) -> None:
         """Give up every block of `tier` that nothing holds, as memory pressure would: L1 blocks
-        demote to L2 by the write policy, L2 blocks go to L3 first where it admits them."""
+        demote to L2 by the write policy, L2 blocks go to L3 first where it admits them. L3 writes
+        that have ended are taken in first: until then they hold their blocks in L2."""
+        self.reap()
         if tier == "l1":
             victims = []
             while (e := self.index.victim("l1")) is not None:
