@@ -252,3 +252,35 @@ def test_slot_of_a_position_without_room_says_to_append():
     assert cache.offload(seq, 1) == 1  # block 0 streams from L2 now
     with pytest.raises(UsageError, match="offloaded to L2"):
         seq.slot_of(3, 4)
+
+
+def test_admit_says_which_tier_served_each_part_of_the_hit(tmp_path):
+    url = f"file://{tmp_path}"
+    prompt = list(range(14))  # blocks 0-2 can be hit: the last token is computed
+    with make(l3=[url]) as first:
+        store(first, prompt)
+    with make(l3=[url]) as cache:  # a new process: L3 holds the three blocks
+        store(cache, prompt[:9])  # blocks 0 and 1 in L1 (and L2, write-through)
+        cache.evict("l1")
+        cache.free(cache.admit(prompt[:5]))  # block 0 back into L1; block 1 stays in L2 only
+        assert cache.match(prompt).by_tier == {"l1": 4, "l2": 4, "l3": 4}
+        seq = cache.admit(prompt)
+        assert seq.num_cached_tokens == 12 and seq.cached_by_tier == {"l1": 4, "l2": 4, "l3": 4}
+        seq.wait()
+        assert torch.equal(read_slots(cache, seq, 12), prefix_kv(LAYOUT, prompt)[:, :, :12])
+        cache.free(seq)
+        assert cache.allocate(list(range(50, 60))).cached_by_tier == {"l1": 0, "l2": 0, "l3": 0}
+
+
+def test_live_sequences_lists_what_was_allocated_and_not_freed():
+    cache = make()
+    assert cache.live_sequences() == []
+    a, b = cache.allocate(list(range(9))), cache.admit(list(range(20, 29)))
+    forks = cache.fork(a, 2, 9)
+    assert cache.live_sequences() == [a, b, *forks]
+    cache.free(a)
+    cache.free(forks[1])
+    assert cache.live_sequences() == [b, forks[0]]  # what a leak check finds still holding blocks
+    for seq in cache.live_sequences():
+        cache.free(seq)
+    assert cache.live_sequences() == [] and len(cache.l1.free) == cache.l1.num_blocks

@@ -59,6 +59,7 @@ class Admission:
     counters: CacheCounters
     streamer: LayerStreamer | None
     _guard: Guard
+    _live: dict[SequenceBlocks, None]  # sequences allocated and not freed yet, oldest first
 
     def namespace(self, salt: str | None = None) -> bytes:
         # the format L3 stores: an fp8 cache and a bf16 one name their objects apart, and a
@@ -109,14 +110,15 @@ class Admission:
                      query_tokens=limit, in_l3=in_l3)
 
     def _count_hits(self, query_tokens: int | None, from_l1: list[BlockEntry], from_l2: list[BlockEntry],
-                    direct_l3: int = 0) -> None:
+                    direct_l3: int = 0) -> dict[str, int]:
         """A sequence (or a retrieve) starts from blocks taken from L1 and L2, and `direct_l3`
         blocks read straight from L3: count them as hits by the tier each came from (a block read
         up from L3 into L2 for it counts as an L3 hit, once), and the lookup of `query_tokens`
         (None: more of a sequence's own prompt, no new lookup). Counted when blocks are used, not
         in `match`: a scheduler looks a waiting prompt up again every step, and an L3 prefix is
         found once in L3 and again in L2 once prefetched; counted here, the hits are the cached
-        tokens requests got. Called after the loads are issued: this loop overlaps their copies."""
+        tokens requests got. Called after the loads are issued: this loop overlaps their copies.
+        Returns the hit tokens by tier."""
         c, bs = self.counters, self.block_size
         if query_tokens is not None:
             c.queries += 1
@@ -125,10 +127,11 @@ class Admission:
         for e in from_l2:
             staged += e.staged
             e.staged = False
+        by_tier = {"l1": len(from_l1) * bs, "l2": (len(from_l2) - staged) * bs, "l3": (staged + direct_l3) * bs}
         c.hit_tokens += (len(from_l1) + len(from_l2) + direct_l3) * bs
-        c.tiers["l1"].hit_tokens += len(from_l1) * bs
-        c.tiers["l2"].hit_tokens += (len(from_l2) - staged) * bs
-        c.tiers["l3"].hit_tokens += (staged + direct_l3) * bs
+        for tier, tokens in by_tier.items():
+            c.tiers[tier].hit_tokens += tokens
+        return by_tier
 
     @guarded
     def prefetch(
@@ -354,11 +357,11 @@ class Admission:
         fresh = self.tiers.take_l1(self.blocks_needed(reserved) - k - len(l1_hits))
         self.tiers.load_pinned(l2_hits, fresh[: len(l2_hits)])
         self.index.release_l2(l2_hits)
-        self._count_hits(m.query_tokens, l1_hits, [*offloaded, *l2_hits])
+        by_tier = self._count_hits(m.query_tokens, l1_hits, [*offloaded, *l2_hits])
         pending = in_flight(e.loading for e in cached)
         self.tiers.used(blocks, priority)
         rest = fresh[len(l2_hits) :]
-        return SequenceBlocks(
+        seq = SequenceBlocks(
             ns=m.ns,
             priority=priority,
             slots=[-1] * k + [e.l1 for e in cached] + rest,
@@ -369,7 +372,10 @@ class Admission:
             num_cached_tokens=len(blocks) * self.block_size,
             pending=pending,
             token_bytes=bytearray(m.token_bytes),
+            cached_by_tier=by_tier,
             l2_slots=[e.l2 for e in offloaded],
             owner=self,
             in_l3=m.in_l3,
         )
+        self._live[seq] = None  # until free()
+        return seq

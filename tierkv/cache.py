@@ -112,6 +112,7 @@ class TieredKVCache(PagedCache):
         # Private L1 slots that forked sequences share (`fork`): slot -> holders beyond the first.
         # Such a slot goes back to the free list with its last holder.
         self._shared: dict[int, int] = {}
+        self._live: dict[SequenceBlocks, None] = {}  # sequences allocated and not freed, oldest first
 
     def __enter__(self) -> TieredKVCache:
         return self

@@ -3,7 +3,7 @@
 A sequence comes from admission (admission.py: `admit`, `allocate`); here it grows (`append`),
 enters its full blocks in the index (`commit`), takes blocks others computed (`adopt`), forks
 (`fork`), offloads its oldest blocks to L2 when larger than L1 (`offload`, `stream`), and gives
-everything back (`free`). `wait_for_layer` and `save_layer` let an engine overlap loads and saves
+everything back (`free`); `live_sequences` lists those not given back yet. `wait_for_layer` and `save_layer` let an engine overlap loads and saves
 with its own forward. TieredKVCache (cache.py) is this plus the simple API, lifecycle and stats.
 
 Every public method runs under the cache's guard (guard.py) and checks its arguments before it
@@ -217,16 +217,19 @@ class PagedCache(Admission):
                     self._shared[slot] = self._shared.get(slot, 0) + 1
                 else:
                     self.index.pin(entry)
-        return [
+        forks = [
             SequenceBlocks(
                 ns=seq.ns, priority=seq.priority, slots=slots + fresh[i : i + 1],
                 entries=entries + [None] * (partial > 0), hashes=seq.hashes[:full],
                 committed=min(seq.committed, full), num_tokens=num_tokens,
                 num_cached_tokens=seq.num_cached_tokens, pending=list(seq.pending),
-                token_bytes=seq.token_bytes[: 4 * num_tokens], owner=self, in_l3=seq.in_l3,
+                token_bytes=seq.token_bytes[: 4 * num_tokens], cached_by_tier=dict(seq.cached_by_tier),
+                owner=self, in_l3=seq.in_l3,
             )
             for i in range(count)
         ]
+        self._live.update(dict.fromkeys(forks))
+        return forks
 
     def _give_private(self, slots: list[int]) -> None:
         """Private L1 slots a sequence lets go of: free unless a forked sibling still holds them."""
@@ -242,6 +245,13 @@ class PagedCache(Admission):
                     self._shared[s] = holders - 1
             slots = free
         self.tiers.give_l1(slots)
+
+    @guarded
+    def live_sequences(self) -> list[SequenceBlocks]:
+        """The sequences allocated (`allocate`, `admit`, `fork`) and not freed yet, oldest first:
+        each holds blocks until `free`, so an engine with no request running should see none
+        (a leak check)."""
+        return list(self._live)
 
     @guarded
     def free(self, seq: SequenceBlocks) -> None:
@@ -269,6 +279,7 @@ class PagedCache(Admission):
             else:
                 self.index.release_l2([entry])
         seq.slots, seq.entries, seq.l2_slots, seq.freed = [], [], [], True
+        del self._live[seq]
 
     # ------------------------------------------------------------------ sequences larger than L1
 
