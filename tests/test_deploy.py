@@ -3,7 +3,7 @@
 The manifests are rendered by kubectl's kustomize (no cluster) and validated with
 kubernetes-validate; the Dockerfiles go through hadolint. What they say about the server (the probe
 path, the port, the grace period against the drain, the metric KEDA scales on, the L3 URL, the
-router's block size and model name) is checked against tierkv-serve's own option parser and
+router's block size) is checked against tierkv-serve's own option parser and
 constants, and against a real tierkv-serve started through the `vllm serve` shim the way the vLLM
 production-stack chart starts it. The `bash ci` commands of docs/deploy.md run as written.
 """
@@ -17,6 +17,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 import tomllib
 from pathlib import Path
 
@@ -289,7 +290,8 @@ def test_router_runs_kv_aware_over_the_servers(rendered):
     c = container(sts)
     opts = options(c["args"])
     assert int(flag(args, "--kv-event-block-size")) == opts["block_size"]
-    assert flag(args, "--kv-event-model") == opts["served_model_name"]
+    # required beside static event sources; any name (tests/test_routers.py routes under another)
+    assert flag(args, "--kv-event-model")
     # every pod KEDA may run, by its name in the headless Service, in the router's own namespace
     # (short names resolve there only); vllm-router 0.1.17 subscribes to no discovered source
     n = one(rendered, "ScaledObject", "tierkv-serve")["spec"]["maxReplicaCount"]
@@ -309,6 +311,39 @@ def test_router_runs_kv_aware_over_the_servers(rendered):
     # the router listens once a replica is healthy and exits if none is by its startup timeout:
     # that wait covers a replica's model load, and the router's own startupProbe covers the wait
     assert probe_window_s(r) >= int(flag(args, "--worker-startup-timeout-secs")) >= probe_window_s(c)
+
+
+def test_the_routers_metrics_are_scraped(rendered, served):
+    """A ServiceMonitor scrapes the router's own metrics: its Service's port reaches the container
+    port the router's --prometheus-port serves, bound for the cluster; a real vllm-router serves
+    them on that port and path."""
+    r = container(one(rendered, "Deployment", "tierkv-router"))
+    args = r["args"]
+    sm, svc = one(rendered, "ServiceMonitor", "tierkv-router"), one(rendered, "Service", "tierkv-router")
+    release = one(rendered, "ServiceMonitor", "tierkv-serve")["metadata"]["labels"]["release"]
+    assert sm["metadata"]["labels"]["release"] == release  # the label the Prometheus selects by
+    assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    (endpoint,) = sm["spec"]["endpoints"]
+    (port,) = [p for p in svc["spec"]["ports"] if p["name"] == endpoint["port"]]
+    assert port_named(r, port["targetPort"]) == int(flag(args, "--prometheus-port"))
+    assert flag(args, "--prometheus-host") == "0.0.0.0"
+    srv, _ = served
+    prometheus_port = free_port()
+    proc = subprocess.Popen(["vllm-router", "--worker-urls", srv.url, "--policy", "round_robin", "--host", "127.0.0.1",
+                             "--port", str(free_port()), "--prometheus-host", "127.0.0.1", "--prometheus-port",
+                             str(prometheus_port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url, text, end = f"http://127.0.0.1:{prometheus_port}{endpoint['path']}", "", time.monotonic() + 60
+        while "vllm_router_active_workers" not in text and time.monotonic() < end and proc.poll() is None:
+            try:
+                text = httpx.get(url, timeout=5).text
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        names = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
+        assert "vllm_router_active_workers" in names, f"{url}: {text[:300]!r}"
+    finally:
+        proc.terminate()
+        proc.wait(30)
 
 
 # ---------------------------------------------------------------------------------------- the shim

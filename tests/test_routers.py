@@ -11,6 +11,7 @@ figures from one run are benchmarks/results/routers-cpu.json.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sys
 import threading
@@ -26,6 +27,15 @@ from bench_routers import Fleet, Ports, Router, Workload, converse  # noqa: E402
 from services import unavailable  # noqa: E402
 
 WORK = Workload()  # 6 conversations of 4 rounds, 4 tokens an answer
+DEPLOY_DOC = Path(__file__).resolve().parents[1] / "docs" / "deploy.md"
+
+
+def balance_thresholds() -> tuple[str, ...]:
+    """The cache_aware balance flags docs/deploy.md tells users to start sglang-router with (its
+    defaults never balance under 64 requests of difference)."""
+    found = re.search(r"--balance-abs-threshold \d+ --balance-rel-threshold [\d.]+", DEPLOY_DOC.read_text())
+    assert found, "docs/deploy.md gives no cache_aware balance thresholds"
+    return tuple(found.group(0).split())
 
 
 @pytest.fixture(scope="module")
@@ -85,10 +95,42 @@ def test_the_fractions_and_rates_are_written(compared, tmp_path):
 def test_sglang_router_cache_aware_completes_every_request(fleet, workdir):
     fleet.reset()
     work = Workload(conversations=3, rounds=2)
-    with Router("sglang", "cache_aware", fleet.live, fleet.model, workdir / "sglang-router.log") as router:
+    with Router("sglang", "cache_aware", fleet.live, fleet.model, workdir / "sglang-router.log",
+                extra=balance_thresholds()) as router:
         turns = converse(router.url, fleet.model, work)
     assert len(turns) == 6 and not [t.error for t in turns if t.error]
     assert sum(t.cached_tokens for t in turns if t.round == 1) > 0
+
+
+def test_sglang_router_cache_aware_spreads_users_of_one_system_prompt(fleet, workdir):
+    """12 users at once whose prompts share a long system prompt. With cache_aware's default
+    thresholds sglang-router 0.3.2 sent all 12 to one replica (0, 12, 0: the prefix tree matches the
+    first replica's, and it balances only past 64 requests of difference); with the thresholds
+    docs/deploy.md gives, every replica serves some of them."""
+    fleet.reset()
+    system = "You are the support agent of a storage product. " + " ".join(bench_routers.WORDS * 3)
+    work = Workload(conversations=12, rounds=1, first_words=20, stagger_s=0.0)
+    before = fleet.counters()
+    with Router("sglang", "cache_aware", fleet.live, fleet.model, workdir / "sglang-spread.log",
+                extra=balance_thresholds()) as router:
+        turns = converse(router.url, fleet.model, work,
+                         histories={c: [{"role": "system", "content": system}] for c in range(work.conversations)})
+    assert len(turns) == 12 and not [t.error for t in turns if t.error]
+    served = [int(a["requests"] - b["requests"]) for a, b in zip(fleet.counters(), before)]
+    assert sum(served) == 12 and min(served) > 0, served
+
+
+def test_kv_event_model_is_any_name(fleet, workdir):
+    """vllm-router's --kv-event-model names the model of its listed replicas for its own index: it
+    is never matched against the served model name or a request's `model`. Under another name,
+    kv_aware still credits the prefixes the replicas' events announce (docs/deploy.md)."""
+    fleet.reset()
+    assert fleet.model != "a-name-of-the-routers-own"
+    with Router("vllm", "kv_aware", fleet.live, "a-name-of-the-routers-own", workdir / "router-name.log") as router:
+        turns = converse(router.url, fleet.model, Workload(conversations=2, rounds=2))
+        credited = router.credited()
+    assert len(turns) == 4 and not [t.error for t in turns if t.error]
+    assert max(credited) > 0, credited
 
 
 def test_a_listed_replica_that_starts_later_is_routed_to_and_credited(fleet, workdir):
