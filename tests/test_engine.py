@@ -174,6 +174,78 @@ def test_stop_strings_cut_the_text(smollm):
     assert out.finish_reason == "stop" and " 6" not in out.text and "5" in out.text
 
 
+def streamed(llm: LLM, prompt: str, params: SamplingParams) -> list:
+    """The engine's outputs of one request as a streaming caller (the server) gets them."""
+    engine = llm.engine
+    req = engine.add_request(llm.tokenizer.encode(prompt), params)
+    outs: list = []
+    while engine.has_unfinished():
+        engine.step(emit=outs.extend)
+    return [o for o in outs if o.request_id == req.request_id]
+
+
+# SmolLM2 continues "1, 2, 3, 4, 5, 6," greedily with " 7, 8, 9, 10, ...", one token each for
+# " ", "7", ",": the stop string ", 9" begins two tokens before the one that completes it.
+COUNT = "1, 2, 3, 4, 5, 6,"
+
+
+def test_a_stop_string_begun_in_earlier_tokens_is_cut_whole(smollm):
+    llm, _ = smollm
+    plain = llm.generate(COUNT, SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)[0]
+    assert plain.text.startswith(" 7, 8, 9, 10")  # what makes this test mean something
+    params = SamplingParams(temperature=0, max_tokens=20, stop=[", 9"])
+    out = llm.generate(COUNT, params, use_tqdm=False)[0]
+    assert (out.text, out.finish_reason) == (" 7, 8", "stop")  # vLLM's answer
+    kept = llm.generate(COUNT, SamplingParams(temperature=0, max_tokens=20, stop=[", 9"],
+                                              include_stop_str_in_output=True), use_tqdm=False)[0]
+    assert (kept.text, kept.finish_reason) == (" 7, 8, 9", "stop")
+    # streamed: the text sent never runs past what the answer keeps
+    outs = streamed(llm, COUNT, params)
+    assert "".join(o.new_text for o in outs) == outs[-1].text == " 7, 8"
+    sent = ""
+    for o in outs:
+        sent += o.new_text
+        assert o.text == sent and " 7, 8".startswith(sent)
+
+
+def test_streaming_holds_back_what_a_stop_string_could_still_take(smollm):
+    # As vLLM does: until the request finishes, the last (longest stop string - 1) characters stay
+    # back, and they leave with the last output when no stop string matched.
+    llm, _ = smollm
+    tok = llm.tokenizer
+    outs = streamed(llm, COUNT, SamplingParams(temperature=0, max_tokens=8, stop=["never", "xyz"]))
+    full = tok.decode(outs[-1].token_ids)
+    assert outs[-1].finish_reason == "length" and outs[-1].text == full == " 7, 8, 9"
+    assert "".join(o.new_text for o in outs) == full
+    for o in outs[:-1]:
+        assert o.text == tok.decode(o.token_ids)[:-4]  # "never" has 5 characters: 4 held back
+    # with include_stop_str_in_output nothing is held back (the stop string stays in the text anyway)
+    outs = streamed(llm, COUNT, SamplingParams(temperature=0, max_tokens=8, stop=["never"],
+                                               include_stop_str_in_output=True))
+    assert all(o.text == tok.decode(o.token_ids) for o in outs)
+
+
+def test_the_stopping_token_text_is_left_out_unless_asked_for(smollm):
+    llm, _ = smollm
+    # "1, 2, 3," goes on " 4," and "," is token 28: it ends the output, and its text is not in it (vLLM)
+    stop = SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[28])
+    out = llm.generate("1, 2, 3,", stop, use_tqdm=False)[0]
+    assert (out.text, out.token_ids, out.finish_reason) == (" 4", [216, 36, 28], "stop")
+    outs = streamed(llm, "1, 2, 3,", stop)
+    assert "".join(o.new_text for o in outs) == " 4" and outs[-1].new_token_ids == [28]
+    kept = llm.generate("1, 2, 3,", SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[28],
+                                                    include_stop_str_in_output=True), use_tqdm=False)[0]
+    assert (kept.text, kept.token_ids) == (" 4,", [216, 36, 28])
+    # the end-of-sequence token is a stopping token too: its text shows only when asked for
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    special = dict(temperature=0, max_tokens=40, skip_special_tokens=False)
+    out = llm.chat(chat, SamplingParams(**special), use_tqdm=False)[0]
+    assert out.token_ids[-1] in llm.tokenizer.eos_token_ids and out.finish_reason == "stop"
+    assert out.text == "The capital of France is Paris."
+    kept = llm.chat(chat, SamplingParams(**special, include_stop_str_in_output=True), use_tqdm=False)[0]
+    assert kept.text == "The capital of France is Paris.<|im_end|>"
+
+
 def test_a_request_that_outgrows_all_of_l1_ends_with_length(tiny_llama):
     probe = LLM(tiny_llama, device="cpu", l1=1 << 20)
     llm = LLM(tiny_llama, device="cpu", l1=3 * block_bytes(probe))  # 48 tokens of KV in all

@@ -265,6 +265,46 @@ def test_tokens_without_text_get_a_chunk_each(client):
     assert chat == text == ["", "", "\N{GLOWING STAR}"]
 
 
+# ---------------------------------------------------------------------------- stops
+
+COUNT = "1, 2, 3, 4, 5, 6,"  # SmolLM2 goes on " 7, 8, 9, 10, ...": one token each for " ", "7", ","
+COUNT_CHAT = [{"role": "user", "content": "Count from 1 to 10, separated by commas."}]  # "1, 2, 3, ..., 10"
+STOPS = [  # chat or not, the request's stop fields, and what vLLM answers (token 28 is ",")
+    (False, {"stop": [", 9"]}, " 7, 8"),
+    (False, {"stop": [", 9"], "include_stop_str_in_output": True}, " 7, 8, 9"),
+    (False, {"stop_token_ids": [28]}, " 7"),
+    (False, {"stop_token_ids": [28], "include_stop_str_in_output": True}, " 7,"),
+    (True, {"stop": [", 4"]}, "1, 2, 3"),
+    (True, {"stop": [", 4"], "include_stop_str_in_output": True}, "1, 2, 3, 4"),
+    (True, {"stop_token_ids": [28]}, "1"),
+    (True, {"stop_token_ids": [28], "include_stop_str_in_output": True}, "1,"),
+]
+
+
+def greedy_answer(client, chat: bool, stream: bool, **fields) -> tuple[str, str]:
+    """Text and finish reason of one greedy answer to COUNT (or COUNT_CHAT), as the client gets it."""
+    stop = fields.pop("stop", None)
+    kw = dict(model=MODEL, temperature=0, max_tokens=20, stream=stream, extra_body=fields,
+              **({"stop": stop} if stop else {}))
+    resp = (client.chat.completions.create(messages=COUNT_CHAT, **kw) if chat
+            else client.completions.create(prompt=COUNT, **kw))
+    if not stream:
+        choice = resp.choices[0]
+        return choice.message.content if chat else choice.text, choice.finish_reason
+    parts = [p.choices[0] for p in resp if p.choices]
+    return "".join(p.delta.content or "" if chat else p.text for p in parts), parts[-1].finish_reason
+
+
+def test_stops_cut_the_text_as_vllm_does(client):
+    # a stop string is cut whole though it began tokens before the one completing it; the text of
+    # a stopping token is left out; include_stop_str_in_output keeps either; streamed or not
+    assert greedy_answer(client, False, False)[0].startswith(" 7, 8, 9, 10")
+    assert greedy_answer(client, True, False)[0].startswith("1, 2, 3, 4, 5")
+    for chat, fields, want in STOPS:
+        for stream in (False, True):
+            assert greedy_answer(client, chat, stream, **fields) == (want, "stop"), (chat, fields, stream)
+
+
 # ---------------------------------------------------------------------------- bad input
 
 LONG = "word " * (CONTEXT + 50)

@@ -303,21 +303,22 @@ class Engine:
                     "token_id": tok, "logprob": float(out.logprobs[i]),
                     "top": list(zip(out.top_ids[i, :k].tolist(), out.top_logprobs[i, :k].tolist())) if k else [],
                 })
-            new_text = req.detokenizer.add(tok) if req.detokenizer is not None else ""
             reason = stop_reason(req.params, tok, len(req.output_ids), eos)
-            past_min = len(req.output_ids) > req.params.min_tokens  # stop strings count after min_tokens (vLLM)
-            if req.params.stop and req.detokenizer is not None and new_text and past_min:
-                cut = find_stop_string(req.text + new_text, len(new_text), req.params)
-                if cut is not None:
-                    new_text = (req.text + new_text)[len(req.text) : cut] if cut > len(req.text) else ""
-                    reason = "stop"
+            # the token that stopped the request (eos, a stop token id) adds no text unless asked to (vLLM)
+            quiet = reason == "stop" and not req.params.include_stop_str_in_output
+            new_text = req.detokenizer.add(tok) if req.detokenizer is not None and not quiet else ""
             req.text += new_text
+            past_min = len(req.output_ids) > req.params.min_tokens  # stop strings count after min_tokens (vLLM)
+            if req.params.stop and new_text and past_min:
+                cut = find_stop_string(req.text, len(new_text), req.params)
+                if cut is not None:  # the stop string may have begun tokens ago: cut all of it
+                    req.text, reason = req.text[:cut], "stop"
             if reason is not None:
                 self.scheduler.finish(req, reason)
                 self._forget(req)
             elif req.num_known % self.cache.block_size == 0:
                 self.scheduler.commit(req)  # the block its token completed can be shared now
-            outputs.append(self.output(req, [tok], new_text))
+            outputs.append(self.output(req, [tok]))
         return outputs
 
     def _measure_prefill(self, req: Request) -> None:
@@ -344,10 +345,12 @@ class Engine:
         return self.tokenizer.eos_token_ids if self.tokenizer is not None else []
 
     @staticmethod
-    def output(req: Request, new_ids: list[int] | None = None, new_text: str = "") -> RequestOutput:
+    def output(req: Request, new_ids: list[int] | None = None) -> RequestOutput:
+        """The request's state for its caller, with the text not handed out before (Request.take_text)."""
+        new_text = req.take_text()
         return RequestOutput(
             request_id=req.request_id, prompt_token_ids=req.prompt_ids, token_ids=list(req.output_ids),
-            text=req.text, cached_tokens=req.cached_tokens or 0, finish_reason=req.finish_reason,
+            text=req.text[: req.sent], cached_tokens=req.cached_tokens or 0, finish_reason=req.finish_reason,
             logprobs=req.logprobs if req.params.logprobs is not None else None,
             new_token_ids=new_ids or [], new_text=new_text, index=req.index,
             request_finished=req.finished and (req.group is None or all(c.finished for c in req.group)),

@@ -53,7 +53,8 @@ class Request:
     adopt_at: int | None = None  # prompt position where that tail is taken
     generator: torch.Generator | None = None
     detokenizer: IncrementalDetokenizer | None = None
-    text: str = ""
+    text: str = ""  # the output's text so far (cut at a stop string)
+    sent: int = 0  # characters of `text` handed out (take_text)
     logprobs: list[dict] = field(default_factory=list)
     finish_reason: str | None = None  # "stop", "length" or "abort"
     admitted: float | None = None  # when it first got L1 blocks (its prefill began)
@@ -90,6 +91,16 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
+
+    def take_text(self) -> str:
+        """The text not handed out yet: once finished, all of it; before, all but the tail that a
+        stop string completed by later tokens could still cut (SamplingParams.stop_buffer_length),
+        so that a stream never sends text the answer does not keep."""
+        end = len(self.text) if self.finished else len(self.text) - self.params.stop_buffer_length
+        if end <= self.sent:
+            return ""
+        new, self.sent = self.text[self.sent : end], end
+        return new
 
     @property
     def choices(self) -> list[Request]:

@@ -35,6 +35,9 @@ class SamplingParams:
     vLLM, the end-of-sequence ids (unless ignore_eos) and stop_token_ids are never sampled before
     that many tokens are out (their logits are -inf), and stop strings count only after them.
     logprobs None returns none; k >= 0 returns the sampled token's log-probability and the top k.
+    As in vLLM, the text ends before the stop string that ended it, and leaves out the text of the
+    token that ended it (an end-of-sequence id or one of stop_token_ids; its id stays in the token
+    ids); include_stop_str_in_output keeps either.
 
     n > 1 asks for n choices of one prompt (parallel sampling): the prompt is computed and
     stored once and the choices share its KV. Choice i samples with seed `seed + i` (as vLLM
@@ -114,6 +117,15 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS or self.top_k == 1
+
+    @property
+    def stop_buffer_length(self) -> int:
+        """Characters a stream holds back until the request finishes (vLLM's name and rule): a stop
+        string that the next tokens complete may begin in them, and the text before it is all that
+        is kept. 0 when the stop string stays in the output anyway."""
+        if not self.stop or self.include_stop_str_in_output:
+            return 0
+        return max(len(s) for s in self.stop) - 1
 
     @property
     def penalizes_output(self) -> bool:
