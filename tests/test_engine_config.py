@@ -7,6 +7,7 @@ the server's flags are EngineConfig's fields with EngineConfig's defaults.
 from __future__ import annotations
 
 import dataclasses
+import os
 import socket
 import subprocess
 import sys
@@ -40,11 +41,11 @@ def test_unknown_and_bad_options_fail_before_loading():
 # Each bad value, the words its error must contain. tierkv-serve must refuse every one of them
 # before it loads torch, FastAPI or a weight: in well under a second.
 BAD_FLAGS = [
-    (["--l1", "lots"], "CacheConfig.l1 must be a size"),
-    (["--l2", "-5"], "l2"),
+    (["--l1", "lots"], "--l1 must be a size"),  # the flag, not CacheConfig's field (issue 37 item 9)
+    (["--l2", "-5"], "--l2 must not be negative"),
     (["--l3", "ftp://host/x"], "scheme 'ftp'"),
-    (["--eviction", "fifo"], "eviction"),
-    (["--write-policy", "sometimes"], "write_policy"),
+    (["--eviction", "fifo"], "--eviction 'fifo' is unknown"),
+    (["--write-policy", "sometimes"], "--write-policy 'sometimes' is unknown"),
     (["--block-size", "0"], "block_size must be an int >= 1"),
     (["--max-num-seqs", "0"], "max_num_seqs must be an int >= 1"),
     (["--max-model-len", "1"], "max_model_len must be an int >= 2"),
@@ -57,6 +58,10 @@ BAD_FLAGS = [
     (["--max-waiting", "0"], "--max-waiting must be a positive number"),
     (["--grace-period", "-1"], "--grace-period must be a number of seconds >= 0"),
     (["--max-request-bytes", "12"], "--max-request-bytes must be at least 4KiB"),
+    # an L3 stages its blocks through L2, which is off by default on CPU (issue 37 item 9): the
+    # flags are named, not CacheConfig's fields
+    (["--l3", "file:///tmp/x", "--device", "cpu"], "--l3 needs an L2 pool to stage blocks through: set --l2"),
+    (["--l3", "file:///tmp/x", "--l2", "0"], "--l3 needs an L2 pool to stage blocks through: set --l2"),
 ]
 
 
@@ -81,6 +86,19 @@ def test_a_busy_port_is_refused_before_the_model_loads():
                              text=True, timeout=60)
     assert run.returncode == 2 and f"cannot listen on --host 127.0.0.1 --port {port}" in run.stderr
     assert time.monotonic() - t0 < 1.0
+
+
+def test_an_l3_without_an_l2_on_a_cpu_found_by_itself_is_refused_before_the_model_loads(tmp_path):
+    # no --device: the default is the GPU when there is one, so the L2 default (off on CPU) is only
+    # known once torch says there is none; that must still come before a weight is read
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "XDG_CACHE_HOME": str(tmp_path)}  # an empty model cache
+    run = subprocess.run([sys.executable, "-m", "tierkv.server.cli", "--l3", f"file://{tmp_path}/l3"],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert run.returncode == 2, run.stderr
+    assert "--l3 needs an L2 pool to stage blocks through: set --l2" in run.stderr, run.stderr
+    assert "(L2 is off by default on CPU)" in run.stderr and "CacheConfig" not in run.stderr
+    assert "Traceback" not in run.stderr
+    assert not (tmp_path / "tierkv").exists(), "the bundled model was converted before the flags were checked"
 
 
 def test_checking_every_option_loads_no_torch():

@@ -126,6 +126,18 @@ def validate_l3_url(url: str, field_name: str = "l3") -> str:
     return url
 
 
+def require_l2_for_l3(l3: list[str] | tuple[str, ...], l2: int, why: str = "") -> None:
+    """An L3 needs an L2: blocks move L1 <-> L2 <-> L3, never between L1 and L3 directly. `l2`: the
+    L2's size in bytes or blocks, 0 when it is off; `why`: what turned it off, for the message.
+
+    The one place this rule lives. EngineConfig checks it as soon as the options and the device are
+    known (before a weight loads); Tiering checks the block count when the cache is made. The
+    message names CacheConfig's fields; tierkv-serve prints its flags for them.
+    """
+    if l3 and not l2:
+        raise ConfigError(f"CacheConfig.l3 needs an L2 pool to stage blocks through: set CacheConfig.l2 > 0{why}")
+
+
 @dataclass(slots=True)
 class CacheConfig:
     """Sizes and policies of the three tiers.

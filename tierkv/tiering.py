@@ -26,7 +26,7 @@ import time
 import torch
 
 from . import kernels
-from .config import CacheConfig
+from .config import CacheConfig, require_l2_for_l3
 from .errors import CacheFullError, ConfigError
 from .events import BlockEvents
 from .guard import Guard
@@ -116,8 +116,7 @@ class Tiering:
             if l1_blocks == 0:
                 raise ConfigError(f"CacheConfig.l1 must hold at least one block of {layout.bytes_per_block} bytes, got 0")
         l2_blocks = blocks_for(config.l2, self.offload.bytes_per_block, "CacheConfig.l2")
-        if config.l3 and not l2_blocks:
-            raise ConfigError("CacheConfig.l3 needs an L2 pool to stage blocks through: set CacheConfig.l2 > 0")
+        require_l2_for_l3(config.l3, l2_blocks)  # a library user's CacheConfig: no EngineConfig checked it
         self.l1 = l1 if l1 is not None else DevicePool(layout, l1_blocks, device)
         self.l2 = HostPool(self.offload, l2_blocks) if l2_blocks else None
         self.mover = BlockMover(self.l1, self.l2) if self.l2 else None

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..config import CacheConfig, check_offload_dtype
+from ..config import CacheConfig, check_offload_dtype, parse_size, require_l2_for_l3
 from ..errors import ConfigError
 from ..host_memory import host_available_bytes
 from .hub import model_source
@@ -151,6 +151,7 @@ class EngineConfig:
         check_offload_dtype(self.kv_offload_dtype)
         model_source(self.model)  # a missing directory fails here; a hub id is fetched when loading
         self.cache_config()  # sizes, policies and L3 URLs fail here, before a model is loaded
+        self.check_tiers(None if self.device is None else str(self.device).split(":")[0])
 
     @classmethod
     def from_options(cls, model: str | None = None, **options) -> EngineConfig:
@@ -160,6 +161,21 @@ class EngineConfig:
         if unknown:
             raise ConfigError(f"unknown engine option {unknown[0]!r}; the options are: {', '.join(sorted(known))}")
         return cls(model=model, **options)
+
+    def check_tiers(self, device_type: str | None) -> None:
+        """What the tiers need of each other, before anything loads: an L3 stages its blocks through
+        L2 (require_l2_for_l3). An l2 left to its default depends on the device (default_l2: off on
+        CPU), so with `device_type` None (no device named yet) only a given l2 is checked; the
+        Engine checks again once torch has found the device, before it reads a weight."""
+        if not self.l3:
+            return
+        if self.l2 is not None:
+            require_l2_for_l3(self.l3, parse_size(self.l2, "CacheConfig.l2"))
+        elif device_type is not None:
+            # in bytes, not yet blocks: the block size comes with the model
+            require_l2_for_l3(self.l3, default_l2(device_type, host_available_bytes(), 1),
+                              " (L2 is off by default on CPU)" if device_type != "cuda"
+                              else " (the default L2 is off: the host memory available is unknown)")
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(l1=self.l1, l2=self.l2 or 0, l3=list(self.l3), eviction=self.eviction,

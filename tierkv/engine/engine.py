@@ -25,7 +25,7 @@ from ..config import redact_url
 from ..errors import ConfigError
 from ..layout import stored_layout
 from .config import L2_DEFAULT_RULE, EngineConfig
-from .loader import LoadedModel, check_parallel_model, load_model
+from .loader import LoadedModel, check_parallel_model, load_model, resolve_device_dtype
 from .request import Request, RequestOutput
 from .runner import LaunchedStep, ModelRunner
 from .sampler import (
@@ -59,6 +59,10 @@ class Engine:
             config = EngineConfig.from_options(model, **options)
         elif model is not None or options:
             raise ConfigError("give either config= or a model and options, not both")
+        # the device is known now (torch finds the GPU when none is named): the checks whose answer
+        # depends on it fail here, in a second, rather than after the weights have loaded
+        device = loaded.device if loaded is not None else resolve_device_dtype(config.device, None)[0]
+        config.check_tiers(device.type)
         size = config.tensor_parallel_size
         if size > 1 and loaded is not None:
             raise ConfigError("loaded= takes a whole model: use it with tensor_parallel_size=1")

@@ -49,6 +49,19 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 FD_SLACK = 256  # file descriptors beyond the connections: model files, L3 files, sockets to Redis/S3
 ENGINE_OPTIONS = {f.name: f.default for f in dataclasses.fields(EngineConfig) if f.name != "cache_dir"}
 OPTIONS = {**ENGINE_OPTIONS, **SERVER_OPTIONS}
+_CACHE_FIELD = re.compile(r"\bCacheConfig\.(\w+)")  # how the cache's errors name an option
+
+
+def flag_of(name: str) -> str:
+    """The flag that sets an option: max_model_len -> --max-model-len."""
+    return "--" + name.replace("_", "-")
+
+
+def in_flags(message: str) -> str:
+    """A configuration error as this command's user reads it: the CacheConfig fields it names
+    (CacheConfig.l2) become the flags that set them (--l2). The config owns the rules and their
+    words; this is only the translation."""
+    return _CACHE_FIELD.sub(lambda m: flag_of(m.group(1)) if m.group(1) in ENGINE_OPTIONS else m.group(0), message)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -156,7 +169,7 @@ def _check_server_options(p: argparse.ArgumentParser, opts: dict) -> None:
     """The server's own options, whether they came from flags or YAML (which may hold strings),
     before anything is loaded; the engine's are EngineConfig's to check."""
     for name in ("max_request_bytes", "send_buffer_bytes"):
-        flag = "--" + name.replace("_", "-")
+        flag = flag_of(name)
         if opts[name] is None:
             continue  # derived from max_model_len
         try:
@@ -166,7 +179,7 @@ def _check_server_options(p: argparse.ArgumentParser, opts: dict) -> None:
         if opts[name] < 4096:
             p.error(f"{flag} must be at least 4KiB, got {opts[name]}")
     for name, kind in [*((n, float) for n in TIMEOUTS), *((n, int) for n in COUNTS)]:
-        flag = "--" + name.replace("_", "-")
+        flag = flag_of(name)
         try:
             value = kind(opts[name])
         except (TypeError, ValueError):
@@ -180,7 +193,7 @@ def _check_server_options(p: argparse.ArgumentParser, opts: dict) -> None:
         except (TypeError, ValueError):
             opts[name] = -1.0
         if not 0 <= opts[name] < float("inf"):
-            p.error(f"--{name.replace('_', '-')} must be a number of seconds >= 0, got {opts[name]!r}")
+            p.error(f"{flag_of(name)} must be a number of seconds >= 0, got {opts[name]!r}")
     if opts["load_format"] not in LOAD_FORMATS:
         p.error(f"--load-format must be one of {', '.join(LOAD_FORMATS)}, got {opts['load_format']!r}")
     if not isinstance(opts["strict_request_fields"], bool):
@@ -342,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         config = EngineConfig(**{name: opts[name] for name in ENGINE_OPTIONS})
         _check_bind(str(opts["host"]), opts["port"])
     except ConfigError as err:
-        print(f"tierkv-serve: {Redact([]).scrub(str(err))}", file=sys.stderr)
+        print(f"tierkv-serve: {in_flags(Redact([]).scrub(str(err)))}", file=sys.stderr)
         return 2
     _setup_logging(opts["log_level"], [opts["api_key"]] if opts["api_key"] else [])
     log = logging.getLogger("tierkv.serve")
@@ -369,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         engine = Engine(config=config)
     except TierKVError as err:
-        print(f"tierkv-serve: {Redact([]).scrub(str(err))}", file=sys.stderr)
+        print(f"tierkv-serve: {in_flags(Redact([]).scrub(str(err)))}", file=sys.stderr)
         return 2
     if kv_events is not None:
         engine.cache.listen(kv_events.events)
