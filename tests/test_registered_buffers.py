@@ -358,3 +358,44 @@ def test_a_second_cache_over_buffers_in_use_is_refused_until_the_first_is_closed
     with pytest.raises(ConfigError, match="device="):  # a cache that fails to start claims nothing
         TieredKVCache(LAYOUT, CacheConfig(), device="cuda", kv_caches=buffers, kv_layout="vllm")
     register(buffers).close()
+
+
+def test_buffers_whose_shape_cannot_tell_tokens_from_heads_share_l3_only_under_the_same_layout(tmp_path):
+    """Issue 37 item 14: with block_size == kv_heads, FlashInfer NHD buffers declared HND pass every
+    shape check, and what tierkv reads out of them is each block transposed. Their L3 objects are
+    named by the declared layout, so a reader that sees its buffers another way misses them (it
+    read the transposed KV), while one declared the same way reads back exactly what it wrote."""
+    square = KVLayout(num_layers=3, num_kv_heads=4, head_dim=2, dtype=torch.float32, block_size=4)
+    url = f"file://{tmp_path}"
+    tokens = list(range(9))
+    kv = prefix_kv(square, tokens)  # [L, 2, 9, H, D]
+
+    def nhd_engine():
+        layers = [torch.zeros(8, 2, 4, 4, 2) for _ in range(3)]  # [N, 2, block_size, kv_heads, D]: NHD
+        cache = TieredKVCache(square, CacheConfig(l2=16 * square.bytes_per_block, l3=[url]), kv_caches=layers,
+                              kv_layout="flashinfer_hnd", model="square")  # declared HND: a mistake
+        return layers, cache
+
+    layers, writer = nhd_engine()
+    seq = writer.admit(tokens)
+    for p in range(9):  # the engine writes its way: block, K/V, token, head
+        for layer in range(3):
+            layers[layer][seq.slots[p // 4], :, p % 4] = kv[layer, :, p]
+    assert writer.commit(seq, tokens) == 2
+    writer.free(seq)
+    assert writer.flush(timeout=30)
+    writer.close()
+    with TieredKVCache(square, CacheConfig(l1=8 * square.bytes_per_block, l2=16 * square.bytes_per_block,
+                                           l3=[url]), device="cpu", model="square") as own:
+        assert own.match(tokens).tokens == 0  # tierkv's own pool would get the blocks transposed
+    nhd = [torch.zeros(8, 2, 4, 4, 2) for _ in range(3)]
+    with TieredKVCache(square, CacheConfig(l2=16 * square.bytes_per_block, l3=[url]), kv_caches=nhd,
+                       kv_layout="flashinfer_nhd", model="square") as declared_right:
+        assert declared_right.match(tokens).tokens == 0  # and so would buffers declared NHD
+    layers, again = nhd_engine()  # the same engine after a restart: its own bytes, read back its way
+    seq = again.admit(tokens)
+    assert seq.cached_by_tier == {"l1": 0, "l2": 0, "l3": 8}
+    seq.wait()
+    got = torch.stack([torch.cat([layers[layer][s] for s in seq.slots[:2]], dim=1) for layer in range(3)])
+    assert torch.equal(got, kv[:, :, :8])
+    again.close()

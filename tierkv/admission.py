@@ -63,8 +63,10 @@ class Admission:
 
     def namespace(self, salt: str | None = None) -> bytes:
         # the format L3 stores: an fp8 cache and a bf16 one name their objects apart, and a
-        # tensor-parallel engine (which stores every head) names them as a single-GPU one does
-        return namespace(self.model, self.tiers.l3_layout.fingerprint, self.tp_rank, salt)
+        # tensor-parallel engine (which stores every head) names them as a single-GPU one does;
+        # blocks of an engine's buffers whose layout their shape cannot confirm are named by the
+        # layout declared, so that a cache reading its buffers another way misses them
+        return namespace(self.model, self.tiers.l3_layout.fingerprint + self.l1.unconfirmed, self.tp_rank, salt)
 
     # ------------------------------------------------------------------ lookups
 

@@ -78,6 +78,11 @@ class DevicePool:
         else:
             layers = _checked(list(buffers.values()) if isinstance(buffers, Mapping) else buffers, layout, kv_layout)
             pool._adopt(layout, None, layers, kv_layout)
+        if layout.block_size == layout.num_kv_heads:
+            # Token-major (NHD) and head-major (HND) buffers then have one shape: the declared
+            # order cannot be checked, and a wrong one reads every block out transposed.
+            order = "".join(a for a in KV_LAYOUTS[kv_layout][0] if a in "BH")
+            pool.unconfirmed = f"-declared-{order}"
         return pool
 
     def _adopt(self, layout: KVLayout, kv: torch.Tensor | None, layers: list[torch.Tensor] | None,
@@ -87,6 +92,10 @@ class DevicePool:
         # when an engine's buffers have another layout (only the moves below reach them)
         self.kv = kv
         self.layers = layers  # an engine's per-layer tensors, kept alive with the pool
+        # What the shape checks could not confirm about an engine's buffers ("" when nothing): the
+        # cache names its blocks by it (Admission.namespace), so KV read out of them the declared
+        # way is shared, in L3 too, only with caches that read their buffers the same way.
+        self.unconfirmed = ""
         planes = _planes(kv if kv is not None else layers, kv_layout, layout.num_layers)
         self.device = planes[0].device
         self.planes = PlaneTable(planes)  # [2 * layers] x [N, bs, H, D]
