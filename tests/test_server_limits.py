@@ -434,9 +434,9 @@ def test_unicode_in_chat_messages(server):
     r = post(server, '{"model": "smol", "max_tokens": 2, "messages": [{"role": "user", "content": '
                      '[{"type": "text", "text": "\\ud800"}]}]}', path="/v1/chat/completions")
     error_of(r, 400, "invalid_unicode")
-    # bytes that are not UTF-8 at all
+    # bytes that are not UTF-8 at all: said so, not taken for a number too long to parse
     r = post(server, b'{"model": "smol", "prompt": "\xff\xfe", "max_tokens": 1}')
-    error_of(r, 400)
+    assert "not valid UTF-8" in error_of(r, 400, "invalid_unicode")
 
 
 SALTS = [  # (cache_salt as raw JSON, expected status)

@@ -72,8 +72,8 @@ _SCALARS = {int, float, bool, type(None)}
 
 
 def parse_json(body: bytes) -> tuple[object, APIError | None]:
-    """The body parsed, and the error for one the routes must not take (too deep, a lone surrogate,
-    a huge number); NOT_JSON when it is not JSON at all (the routes answer that with their own
+    """The body parsed, and the error for one the routes must not take (too deep, not UTF-8, a lone
+    surrogate, a huge number); NOT_JSON when it is not JSON at all (the routes answer that with their own
     message)."""
     try:
         data = json.loads(body)
@@ -81,6 +81,9 @@ def parse_json(body: bytes) -> tuple[object, APIError | None]:
         return NOT_JSON, _too_deep(None)
     except json.JSONDecodeError:
         return NOT_JSON, None
+    except UnicodeDecodeError:  # a ValueError too: caught before the one below
+        return NOT_JSON, APIError(400, "the request body is not valid UTF-8: send JSON encoded as UTF-8",
+                                  code="invalid_unicode")
     except ValueError:  # Python's cap on the digits of an int (4300): say so instead of a parse error
         return NOT_JSON, APIError(400, "a number in the request body has too many digits; no field takes more "
                                   "than 20", code="invalid_json")
