@@ -111,22 +111,25 @@ class PagedEngine:
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], max_new: int, eos: set[int] = frozenset()) -> list[dict]:
-        """Each prompt's new tokens and how many of its tokens the cache served."""
-        seqs = [self.cache.admit(p) for p in prompts]  # cached prefix found (L1/L2/L3) and on its way in
+        """Each prompt's new tokens, how many of its tokens the cache served, and from which tier."""
+        # cached prefix found (L1/L2/L3) and on its way in; room reserved for the whole prompt
+        seqs = [self.cache.admit(p) for p in prompts]
         tokens = [list(p) for p in prompts]
-        out = [{"tokens": [], "cached": s.num_cached_tokens} for s in seqs]
+        out = [{"tokens": [], "cached": s.num_cached_tokens, "by_tier": s.cached_by_tier} for s in seqs]
         done = [s.num_cached_tokens for s in seqs]  # tokens whose KV is in the buffers
         live = list(range(len(prompts)))
         try:
             while live:
                 step = [(i, tokens[i][done[i] :]) for i in live]  # uncomputed prompt, then one token each
                 for i, new in step:
-                    if done[i] + len(new) > seqs[i].num_tokens:
+                    if done[i] + len(new) > seqs[i].num_tokens:  # past the prompt: room for the sampled token
                         self.cache.append(seqs[i], done[i] + len(new) - seqs[i].num_tokens)
                 last = self._forward([seqs[i] for i, _ in step], [done[i] for i, _ in step], [n for _, n in step])
                 for (i, new), token in zip(step, last.argmax(-1).tolist()):
                     done[i] += len(new)
-                    self.cache.commit(seqs[i], tokens[i][: done[i]])  # full blocks: shared from now on
+                    # the tokens whose KV is written (not `token`, whose KV the next step writes):
+                    # full blocks are shared from now on
+                    self.cache.commit(seqs[i], tokens[i][: done[i]])
                     tokens[i].append(token)
                     out[i]["tokens"].append(token)
                 live = [i for i in live if len(out[i]["tokens"]) < max_new and out[i]["tokens"][-1] not in eos]
@@ -213,8 +216,8 @@ def main() -> None:
         start = time.perf_counter()
         res = engine.generate([prompt], args.max_new_tokens, eos)[0]
         print(f"Q: {q}\nA: {tok.decode(res['tokens'], skip_special_tokens=True).strip()}")
-        print(f"prompt {len(prompt)} tokens, cached tokens {res['cached']}, computed {len(prompt) - res['cached']}, "
-              f"{len(res['tokens'])} new in {time.perf_counter() - start:.2f}s")
+        print(f"prompt {len(prompt)} tokens, cached tokens {res['cached']} {res['by_tier']}, computed "
+              f"{len(prompt) - res['cached']}, {len(res['tokens'])} new in {time.perf_counter() - start:.2f}s")
     # two threads share the engine and its cache: each request holds its own blocks
     results = {}
     threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, engine.generate(
@@ -225,6 +228,7 @@ def main() -> None:
     for t in threads:
         t.join()
     print(f"two threads: {[len(results[i]['tokens']) for i in range(2)]} tokens")
+    assert not engine.cache.live_sequences(), "a sequence was not freed"  # a leak check
     s = engine.cache.stats()
     print(f"cache: {s['hit_tokens']} hit tokens of {s['query_tokens']} looked up, {s['blocks']} blocks indexed")
     engine.cache.close()

@@ -238,14 +238,16 @@ class Admission:
         """One call from a prompt to a sequence ready to compute, for engines of their own.
 
         Looks `tokens` up in every tier, reads the L3 part into L2 (waiting up to `deadline_s`
-        seconds, outside the cache's lock; what has not arrived is recomputed), then allocates:
-        L1 hits shared, L2 hits loaded, fresh blocks for the rest. `seq.num_cached_tokens` is
-        where the engine starts computing; call `seq.wait()` (or `wait_for_layer`) before
-        attention reads the blocks. `recompute_seconds_per_token`: the engine's prefill cost, so
-        that a slow tier's hit is recomputed where that is faster (None: load whatever is cached).
-        This is the AdmissionPlan the scheduler of tierkv's engine applies, end to end. Raises
-        CacheFullError (holding nothing) when L1 cannot make room, or when the prompt is larger
-        than all of L1 (tierkv's engine streams those; see `plan`).
+        seconds, outside the cache's lock; what has not arrived is recomputed), then allocates
+        room for the whole prompt (`seq.num_tokens == len(tokens)`: `append` only for tokens past
+        it): L1 hits shared, L2 hits loaded, fresh blocks for the rest. `seq.num_cached_tokens` is
+        where the engine starts computing (`seq.cached_by_tier`: from which tier); call
+        `seq.wait()` (or `wait_for_layer`) before attention reads the blocks.
+        `recompute_seconds_per_token`: the engine's prefill cost, so that a slow tier's hit is
+        recomputed where that is faster (None: load whatever is cached). This is the
+        AdmissionPlan the scheduler of tierkv's engine applies, end to end. Raises CacheFullError
+        (holding nothing) when L1 cannot make room, or when the prompt is larger than all of L1
+        (tierkv's engine streams those; see `plan`).
         """
         def make_plan() -> AdmissionPlan:
             return self.plan(tokens, salt, budget=len(tokens), deadline_s=deadline_s,
