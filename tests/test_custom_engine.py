@@ -142,6 +142,7 @@ def test_the_docs_loop_runs_as_written_and_every_block_it_commits_holds_its_kv(t
     exec(loop, names)
     tokens = names["tokens"]
     assert tokens[:41] == prompt and len(tokens) == 60  # the KV of all but the last token is written
+    assert names["seq"].num_tokens == names["written"] == 59  # room reserved for no more than that
     with TieredKVCache(layout, CacheConfig(l1=8 * layout.bytes_per_block, l2=8 * layout.bytes_per_block, l3=[url]),
                        device="cpu", model="docs-loop") as reader:
         n, kv = reader.retrieve(tokens, limit=len(tokens))
