@@ -34,6 +34,13 @@ REQUIRED = {
     "queue length (running)": "tierkv_requests_running",
     "L3 errors": "tierkv_tier_errors_total",
     "pinned memory": "tierkv_pinned_host_bytes",
+    # issue 37: the scheduling series vLLM users read
+    "preemptions": "tierkv_preemptions_total",
+    "inter-token latency percentiles": "tierkv_inter_token_latency_seconds_bucket",
+    "time waiting for admission": "tierkv_request_queue_time_seconds_bucket",
+    "prefill time": "tierkv_request_prefill_time_seconds_bucket",
+    "decode time": "tierkv_request_decode_time_seconds_bucket",
+    "tokens per step": "tierkv_iteration_tokens_bucket",
 }
 
 # strings, {matchers}, [ranges], numbers and durations (0.9, 5m), identifiers, single characters

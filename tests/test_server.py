@@ -10,6 +10,7 @@ import asyncio
 import json
 import statistics
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -423,6 +424,35 @@ def test_metrics_report_requests_latencies_and_cache(server):
         assert name in m
     stats = httpx.get(server.url + "/v1/cache/stats", headers=AUTH, timeout=30).json()
     assert stats["queries"] >= 1 and stats["tiers"]["l1"]["capacity_blocks"] > 0
+
+
+def test_queue_gauges_are_current_during_a_step(server):
+    """A CPU step over several prompts takes a second or more. Scraped during it, the running and
+    waiting gauges say which requests that step admitted: before, they kept what the last step's
+    end left (every request waiting, none running) until the step was over."""
+    n, first_token, seen = 8, threading.Event(), []
+
+    def ask(i: int) -> None:
+        body = {"model": MODEL, "prompt": f"Request {i}. " + "A cache keeps what was computed once. " * 25,
+                "max_tokens": 2, "stream": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=AUTH, timeout=300) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"] is not None:
+                    first_token.set()
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(n)]
+    for th in threads:
+        th.start()
+    while not first_token.is_set():
+        m = httpx.get(server.url + "/metrics", timeout=30).text
+        if first_token.is_set():
+            break  # this scrape may have come after the step
+        seen.append((metric(m, "tierkv_requests_running"), metric(m, "tierkv_requests_waiting")))
+        time.sleep(0.02)
+    for th in threads:
+        th.join()
+    assert seen and max(running for running, _ in seen) > 0, seen
+    assert all(running + waiting <= n for running, waiting in seen), seen
 
 
 # ---------------------------------------------------------------------------- schemathesis

@@ -37,6 +37,7 @@ from .sampler import (
     stop_reason,
 )
 from .scheduler import Scheduler
+from .stats import EngineStats
 from .tokenizer import IncrementalDetokenizer
 from .workers import Workers, own_l1_blocks
 
@@ -109,6 +110,7 @@ class Engine:
             self.cache, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             enable_prefix_caching=config.enable_prefix_caching,
         )
+        self.stats = EngineStats(self.max_model_len)  # per step and per request, for /metrics
         if dev.type == "cuda":
             params = sum(p.numel() for p in self.lm.model.parameters())
             self.scheduler.recompute_seconds_per_token = 2 * params / GPU_PREFILL_FLOPS
@@ -293,6 +295,7 @@ class Engine:
         now = time.monotonic()
         eos = self._eos()
         outputs = []
+        prompts_done = 0  # prompt tokens of the requests that get their first token now (vLLM's count)
         for i, (req, tok) in enumerate(zip(launched.requests, token_ids)):
             req.pending -= 1
             if req.finished:
@@ -300,6 +303,10 @@ class Engine:
             if req.first_token_time is None:
                 req.first_token_time = now
                 self._measure_prefill(req)
+                prompts_done += len(req.prompt_ids) if req.index == 0 else 0  # n choices share one prompt
+            else:
+                self.stats.inter_token.observe(now - req.last_token_time)
+            req.last_token_time = now
             req.output_ids.append(tok)
             if out.logprobs is not None and req.params.logprobs is not None:
                 k = req.params.logprobs
@@ -323,6 +330,8 @@ class Engine:
             elif req.num_known % self.cache.block_size == 0:
                 self.scheduler.commit(req)  # the block its token completed can be shared now
             outputs.append(self.output(req, [tok]))
+        if outputs:
+            self.stats.iteration_tokens.observe(prompts_done + len(outputs))
         return outputs
 
     def _measure_prefill(self, req: Request) -> None:
@@ -342,8 +351,8 @@ class Engine:
 
     def _forget(self, req: Request) -> None:
         """Drop a finished request's id once every choice of it has finished."""
-        if all(c.finished for c in req.choices):
-            self.requests.pop(req.request_id, None)
+        if all(c.finished for c in req.choices) and self.requests.pop(req.request_id, None) is not None:
+            self.stats.finished(req.choices)
 
     def _eos(self) -> list[int]:
         return self.tokenizer.eos_token_ids if self.tokenizer is not None else []
@@ -359,6 +368,10 @@ class Engine:
             new_token_ids=new_ids or [], new_text=new_text, index=req.index,
             request_finished=req.finished and (req.group is None or all(c.finished for c in req.group)),
         )
+
+    def engine_stats(self) -> dict:
+        """A copy of the engine's own counters (EngineStats) with the scheduler's preemptions."""
+        return self.stats.snapshot(self.scheduler.num_preemptions)
 
     def cache_stats(self) -> dict:
         """The cache's stats. Under tensor parallelism these are rank 0's decisions, with each

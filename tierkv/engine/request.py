@@ -59,6 +59,7 @@ class Request:
     finish_reason: str | None = None  # "stop", "length" or "abort"
     admitted: float | None = None  # when it first got L1 blocks (its prefill began)
     first_token_time: float | None = None
+    last_token_time: float | None = None  # when its latest token came back (inter-token latency)
     finish_time: float | None = None
     index: int = 0  # which choice of its request (n > 1)
     group: list[Request] | None = None  # every choice of its request, in index order (n > 1 only)

@@ -65,6 +65,7 @@ class AsyncEngine:
         self._waiting = 0  # the scheduler's waiting list, as of the last step
         self._running = 0
         self.stats: dict = {}  # cache_stats() snapshot for /metrics
+        self.engine_stats: dict = {}  # engine_stats() snapshot for /metrics
         self.draining = False
         self.failed: str | None = None  # why the engine cannot go on (EngineFailed), once it cannot
         self._stop = threading.Event()
@@ -81,14 +82,16 @@ class AsyncEngine:
         self._refresh_stats(force=True)
         self._thread.start()
 
+    # The two queue lengths are read live (the length of a list is one atomic read), not from the
+    # counts taken between steps: a step admits requests before it computes, and a CPU step can
+    # take seconds, during which the counts would show them all waiting and none running.
     @property
     def num_waiting(self) -> int:
-        with self._lock:
-            return self._pending + self._waiting
+        return self._pending + len(self.engine.scheduler.waiting)
 
     @property
     def num_running(self) -> int:
-        return self._running
+        return len(self.engine.scheduler.running)
 
     def refusal(self) -> ShuttingDown | None:
         """Why no new request is taken now, as the error to raise; None while they are."""
@@ -313,6 +316,7 @@ class AsyncEngine:
             self._stats_at = now
             try:
                 self.stats = self.engine.cache_stats()
+                self.engine_stats = self.engine.engine_stats()
             except Exception:
                 log.exception("cache_stats() failed")
 

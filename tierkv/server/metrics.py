@@ -2,18 +2,20 @@
 
 Request metrics are observed by app.py: prompt and cached tokens once a request has its first
 token (so that aborted requests count as the cache's own hit counters count them), the rest as it
-finishes. Queue depths and the cache's own counters (`Engine.cache_stats()`; per rank too under
-tensor parallelism) are read at scrape time from the snapshot the engine thread keeps, so a scrape
-never touches the engine. Each tierkv_* family that has a vLLM counterpart is also exported under
-vLLM's name (VLLM_NAMES), read from the same measurement. Each server has its own registry (no
+finishes. The cache's own counters (`Engine.cache_stats()`; per rank too under tensor
+parallelism) and the engine's step and request histograms (`Engine.engine_stats()`) are read at
+scrape time from the snapshots the engine thread keeps, so a scrape never waits for the engine;
+the queue depths are read live (AsyncEngine.num_running). Each tierkv_* family that has a vLLM
+counterpart is also exported under vLLM's name (VLLM_NAMES), read from the same measurement. Each server has its own registry (no
 globals). This file never reads request bodies or headers (no secrets can reach a metric).
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.samples import Sample
+from prometheus_client.utils import floatToGoString
 
 # Buckets fit both a GPU (ms) and a loaded CPU (seconds).
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
@@ -32,6 +34,14 @@ VLLM_NAMES = {
     "vllm:gpu_cache_usage_perc": ("tierkv_kv_cache_usage", "the same, under vLLM's name before 0.10"),
     "vllm:prefix_cache_queries": ("tierkv_prefix_cache_query_tokens", "prefix-cache lookups, in tokens queried"),
     "vllm:prefix_cache_hits": ("tierkv_prefix_cache_hit_tokens", "prefix-cache hits, in tokens found (any tier)"),
+    # vLLM's names for the same two before 0.10, and vLLM 0.x's ratio: production-stack's router reads these three
+    "vllm:gpu_prefix_cache_queries": ("tierkv_prefix_cache_query_tokens", "the same as vllm:prefix_cache_queries, "
+                                      "under vLLM's name before 0.10"),
+    "vllm:gpu_prefix_cache_hits": ("tierkv_prefix_cache_hit_tokens", "the same as vllm:prefix_cache_hits, under "
+                                   "vLLM's name before 0.10"),
+    "vllm:gpu_prefix_cache_hit_rate": ("tierkv_prefix_cache_hit_rate", "prefix-cache hit tokens over queried tokens "
+                                       "since the start, any tier (vLLM's name before 0.10)"),
+    "vllm:num_preemptions": ("tierkv_preemptions", "requests preempted: their blocks given back, resumed later"),
     "vllm:prompt_tokens": ("tierkv_prompt_tokens", "prompt tokens of requests that got their first token"),
     "vllm:generation_tokens": ("tierkv_generation_tokens", "output tokens of finished requests"),
     "vllm:request_success": ("tierkv_requests_finished", "finished requests by finished_reason (stop, length); "
@@ -40,10 +50,34 @@ VLLM_NAMES = {
     "vllm:request_time_per_output_token_seconds": ("tierkv_time_per_output_token_seconds",
                                                    "per request, the mean time between output tokens"),
     "vllm:e2e_request_latency_seconds": ("tierkv_e2e_request_latency_seconds", "arrival to last token"),
+    "vllm:inter_token_latency_seconds": ("tierkv_inter_token_latency_seconds", "each gap between a request's "
+                                         "consecutive tokens, at the engine"),
+    "vllm:iteration_tokens_total": ("tierkv_iteration_tokens", "per step: the prompt tokens of the requests that got "
+                                    "their first token, plus the tokens sampled"),
+    "vllm:request_prompt_tokens": ("tierkv_request_prompt_tokens", "prompt tokens of each finished request"),
+    "vllm:request_queue_time_seconds": ("tierkv_request_queue_time_seconds", "per finished request, arrival at the "
+                                        "engine to its first admission (WAITING)"),
+    "vllm:request_prefill_time_seconds": ("tierkv_request_prefill_time_seconds", "per finished request, first "
+                                          "admission to first token (PREFILL)"),
+    "vllm:request_decode_time_seconds": ("tierkv_request_decode_time_seconds", "per finished request, first token to "
+                                         "last token (DECODE)"),
 }
 # vllm:cache_config_info, an info gauge (always 1) whose labels describe the cache, is made from
-# the engine's configuration (_VLLMNames.collect). vLLM's inter-token latency has no counterpart:
-# tierkv times whole requests, not each gap.
+# the engine's configuration (_VLLMNames.collect).
+
+# The engine's histograms (EngineStats, with vLLM's buckets): tierkv's name, the snapshot's key, what.
+_ENGINE_HISTOGRAMS = (
+    ("tierkv_iteration_tokens", "iteration_tokens", "per step: prompt tokens of the requests that got their first "
+     "token (once per request), plus the tokens sampled"),
+    ("tierkv_inter_token_latency_seconds", "inter_token_latency", "each gap between consecutive tokens of a request "
+     "(each choice's own), at the engine"),
+    ("tierkv_request_prompt_tokens", "request_prompt_tokens", "prompt tokens of each finished request"),
+    ("tierkv_request_queue_time_seconds", "request_queue_time", "finished requests: arrival at the engine to first "
+     "admission"),
+    ("tierkv_request_prefill_time_seconds", "request_prefill_time", "finished requests: first admission to first "
+     "token, preemptions included"),
+    ("tierkv_request_decode_time_seconds", "request_decode_time", "finished requests: first token to last token"),
+)
 
 
 class ServerMetrics:
@@ -136,6 +170,14 @@ class _EngineCollector:
                                   value=s.get("queries", 0))
         yield CounterMetricFamily("tierkv_prefix_cache_query_tokens", "tokens those lookups could have hit",
                                   value=s.get("query_tokens", 0))
+        yield GaugeMetricFamily("tierkv_prefix_cache_hit_rate", "hit tokens over query tokens since the start",
+                                value=s.get("hit_rate", 0.0))
+        e = eng.engine_stats or {}
+        yield CounterMetricFamily("tierkv_preemptions", "requests preempted (their blocks given back; resumed later "
+                                  "from what the cache still holds)", value=e.get("num_preemptions", 0))
+        for name, key, doc in _ENGINE_HISTOGRAMS:
+            if key in e:
+                yield _histogram(name, doc, e[key])
         per_tier = {
             "tierkv_prefix_cache_hit_tokens": ("hit_tokens", "prefix tokens taken from the cache, by the tier each came from"),
             "tierkv_tier_bytes_in": ("bytes_in", "bytes written into a tier"),
@@ -169,9 +211,25 @@ class _EngineCollector:
                     for t in ("l1", "l2"):
                         fam.add_metric([str(rank["rank"]), t], rank["tiers"].get(t, {}).get(key, 0))
                 yield fam
+        # one sample per L3 store, labelled as /health names it (its URL without options or credentials)
+        fam = GaugeMetricFamily("tierkv_tier_healthy", "1 while a tier's store answers; 0 while it is degraded (hung, "
+                                "down, or its writes fail; /health says why): its lookups miss meanwhile",
+                                labels=["tier", "store"])
+        for store in s.get("l3_stores", []):
+            fam.add_metric(["l3", store["store"]], 1.0 if store["healthy"] else 0.0)
+        yield fam
         # the whole L2 pool is page-locked at start when it is pinned, used or not
         yield GaugeMetricFamily("tierkv_pinned_host_bytes", "page-locked host memory of the L2 pool",
                                 value=tiers.get("l2", {}).get("capacity_bytes", 0) if self.l2_pinned else 0)
+
+
+def _histogram(name: str, doc: str, snap: dict) -> HistogramMetricFamily:
+    """A Histogram snapshot (tierkv/engine/stats.py: counts per bucket) as Prometheus' cumulative buckets."""
+    buckets, total = [], 0
+    for bound, n in zip((*snap["bounds"], float("inf")), snap["counts"]):
+        total += n
+        buckets.append((floatToGoString(bound), total))
+    return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=snap["sum"])
 
 
 class _KVEventsCollector:
@@ -204,7 +262,8 @@ class _VLLMNames:
     def collect(self):
         families = {f.name: f for source in self.sources for f in source.collect()}
         for name, (source, doc) in VLLM_NAMES.items():
-            yield self._renamed(families[source], name, doc)
+            if source in families:  # the engine's histograms exist once its first snapshot does
+                yield self._renamed(families[source], name, doc)
         info = GaugeMetricFamily("vllm:cache_config_info", "the KV cache's configuration (vLLM's CacheConfig: "
                                  "num_gpu_blocks is L1, num_cpu_blocks L2)", labels=[*self.cache_info, "engine"])
         info.add_metric([*map(str, self.cache_info.values()), self.labels["engine"]], 1)

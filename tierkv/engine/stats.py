@@ -1,0 +1,84 @@
+"""EngineStats: what the engine counts per step and per request, for the server's /metrics.
+
+The step-level and request-level series vLLM exports besides the cache's own counters: tokens
+per step, the gap between one request's tokens, and each finished request's time waiting for
+admission, computing its prompt and decoding, and its prompt length. Fixed-bucket histograms with
+vLLM's buckets, updated on the engine thread without allocating; `snapshot()` copies them for
+another thread. Knows nothing of Prometheus or HTTP.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from dataclasses import dataclass, field
+
+# vLLM's buckets (vllm/v1/metrics/loggers.py), so that dashboards and SLO queries written for
+# vLLM read the same resolution here.
+ITERATION_TOKENS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+INTER_TOKEN_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                 40.0, 80.0)
+REQUEST_PHASE_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                   480.0, 960.0, 1920.0, 7680.0)
+
+
+def one_two_five(limit: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `limit`: vLLM's buckets for token counts up to the context."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > limit:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
+
+
+@dataclass(slots=True)
+class Histogram:
+    """Counts per bucket: `counts[i]` holds the values in (bounds[i-1], bounds[i]], the last one
+    those above every bound (Prometheus' `le` buckets, not cumulated)."""
+
+    bounds: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    sum: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.counts = [0] * (len(self.bounds) + 1)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def snapshot(self) -> dict:
+        return {"bounds": self.bounds, "counts": list(self.counts), "sum": self.sum}
+
+
+class EngineStats:
+    """The engine's histograms (see the module docstring). Preemptions are the scheduler's own
+    count (Scheduler.num_preemptions), read into each snapshot."""
+
+    def __init__(self, max_model_len: int) -> None:
+        self.iteration_tokens = Histogram(ITERATION_TOKENS)  # prompts that got their first token + tokens sampled
+        self.inter_token = Histogram(INTER_TOKEN_S)  # a request's token to its next one (each choice's own)
+        self.queue = Histogram(REQUEST_PHASE_S)  # arrival at the engine to first admission
+        self.prefill = Histogram(REQUEST_PHASE_S)  # first admission to first token (preemptions included)
+        self.decode = Histogram(REQUEST_PHASE_S)  # first token to last token
+        self.prompt_tokens = Histogram(one_two_five(max_model_len))
+
+    def finished(self, choices: list) -> None:
+        """A request ended with every choice done (stop or length): its phases, once per request as
+        the server counts requests, from choice 0 (the one that computed the prompt) to the last
+        token of any choice."""
+        first = choices[0]
+        if first.admitted is None or first.first_token_time is None:
+            return  # it never ran (ended while waiting): no phase to time
+        last = max(c.last_token_time for c in choices if c.last_token_time is not None)
+        self.queue.observe(first.admitted - first.arrival)
+        self.prefill.observe(first.first_token_time - first.admitted)
+        self.decode.observe(last - first.first_token_time)
+        self.prompt_tokens.observe(len(first.prompt_ids))
+
+    def snapshot(self, num_preemptions: int) -> dict:
+        return {"num_preemptions": num_preemptions, "iteration_tokens": self.iteration_tokens.snapshot(),
+                "inter_token_latency": self.inter_token.snapshot(), "request_queue_time": self.queue.snapshot(),
+                "request_prefill_time": self.prefill.snapshot(), "request_decode_time": self.decode.snapshot(),
+                "request_prompt_tokens": self.prompt_tokens.snapshot()}
