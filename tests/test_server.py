@@ -92,6 +92,20 @@ def test_openai_client_chat_and_completions(client):
     assert [m.id for m in client.models.list().data] == [MODEL]
 
 
+def test_x_request_id_names_a_chat_request(client):
+    """vLLM's rule for chat: the id is chatcmpl-<X-Request-Id>, streamed or not, and the response's
+    X-Request-Id header says it (tests/test_server_observability.py: completions, the log line)."""
+    rid = f"chat-{uuid.uuid4().hex}"
+    msgs = [{"role": "user", "content": "Say hi."}]
+    raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=msgs, max_tokens=2,
+                                                           extra_headers={"X-Request-Id": rid})
+    assert raw.headers["x-request-id"] == rid and raw.parse().id == f"chatcmpl-{rid}"
+    with client.chat.completions.with_streaming_response.create(model=MODEL, messages=msgs, max_tokens=2, stream=True,
+                                                                extra_headers={"X-Request-Id": rid}) as resp:
+        assert resp.headers["x-request-id"] == rid
+        assert {chunk.id for chunk in resp.parse()} == {f"chatcmpl-{rid}"}
+
+
 def test_n_choices_share_the_prompt_and_each_equals_its_seed(client):
     # n=3 in one request: choice i is what n=1 with seed 7 + i gives; the prompt counts once
     msgs = [{"role": "user", "content": f"Tell me a story ({uuid.uuid4().hex[:6]})."}]

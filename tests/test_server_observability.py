@@ -1,14 +1,20 @@
-"""What an operator reads off a real tierkv-serve: /metrics against what the requests did.
+"""What an operator reads off a real tierkv-serve: /metrics against what the requests did, the
+request id (X-Request-Id) and the one log line per request.
 
 One server for the module: the tiny word-level model (tests/load_helpers.py: token i is the
 word "w{i}", so a prompt's token count is its word count), an L1 of 16 blocks so that three
-growing requests preempt one another, driven by the real openai client. /metrics is parsed with
-prometheus_client's own text parser, as Prometheus and production-stack's router read it.
+growing requests preempt one another, an L2 and a disk L3 written through, so that hits come from
+each tier; an API key, which must never reach the log. Driven by the real openai client; /metrics
+is parsed with prometheus_client's own text parser, as Prometheus and production-stack's router
+read it.
 """
 
 from __future__ import annotations
 
+import json
+import re
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -17,25 +23,28 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.utils import floatToGoString
 
 from load_helpers import BLOCK, BLOCK_BYTES, MODEL, SERVER_ENV, tiny_model  # noqa: F401  (tiny_model: a fixture)
-from server_helpers import serving
+from server_helpers import raw_exchange, serving
 from tierkv.engine.stats import INTER_TOKEN_S, ITERATION_TOKENS, REQUEST_PHASE_S, one_two_five
 
 openai = pytest.importorskip("openai")
 
 L1_BLOCKS = 16
+KEY = "sk-observability-" + uuid.uuid4().hex
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):  # noqa: F811
-    log = tmp_path_factory.mktemp("observability") / "serve.log"
+    tmp = tmp_path_factory.mktemp("observability")
     with serving(["--model", str(tiny_model), "--served-model-name", MODEL, "--l1", str(L1_BLOCKS * BLOCK_BYTES),
-                  "--log-level", "info"], log, env=SERVER_ENV) as srv:
+                  "--l2", str(64 * BLOCK_BYTES), "--l3", f"file://{tmp / 'l3'}?size=64MiB",
+                  "--write-policy", "write_through", "--log-level", "info"], tmp / "serve.log",
+                 env={**SERVER_ENV, "TIERKV_API_KEY": KEY}) as srv:
         yield srv
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
 
 
 def scrape(server) -> dict[str, tuple[str, list]]:
@@ -122,7 +131,7 @@ def test_request_and_step_histograms_count_what_the_requests_did(server, client)
         return value(families, sample) - value(before, sample)
 
     after = until(server, lambda f: delta(f, "vllm:request_prompt_tokens_count") >= 3)
-    max_model_len = httpx.get(server.url + "/v1/models", timeout=30).json()["data"][0]["max_model_len"]
+    max_model_len = client.models.list().data[0].max_model_len
     expected_bounds = {
         "vllm:request_prompt_tokens": one_two_five(max_model_len), "vllm:iteration_tokens_total": ITERATION_TOKENS,
         "vllm:inter_token_latency_seconds": INTER_TOKEN_S, "vllm:request_queue_time_seconds": REQUEST_PHASE_S,
@@ -154,8 +163,108 @@ def test_preemptions_are_counted(server, client):
     out = client.completions.create(model=MODEL, prompt=prompt(20, 4 * BLOCK), max_tokens=8 * BLOCK, n=3,
                                     temperature=0, extra_body={"ignore_eos": True})
     assert [len(c.text.split()) for c in out.choices] == [8 * BLOCK] * 3
-    after = until(server, lambda f: value(f, "vllm:num_preemptions_total") > value(before, "vllm:num_preemptions_total"))
+    preempted = value(before, "vllm:num_preemptions_total")
+    after = until(server, lambda f: value(f, "vllm:num_preemptions_total") > preempted)
     assert after["vllm:num_preemptions"][0] == "counter"
     assert {s.labels["model_name"] for s in after["vllm:num_preemptions"][1]} == {MODEL}
     assert value(after, "vllm:num_preemptions_total") - value(before, "vllm:num_preemptions_total") >= 1
     assert value(after, "tierkv_preemptions_total") == value(after, "vllm:num_preemptions_total")
+
+
+# ---------------------------------------------------------------------------- the request id and its log line
+
+# tierkv/server/request_log.py's line, logfmt-style
+LINE = re.compile(r"request id=(?P<id>\S+) finish=(?P<finish>\w+) prompt_tokens=(?P<prompt>\d+) "
+                  r"cached_tokens=(?P<cached>\d+) cached_l1=(?P<l1>\d+) cached_l2=(?P<l2>\d+) cached_l3=(?P<l3>\d+) "
+                  r"generated_tokens=(?P<generated>\d+) ttft_s=(?P<ttft>[\d.]+|-) total_s=(?P<total>[\d.]+)$")
+
+
+def lines_of(server, request_id: str) -> list[dict]:
+    """The log lines of the request whose X-Request-Id was `request_id`."""
+    found = [m.groupdict() for line in server.log().splitlines() if (m := LINE.search(line))]
+    return [f for f in found if f["id"] == f"cmpl-{request_id}"]
+
+
+def test_x_request_id_names_the_request_and_comes_back(client):
+    """As in vLLM, X-Request-Id is the request's id: the completion's id is cmpl-<id>, streamed
+    chunks too; the response's X-Request-Id header says it. Two requests sent with one id both run.
+    Without one, the server makes an id and says which."""
+    rid = f"trace-{uuid.uuid4().hex}"
+    raw = client.completions.with_raw_response.create(model=MODEL, prompt=prompt(1, 8), max_tokens=2,
+                                                      extra_headers={"X-Request-Id": rid})
+    assert raw.headers["x-request-id"] == rid and raw.parse().id == f"cmpl-{rid}"
+    with client.completions.with_streaming_response.create(model=MODEL, prompt=prompt(1, 8), max_tokens=2,
+                                                           stream=True, extra_headers={"X-Request-Id": rid}) as resp:
+        assert resp.headers["x-request-id"] == rid
+        assert {chunk.id for chunk in resp.parse()} == {f"cmpl-{rid}"}
+    with ThreadPoolExecutor(2) as pool:
+        outs = list(pool.map(lambda i: client.completions.create(
+            model=MODEL, prompt=prompt(10 + i, 8), max_tokens=8, extra_headers={"X-Request-Id": rid}), range(2)))
+    assert [o.id for o in outs] == [f"cmpl-{rid}"] * 2
+    raw = client.completions.with_raw_response.create(model=MODEL, prompt=prompt(1, 8), max_tokens=2)
+    made = raw.headers["x-request-id"]
+    assert re.fullmatch(r"[0-9a-f]{32}", made) and raw.parse().id == f"cmpl-{made}"
+
+
+def test_one_log_line_per_request_with_the_tier_of_each_hit(server, client):
+    """Each request logs one INFO line: its id, prompt, cached and generated tokens, the tier its
+    cached tokens came from, TTFT and total time. The same 65-token prompt computed, then found in
+    L1, then (L1 and L2 emptied) read up from L3, then (pushed out of L1 by other prompts) loaded
+    from L2."""
+    text = prompt(300, 4 * BLOCK + 1)  # a hit is 4 whole blocks: the last token is computed
+
+    def ask(tag: str, words: str = text, max_tokens: int = 2) -> str:
+        rid = f"{tag}-{uuid.uuid4().hex[:8]}"
+        complete_with_id(client, words, max_tokens, rid)
+        return rid
+
+    written = value(scrape(server), "tierkv_tier_blocks_in_total", tier="l3")
+    cold, warm = ask("cold"), ask("l1")
+    # write-through: the prompt's 4 blocks reach L3; then /flush_cache empties L1 and L2, not L3
+    until(server, lambda f: value(f, "tierkv_tier_blocks_in_total", tier="l3") >= written + 4)
+    assert httpx.post(server.url + "/flush_cache", timeout=30).status_code == 200
+    from_l3 = ask("l3")
+    for i in range(3):  # 15 blocks of other prompts: L1 (16) lets the oldest go, to L2
+        ask("filler", prompt(1 + 80 * i, 5 * BLOCK), 1)
+    from_l2 = ask("l2")
+    lines = {rid: lines_of(server, rid) for rid in (cold, warm, from_l3, from_l2)}
+    assert all(len(found) == 1 for found in lines.values()), lines
+    lines = {rid: {k: v if k in ("id", "finish", "ttft") else int(v) if k != "total" else float(v)
+                   for k, v in found[0].items()} for rid, found in lines.items()}
+    for line in lines.values():
+        assert line["finish"] == "length" and line["prompt"] == 4 * BLOCK + 1 and line["generated"] == 2, line
+        assert line["l1"] + line["l2"] + line["l3"] == line["cached"], line
+        assert 0 < float(line["ttft"]) <= line["total"], line
+    assert lines[cold]["cached"] == 0
+    assert lines[warm]["cached"] == lines[warm]["l1"] == 4 * BLOCK
+    assert lines[from_l3]["cached"] == lines[from_l3]["l3"] == 4 * BLOCK
+    assert lines[from_l2]["cached"] == 4 * BLOCK and lines[from_l2]["l2"] > 0
+    # an id that holds the API key is still logged, the key masked
+    rid = f"oops-{KEY}"
+    complete_with_id(client, text, 1, rid)
+    assert KEY not in server.log() and "id=cmpl-oops-*** finish=" in server.log()
+
+
+def complete_with_id(client, words: str, max_tokens: int, request_id: str):
+    return client.completions.create(model=MODEL, prompt=words, max_tokens=max_tokens, temperature=0,
+                                     extra_body={"ignore_eos": True}, extra_headers={"X-Request-Id": request_id})
+
+
+@pytest.mark.parametrize("bad", ["x" * 257, "two words", "tab\there", "caf\xe9"])
+def test_an_unusable_request_id_is_refused_and_never_logged(server, bad):
+    """A request id longer than 256 characters, or with anything but printable ASCII (a space, a
+    tab, a byte past ASCII; h11 refuses control characters itself), gets a 400 that says what to
+    send, under an id of the server's own, and reaches neither the log nor the response."""
+    body = b'{"model": "%s", "prompt": "w1 w2", "max_tokens": 1}' % MODEL.encode()
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer " + KEY.encode() + b"\r\nX-Request-Id: " + bad.encode("latin-1") +
+            b"\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(body))
+    response = raw_exchange(server.port, head + body)
+    status_line, _, rest = response.partition(b"\r\n")
+    headers, _, payload = rest.partition(b"\r\n\r\n")
+    assert status_line.split()[1] == b"400", response[:300]
+    err = json.loads(payload)["error"]
+    assert err["code"] == "invalid_request_id" and err["param"] == "X-Request-Id" and "X-Request-Id" in err["message"]
+    made = dict(line.split(b": ", 1) for line in headers.split(b"\r\n"))[b"x-request-id"]
+    assert re.fullmatch(rb"[0-9a-f]{32}", made)
+    assert bad not in server.log() and bad.encode("latin-1") not in response

@@ -97,7 +97,8 @@ class PagedCache(Admission):
             i += 1
         taken = [e for _, e in from_l2]
         loads.append(self.tiers.load_pinned(taken, [seq.slots[j] for j, _ in from_l2]))
-        self._count_hits(None, shared, taken)
+        for tier, tokens in self._count_hits(None, shared, taken).items():
+            seq.cached_by_tier[tier] += tokens  # cached tokens too, past num_cached_tokens
         seq.pending = in_flight([*seq.pending, *loads])
         self.tiers.used(seq.entries[start:i], seq.priority)
         seq.committed = i

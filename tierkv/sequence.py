@@ -38,6 +38,7 @@ class SequenceBlocks:
     # commit() entered): commit checks new blocks against them
     token_bytes: bytearray = field(default_factory=bytearray, repr=False)
     # the tier each of the num_cached_tokens came from: shared in L1, loaded from L2, read up from L3
+    # (and of what `adopt` took since)
     cached_by_tier: dict[str, int] = field(default_factory=lambda: {"l1": 0, "l2": 0, "l3": 0})
     l2_slots: list[int] = field(default_factory=list)  # L2 slot of each offloaded leading block
     saving: LayerSave | None = None  # this step's full blocks, copied to L2 layer by layer (save_layer)

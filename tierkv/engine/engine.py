@@ -364,6 +364,7 @@ class Engine:
         return RequestOutput(
             request_id=req.request_id, prompt_token_ids=req.prompt_ids, token_ids=list(req.output_ids),
             text=req.text[: req.sent], cached_tokens=req.cached_tokens or 0, finish_reason=req.finish_reason,
+            cached_by_tier=req.cached_by_tier,
             logprobs=req.logprobs if req.params.logprobs is not None else None,
             new_token_ids=new_ids or [], new_text=new_text, index=req.index,
             request_finished=req.finished and (req.group is None or all(c.finished for c in req.group)),

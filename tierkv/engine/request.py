@@ -47,6 +47,7 @@ class Request:
     seq: SequenceBlocks | None = None  # its L1 blocks while running
     num_computed: int = 0  # leading tokens whose KV is in its L1 blocks
     cached_tokens: int | None = None  # prompt tokens served from the cache at first admission
+    cached_by_tier: dict[str, int] | None = None  # those tokens by the tier each came from (l1, l2, l3)
     prefetch: Prefetch | None = None  # L3 blocks on their way into L2 before admission
     prefetch_until: float = 0.0
     tail: Prefetch | None = None  # the end of its L3 hit, read into L2 while the start is computed
@@ -126,6 +127,7 @@ class RequestOutput:
     text: str
     cached_tokens: int
     finish_reason: str | None
+    cached_by_tier: dict[str, int] | None = None  # cached_tokens by the tier each came from (l1, l2, l3)
     logprobs: list[dict] | None = None
     new_token_ids: list[int] = field(default_factory=list)  # since the previous step
     new_text: str = ""

@@ -172,9 +172,12 @@ class Scheduler:
 
     def _adopt(self, req: Request) -> None:
         """`req` computed up to its L3 tail: take what of the tail has landed in L2 by now."""
+        before = dict(req.seq.cached_by_tier)
         gained = self.cache.adopt(req.seq, req.tokens(0, len(req.prompt_ids))) * self.cache.block_size
         req.num_computed += gained
         req.cached_tokens = (req.cached_tokens or 0) + gained
+        for tier, tokens in req.seq.cached_by_tier.items():  # adopt adds what it took, by tier
+            req.cached_by_tier[tier] += tokens - before[tier]
         req.tail, req.adopt_at = None, None
 
     def _victim(self, exclude: list[Request]) -> Request:
@@ -224,6 +227,7 @@ class Scheduler:
             req.num_computed = req.seq.num_cached_tokens
             if req.cached_tokens is None:
                 req.cached_tokens = req.seq.num_cached_tokens
+                req.cached_by_tier = dict(req.seq.cached_by_tier)
                 req.admitted = now
             self.running.append(req)
             if step.requests and _loading(req):
@@ -259,7 +263,7 @@ class Scheduler:
         for child, seq in zip(forks, seqs):
             child.seq, child.status = seq, Status.RUNNING
             child.num_computed = len(child.prompt_ids)
-            child.cached_tokens = req.cached_tokens
+            child.cached_tokens, child.cached_by_tier = req.cached_tokens, req.cached_by_tier
             self.running.append(child)
         self.waiting += forks[len(seqs) :]
 

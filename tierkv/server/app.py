@@ -13,7 +13,6 @@ import hmac
 import logging
 import re
 import time
-import uuid
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from .async_engine import AsyncEngine, ShuttingDown
 from .limits import PARSED, BodyLimits, default_max_request_bytes
 from .metrics import ServerMetrics
 from .profiling import add_profile_routes
+from .request_log import RequestIdHeader, request_done, request_ids
 from .protocol import (
     ERRORS,
     APIError,
@@ -194,8 +194,8 @@ def create_app(engine: AsyncEngine, served: Served, *, api_key: str | None = Non
         return await _generate(body, request, prepare_chat, chat=True)
 
     async def _generate(body, request: Request, prepare, chat: bool):
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         try:
+            public, rid = request_ids(request.scope, chat)  # the response's id (X-Request-Id), the engine's
             accept(body)
             encode = prepare(body, names, max_model_len)
             stream = await engine.submit(lambda eng: encode(eng.tokenizer), request_id=rid,
@@ -207,34 +207,54 @@ def create_app(engine: AsyncEngine, served: Served, *, api_key: str | None = Non
             include_usage = bool(opts and opts.include_usage)
             continuous = include_usage and opts.continuous_usage_stats
             gen = _stream_chat if chat else _stream_completion
-            return StreamingResponse(gen(stream, body.model, include_usage, continuous), media_type="text/event-stream")
-        return await _complete(stream, request, body.model, chat)
+            return StreamingResponse(gen(stream, public, body.model, include_usage, continuous),
+                                     media_type="text/event-stream")
+        return await _complete(stream, public, request, body.model, chat)
 
     def _first_token(stream, out) -> float:
         """The request has its first token: count its prompt (as the cache counted its lookup)."""
         metrics.first_token(prompt_tokens=stream.prompt_tokens, cached_tokens=out.cached_tokens)
         return time.monotonic()
 
-    def _finish(stream, out, first_at: float | None, completion_tokens: int) -> None:
+    def _finish(stream, public: str, out, first_at: float | None, completion_tokens: int) -> None:
         now = time.monotonic()
+        reason = FINISH.get(out.finish_reason, out.finish_reason)
         metrics.observe(ttft=None if first_at is None else first_at - stream.arrival, e2e=now - stream.arrival,
-                        completion_tokens=completion_tokens,
-                        finished_reason=FINISH.get(out.finish_reason, out.finish_reason))
+                        completion_tokens=completion_tokens, finished_reason=reason)
+        _log_end(stream, public, reason, out, first_at, completion_tokens)
 
-    async def _complete(stream, request: Request, model: str, chat: bool):
+    def _log_end(stream, public: str, finish: str, out, first_at: float | None, generated: int) -> None:
+        """The request's one log line. `out`: its latest output (None before any)."""
+        request_done(public, finish, prompt_tokens=stream.prompt_tokens,
+                     cached_tokens=out.cached_tokens if out is not None else 0,
+                     cached_by_tier=out.cached_by_tier if out is not None else None, generated_tokens=generated,
+                     ttft_s=None if first_at is None else first_at - stream.arrival,
+                     total_s=time.monotonic() - stream.arrival)
+
+    def _log_cut(stream, public: str, finish: str, latest: dict, first_at: float | None) -> None:
+        """The log line of a request cut short; `latest`: each choice's latest output."""
+        outs = list(latest.values())
+        _log_end(stream, public, finish, outs[0] if outs else None, first_at, sum(len(o.token_ids) for o in outs))
+
+    async def _complete(stream, public: str, request: Request, model: str, chat: bool):
+        latest: dict = {}  # each choice's latest output (the log line of a request cut short)
+        first_at = None
+
         async def collect():
             """The final output of each choice, in index order (n of them), once all have finished."""
-            finals, first_at = {}, None
+            nonlocal first_at
+            finals = {}
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, Exception):
-                    return item, first_at
+                    return item
+                latest[item.index] = item
                 if first_at is None and item.token_ids:
                     first_at = _first_token(stream, item)
                 if item.finished:
                     finals[item.index] = item
                 if item.request_finished:
-                    return [finals[i] for i in sorted(finals)], first_at
+                    return [finals[i] for i in sorted(finals)]
 
         async def client_gone():
             # a blocking receive() returns http.disconnect as soon as the socket closes
@@ -250,15 +270,17 @@ def create_app(engine: AsyncEngine, served: Served, *, api_key: str | None = Non
                 work.cancel()
                 engine.abort(stream.request_id)
                 metrics.aborted.inc()
+                _log_cut(stream, public, "abort", latest, first_at)
         if not work.done():
             return Response(status_code=499)  # nobody reads it
-        outs, first_at = work.result()
+        outs = work.result()
         if isinstance(outs, Exception):
+            _log_cut(stream, public, "error", latest, first_at)
             return error_response(api_error(outs))
         # n choices share the prompt: it counts once, their completions add up
         completion_tokens = sum(len(out.token_ids) for out in outs)
-        _finish(stream, outs[0], first_at, completion_tokens)
-        common = {"id": stream.request_id, "created": int(time.time()), "model": model,
+        _finish(stream, public, outs[0], first_at, completion_tokens)
+        common = {"id": public, "created": int(time.time()), "model": model,
                   "usage": usage(stream.prompt_tokens, completion_tokens, outs[0].cached_tokens)}
         if chat:
             return {**common, "object": "chat.completion", "choices": [{
@@ -270,20 +292,23 @@ def create_app(engine: AsyncEngine, served: Served, *, api_key: str | None = Non
             "logprobs": completion_logprobs(out.logprobs) if out.logprobs is not None else None,
             "finish_reason": FINISH.get(out.finish_reason, out.finish_reason)} for out in outs]}
 
-    async def _events(stream, chunk, include_usage: bool, continuous: bool):
+    async def _events(stream, public: str, chunk, include_usage: bool, continuous: bool):
         """SSE for one request: `chunk(index, text, logprobs, finish_reason)` shapes each event (one
         choice's, with n > 1 choices). `include_usage`: a last chunk with the usage; `continuous`:
         every chunk with its choice's usage so far too (vLLM's continuous_usage_stats)."""
         done, first_at = False, None
         seen_lp: dict[int, int] = {}  # per choice: log-probabilities sent so far
         completion_tokens: dict[int, int] = {}  # per finished choice
+        latest: dict = {}  # each choice's latest output (the log line of a request cut short)
         try:
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, Exception):
                     done = True
+                    _log_cut(stream, public, "error", latest, first_at)
                     yield sse(api_error(item).body())
                     break
+                latest[item.index] = item
                 if first_at is None and item.token_ids:
                     first_at = _first_token(stream, item)
                 lp = None
@@ -305,7 +330,7 @@ def create_app(engine: AsyncEngine, served: Served, *, api_key: str | None = Non
                 if item.request_finished:
                     done = True
                     total = sum(completion_tokens.values())  # the prompt counts once for all n choices
-                    _finish(stream, item, first_at, total)
+                    _finish(stream, public, item, first_at, total)
                     if include_usage:
                         yield sse({**chunk(0, "", None, None), "choices": [], "usage": usage(
                             stream.prompt_tokens, total, item.cached_tokens)})
@@ -316,8 +341,9 @@ def create_app(engine: AsyncEngine, served: Served, *, api_key: str | None = Non
             if not done:
                 engine.abort(stream.request_id)
                 metrics.aborted.inc()
+                _log_cut(stream, public, "abort", latest, first_at)
 
-    def _stream_completion(stream, model: str, include_usage: bool, continuous: bool):
+    def _stream_completion(stream, public: str, model: str, include_usage: bool, continuous: bool):
         created_at = int(time.time())
         offsets: dict[int, int] = {}  # per choice: characters of token text sent so far (text_offset)
 
@@ -326,12 +352,12 @@ def create_app(engine: AsyncEngine, served: Served, *, api_key: str | None = Non
             if lp:
                 logprobs = completion_logprobs(lp, offsets.get(index, 0))
                 offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs["tokens"])
-            return {"id": stream.request_id, "object": "text_completion", "created": created_at, "model": model,
+            return {"id": public, "object": "text_completion", "created": created_at, "model": model,
                     "choices": [{"index": index, "text": text, "finish_reason": reason, "logprobs": logprobs}]}
 
-        return _events(stream, chunk, include_usage, continuous)
+        return _events(stream, public, chunk, include_usage, continuous)
 
-    def _stream_chat(stream, model: str, include_usage: bool, continuous: bool):
+    def _stream_chat(stream, public: str, model: str, include_usage: bool, continuous: bool):
         created_at = int(time.time())
         started: set[int] = set()  # choices whose first delta (the one with the role) went out
 
@@ -340,11 +366,11 @@ def create_app(engine: AsyncEngine, served: Served, *, api_key: str | None = Non
             if index not in started:
                 delta["role"] = "assistant"
                 started.add(index)
-            return {"id": stream.request_id, "object": "chat.completion.chunk", "created": created_at,
+            return {"id": public, "object": "chat.completion.chunk", "created": created_at,
                     "model": model, "choices": [{"index": index, "delta": delta, "finish_reason": reason,
                                                  "logprobs": chat_logprobs(lp) if lp else None}]}
 
-        return _events(stream, chunk, include_usage, continuous)
+        return _events(stream, public, chunk, include_usage, continuous)
 
     add_worker_routes(app, engine, served, accept=accept, load_format=load_format)
     if profile_dir is not None:
@@ -352,5 +378,6 @@ def create_app(engine: AsyncEngine, served: Served, *, api_key: str | None = Non
     state.routes = {r.path for r in app.routes}
     state.max_request_bytes = max_request_bytes or default_max_request_bytes(max_model_len)
     app.add_middleware(BodyLimits, max_bytes=state.max_request_bytes)
-    app.add_middleware(_Guard, state=state)  # added last, runs first: no body is read before the key is checked
+    app.add_middleware(_Guard, state=state)  # runs before BodyLimits: no body is read before the key is checked
+    app.add_middleware(RequestIdHeader)  # added last, runs first: every response carries X-Request-Id, refusals too
     return app

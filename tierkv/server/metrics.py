@@ -6,8 +6,9 @@ finishes. The cache's own counters (`Engine.cache_stats()`; per rank too under t
 parallelism) and the engine's step and request histograms (`Engine.engine_stats()`) are read at
 scrape time from the snapshots the engine thread keeps, so a scrape never waits for the engine;
 the queue depths are read live (AsyncEngine.num_running). Each tierkv_* family that has a vLLM
-counterpart is also exported under vLLM's name (VLLM_NAMES), read from the same measurement. Each server has its own registry (no
-globals). This file never reads request bodies or headers (no secrets can reach a metric).
+counterpart is also exported under vLLM's name (VLLM_NAMES), read from the same measurement. Each
+server has its own registry (no globals). This file never reads request bodies or headers (no
+secrets can reach a metric).
 """
 
 from __future__ import annotations
