@@ -172,10 +172,12 @@ def test_an_l3_tail_is_read_while_the_head_is_computed_then_adopted(tmp_path):
         j, end = m.tail
         assert 1 < j < end == 40
         seq = cache.allocate(doc, match=m)
+        assert seq.cached_by_tier == {"l1": 0, "l2": 0, "l3": 4}  # block 0 came up from L3 (the first read)
         assert cache.prefetch(m, 30, blocks=m.tail).wait(30)
         write_into_slots(cache, seq, doc[: 4 * j], 4)  # the engine computes blocks 1..j-1
         cache.commit(seq, doc[: 4 * j])
         assert cache.adopt(seq, doc) == 40 - j and seq.committed == 40
+        assert seq.cached_by_tier == {"l1": 0, "l2": 0, "l3": 4 * (1 + 40 - j)}  # what adopt took, by tier
         assert torch.equal(read_slots(cache, seq, 160), prefix_kv(LAYOUT, doc)[:, :, :160])
         assert cache.adopt(seq, doc) == 0  # nothing past the prompt's last full block
         cache.free(seq)
