@@ -33,7 +33,7 @@ def test_each_streamed_output_keeps_the_logprobs_it_was_delivered_with(engine):
         aeng = AsyncEngine(engine)
         aeng.start()
         params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
-        stream = await aeng.submit(lambda eng: (list(range(3, 40)), params), request_id="lp")
+        stream = await aeng.submit(list(range(3, 40)), params, request_id="lp")
         items = []
         while (item := await stream.queue.get()) is not None and not getattr(item, "finished", False):
             items.append(item)
@@ -77,7 +77,7 @@ def test_each_token_leaves_in_the_step_that_sampled_it(engine):
         aeng.start()
         params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
         loop.call_soon_threadsafe = hand_over
-        stream = await aeng.submit(lambda eng: (list(range(3, 40)), params), request_id="timed")
+        stream = await aeng.submit(list(range(3, 40)), params, request_id="timed")
         while True:
             item = await stream.queue.get()
             received.append(item)

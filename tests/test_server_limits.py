@@ -14,6 +14,8 @@ import asyncio
 import json
 import re
 import socket
+import statistics
+import threading
 import time
 import uuid
 
@@ -155,6 +157,88 @@ def test_a_body_under_the_limit_reaches_the_route(server):
     # about 400 KiB of prompt: read and tokenized, then refused for the context, not for its size
     r = post(server, {"model": MODEL, "prompt": "word " * 80_000, "max_tokens": 1})
     assert "context" in error_of(r, 400, "context_length_exceeded")
+
+
+OVER_LONG = "word " * 100_000  # ~500 KB, under the body limit: 100,001 tokens against a context of 512
+STREAM_TOKENS = 240  # gaps between a stream's chunks: ~100 with the hostile client at work, ~100 without
+# The hostile client's pause between requests. Refusing one costs the server ~2.5 ms of CPU (reading
+# and parsing 500 KB); with no pause at all, on a 2-core box, the client and the server's event loop
+# would take both cores from the engine's threads, and the comparison would measure the box.
+HOSTILE_PAUSE_S = 0.02
+
+
+def test_a_client_looping_over_long_prompts_does_not_stall_running_streams(server):
+    """Issue 37 item 4. Each refused prompt was tokenized on the engine thread (~0.2 s for this one,
+    ~0.5 s for 1 MiB), and /tokenize's 100,001 ids were encoded on the event loop: a client looping
+    them stretched every running stream's token gaps to the length of one refusal. One stream runs
+    while that client is switched on and off; its gaps during the client's requests are compared
+    with its gaps while no request of the client was under way (the same stream, the same box)."""
+    bodies = [("/v1/completions", json.dumps({"model": MODEL, "prompt": OVER_LONG, "max_tokens": 1})),
+              ("/tokenize", json.dumps({"model": MODEL, "prompt": OVER_LONG}))]
+    on, done = threading.Event(), threading.Event()
+    busy: list[tuple[float, float]] = []  # (start, end) of each hostile request
+    answers: list[tuple[str, int, str]] = []
+
+    def hostile():
+        with httpx.Client(base_url=server.url, timeout=60) as c:
+            while not done.is_set():
+                if not on.wait(0.05):
+                    continue
+                for path, body in bodies:
+                    start = time.perf_counter()
+                    r = c.post(path, content=body, headers={**AUTH, "Content-Type": "application/json"})
+                    busy.append((start, time.perf_counter()))
+                    answers.append((path, r.status_code, r.text))
+                    time.sleep(HOSTILE_PAUSE_S)
+
+    def switch():  # on for 0.5 s, off for 0.8 s (the quiet gaps keep clear of its requests), until the stream ends
+        while not done.wait(0.5 if on.is_set() else 0.8):
+            on.clear() if on.is_set() else on.set()
+
+    arrivals = []
+    workers = [threading.Thread(target=hostile), threading.Thread(target=switch)]
+    for w in workers:
+        w.start()
+    try:
+        with server.http.stream("POST", "/v1/completions", headers=AUTH, json={
+                "model": MODEL, "prompt": "Once upon a time", "max_tokens": STREAM_TOKENS, "min_tokens": STREAM_TOKENS,
+                "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    arrivals.append(time.perf_counter())
+    finally:
+        done.set()
+        for w in workers:
+            w.join()
+    assert len(arrivals) == STREAM_TOKENS
+    loaded, quiet = [], []  # gaps during which a hostile request was under way, and those with none near
+    for a, b in zip(arrivals, arrivals[1:]):
+        if any(start < b and a < end for start, end in busy):
+            loaded.append(b - a)
+        elif not any(start < b + 0.1 and a - 0.1 < end for start, end in busy):
+            quiet.append(b - a)
+    assert len(loaded) >= 10 and len(quiet) >= 10, (len(loaded), len(quiet))
+    p99 = {name: statistics.quantiles(gaps, n=100)[98] for name, gaps in (("loaded", loaded), ("quiet", quiet))}
+    assert p99["loaded"] <= 1.2 * p99["quiet"], (p99, len(loaded), len(quiet), len(answers))
+    assert len(loaded) >= 70 and len(quiet) >= 70, (len(loaded), len(quiet))  # enough of each for a p99
+    for path, status, text in answers:  # each refused for the context, /tokenize too, from its length
+        assert status == 400 and json.loads(text)["error"]["code"] == "context_length_exceeded", (path, text[:200])
+
+
+def test_an_over_long_prompt_is_refused_from_its_length_on_every_route_that_tokenizes(server):
+    # 500,000 characters are at least 6,173 tokens for SmolLM2 (81 characters a token at most):
+    # refused from the count of characters, before any tokenizing, chat templates and /tokenize too
+    messages = [{"role": "user", "content": OVER_LONG}]
+    for path, body in [("/v1/completions", {"model": MODEL, "prompt": OVER_LONG, "max_tokens": 1}),
+                       ("/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 1}),
+                       ("/tokenize", {"model": MODEL, "prompt": OVER_LONG}),
+                       ("/tokenize", {"model": MODEL, "messages": messages}),
+                       ("/v1/completions/render", {"model": MODEL, "prompt": OVER_LONG})]:
+        message = error_of(post(server, body, path=path), 400, "context_length_exceeded")
+        assert "the prompt has at least 617" in message and "context is 512 tokens" in message, (path, message)
+    # under the bound, a prompt that does not fit is tokenized and refused with its exact count
+    message = error_of(post(server, {"model": MODEL, "prompt": "word " * 1000, "max_tokens": 1}), 400)
+    assert "the prompt has 1001 tokens" in message
 
 
 def nested(depth: int) -> str:

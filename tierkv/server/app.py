@@ -47,6 +47,7 @@ from .serving import (
     prepare_completion,
     sse,
 )
+from .tokenizing import Tokenizing
 from .worker_routes import Served, add_worker_routes
 
 log = logging.getLogger(__name__)
@@ -117,6 +118,8 @@ def create_app(engine: AsyncEngine, served: Served, *, api_key: str | None = Non
     `profile_dir`: serve /start_profile and /stop_profile, writing traces there (profiling.py)."""
     metrics = ServerMetrics(engine, served.name, served.cache_config, kv_events)
     names, max_model_len = [served.name], served.max_model_len
+    # prompts are tokenized and chat templates applied here, never on the engine thread
+    tokenizing = Tokenizing(served.root, refusal=engine.refusal)
 
     def accept(body) -> None:
         """Count the request's unknown fields; refuse the ones that would change the result."""
@@ -194,12 +197,13 @@ def create_app(engine: AsyncEngine, served: Served, *, api_key: str | None = Non
         return await _generate(body, request, prepare_chat, chat=True)
 
     async def _generate(body, request: Request, prepare, chat: bool):
+        arrival = time.monotonic()  # latencies count the tokenizing and the wait for the engine thread
         try:
             public, rid = request_ids(request.scope, chat)  # the response's id (X-Request-Id), the engine's
             accept(body)
-            encode = prepare(body, names, max_model_len)
-            stream = await engine.submit(lambda eng: encode(eng.tokenizer), request_id=rid,
-                                         cache_salt=body.cache_salt, priority=body.priority)
+            prompt_ids, params = await tokenizing.run(prepare(body, names, max_model_len))
+            stream = await engine.submit(prompt_ids, params, request_id=rid, cache_salt=body.cache_salt,
+                                         priority=body.priority, arrival=arrival)
         except Exception as err:  # noqa: BLE001 (every failure becomes an error response)
             return error_response(api_error(err))
         if body.stream:
@@ -372,7 +376,7 @@ def create_app(engine: AsyncEngine, served: Served, *, api_key: str | None = Non
 
         return _events(stream, public, chunk, include_usage, continuous)
 
-    add_worker_routes(app, engine, served, accept=accept, load_format=load_format)
+    add_worker_routes(app, engine, served, tokenizing=tokenizing, accept=accept, load_format=load_format)
     if profile_dir is not None:
         add_profile_routes(app, engine, profile_dir)
     state.routes = {r.path for r in app.routes}

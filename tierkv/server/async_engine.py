@@ -1,10 +1,12 @@
 """AsyncEngine: the synchronous Engine on one background thread, driven from asyncio.
 
-The thread owns the Engine (and its tokenizer) outright: every call into it, including
-tokenizing prompts and reading cache stats, runs there, sent through a thread-safe command
-queue that the loop drains before each step. Outputs go back to per-request asyncio queues via
-`call_soon_threadsafe`. The waiting queue is bounded (`Overloaded` past it). This file never
-imports anything HTTP and never touches the Engine from any thread but its own.
+The thread owns the Engine (and its tokenizer, which it detokenizes with) outright: every call into
+it, adding requests and reading cache stats, runs there, sent through a thread-safe command queue
+that the loop drains before each step. Prompts come tokenized (the server does that on a thread
+of its own), so that no request, however long its prompt, holds up a step. Outputs go back to
+per-request asyncio queues via `call_soon_threadsafe`. The waiting queue is bounded (`Overloaded`
+past it). This file never imports anything HTTP and never touches the Engine from any thread but
+its own.
 """
 
 from __future__ import annotations
@@ -101,11 +103,12 @@ class AsyncEngine:
             return ShuttingDown("the server is shutting down")
         return None
 
-    async def submit(self, build: Callable[[Any], tuple[list[int], Any]], *, request_id: str,
-                     cache_salt: str | None = None, priority: int = 0) -> Stream:
-        """Queue a request. `build(engine)` runs on the engine thread and returns (prompt_ids,
-        SamplingParams); whatever it or `add_request` raises is raised here."""
-        arrival = time.monotonic()  # latencies count the wait for the engine thread too
+    async def submit(self, prompt_ids: list[int], params: Any, *, request_id: str, cache_salt: str | None = None,
+                     priority: int = 0, arrival: float | None = None) -> Stream:
+        """Queue a request: its prompt's token ids and SamplingParams. Whatever `add_request` raises
+        is raised here. `arrival`: when the request came (default: now), which its latencies count
+        from, so that they include the wait for the engine thread."""
+        arrival = time.monotonic() if arrival is None else arrival
         if (refused := self.refusal()) is not None:
             raise refused
         with self._lock:
@@ -116,7 +119,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         out: asyncio.Queue = asyncio.Queue()
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(("add", (build, request_id, cache_salt, priority, loop, out, done)))
+        self._commands.put(("add", (prompt_ids, params, request_id, cache_salt, priority, loop, out, done)))
         try:
             prompt_tokens = await asyncio.wrap_future(done)
         except asyncio.CancelledError:
@@ -245,7 +248,7 @@ class AsyncEngine:
         self._count()
         return False
 
-    def _add(self, build, request_id, salt, priority, loop, out, done) -> None:
+    def _add(self, prompt_ids, params, request_id, salt, priority, loop, out, done) -> None:
         with self._lock:
             self._pending -= 1
         if not done.set_running_or_notify_cancel():
@@ -254,7 +257,6 @@ class AsyncEngine:
             done.set_exception(refused)
             return
         try:
-            prompt_ids, params = build(self.engine)
             self.engine.add_request(prompt_ids, params, cache_salt=salt, priority=priority, request_id=request_id)
         except Exception as err:  # noqa: BLE001 (handed to the caller)
             done.set_exception(err)

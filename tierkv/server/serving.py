@@ -2,7 +2,7 @@
 
 `prepare_*` check what the schema cannot (model name, fields other servers take) and return the
 function that tokenizes the prompt, checks the context length and builds the SamplingParams (run
-with the engine's tokenizer on its thread, or with a copy for /render). The `*_logprobs` helpers
+with the server's copy of the tokenizer on a thread of its own: tokenizing.py). The `*_logprobs` helpers
 and `sse` shape response bodies and SSE chunks. Pure functions of their inputs: no I/O, no engine
 state, nothing HTTP beyond the JSON shapes.
 """
@@ -70,8 +70,8 @@ Encode = Callable[[Any], tuple[list[int], SamplingParams]]
 
 
 def _encoder(prompt: Callable[[Any], list[int]], params: dict, max_model_len: int, param: str) -> Encode:
-    """The function that tokenizes the prompt (with the engine's tokenizer, on its thread, or a
-    copy of it elsewhere), checks the context budget and builds the SamplingParams."""
+    """The function that tokenizes the prompt (with the server's copy of the tokenizer, on its own
+    thread: never the engine's), checks the context budget and builds the SamplingParams."""
 
     def encode(tokenizer) -> tuple[list[int], SamplingParams]:
         ids = prompt(tokenizer)
@@ -110,13 +110,28 @@ def prepare_completion(req: CompletionRequest, served_names: list[str], max_mode
         raise APIError(400, "the prompt is empty", param="prompt")
     if isinstance(prompt, str):
         def tokens(tokenizer) -> list[int]:
-            if tokenizer is None:
-                raise APIError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt")
-            return tokenizer.encode(prompt)
+            return text_tokens(tokenizer, prompt, max_model_len)
     else:
         ids = list(prompt)
         tokens = lambda tokenizer: ids
     return _encoder(tokens, _params(req, req.max_tokens, req.logprobs), max_model_len, "prompt")
+
+
+def text_tokens(tokenizer, text: str, max_model_len: int, add_special_tokens: bool = True,
+                param: str = "prompt") -> list[int]:
+    """The token ids of `text`. A text whose length alone shows that it cannot fit the context
+    (Tokenizer.fewest_tokens, a bound never above the real count) is refused without tokenizing it:
+    a 1 MiB prompt costs ~0.5 s of CPU to tokenize, and a client looping them would keep a core busy."""
+    if tokenizer is None:
+        raise APIError(400, "this model has no tokenizer: send the prompt as token ids", param=param)
+    fewest = tokenizer.fewest_tokens(text)
+    if fewest >= max_model_len:
+        raise APIError(400, f"the prompt has at least {fewest} tokens ({len(text)} characters); this model's context "
+                       f"is {max_model_len} tokens (one is left for the output): shorten the prompt",
+                       param=param, code="context_length_exceeded")
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict]:
@@ -128,11 +143,16 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict]:
     return out
 
 
-def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+def apply_chat_template(tokenizer, messages: list[dict], max_model_len: int, add_generation_prompt: bool = True
+                        ) -> list[int]:
+    """The token ids of `messages` in the chat template; refused untokenized when the text the
+    template writes is too long for the context (text_tokens)."""
     if tokenizer is None:
         raise APIError(400, "this model has no tokenizer, so it has no chat template: use /v1/completions "
                        "with token ids", param="messages")
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    # the template writes BOS and friends itself
+    return text_tokens(tokenizer, tokenizer.render_chat(messages, add_generation_prompt), max_model_len,
+                       add_special_tokens=False, param="messages")
 
 
 def prepare_chat(req: ChatCompletionRequest, served_names: list[str], max_model_len: int) -> Encode:
@@ -142,8 +162,8 @@ def prepare_chat(req: ChatCompletionRequest, served_names: list[str], max_model_
     messages = chat_messages(req.messages)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    return _encoder(lambda tokenizer: apply_chat_template(tokenizer, messages), _params(req, max_tokens, logprobs),
-                    max_model_len, "messages")
+    return _encoder(lambda tokenizer: apply_chat_template(tokenizer, messages, max_model_len),
+                    _params(req, max_tokens, logprobs), max_model_len, "messages")
 
 
 # ---------------------------------------------------------------------------- responses
