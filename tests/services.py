@@ -164,6 +164,16 @@ class RedisClusterNodes:
             node.kill()
 
 
+def _stopped(pid: int) -> bool:
+    """Whether every thread of process `pid` is stopped (state T in /proc)."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+        # the state follows the command name, which is in parentheses and may hold spaces
+        return all(Path(f"/proc/{pid}/task/{t}/stat").read_text().rpartition(")")[2].split()[0] == "T" for t in tasks)
+    except (OSError, IndexError):
+        return True  # gone, or no /proc: nothing more to wait for
+
+
 class SeaweedFS:
     """One `weed mini` (master, volume, filer, S3) with every port picked free."""
 
@@ -245,7 +255,12 @@ class SeaweedFS:
                     pass
 
     def freeze(self) -> None:
+        """SIGSTOP, and wait until every thread of it is stopped: the signal lands asynchronously,
+        and on a busy machine a request sent at once was still answered."""
         os.killpg(self.proc.pid, signal.SIGSTOP)
+        end = time.monotonic() + 5
+        while time.monotonic() < end and not _stopped(self.proc.pid):
+            time.sleep(0.001)
 
     def thaw(self) -> None:
         os.killpg(self.proc.pid, signal.SIGCONT)

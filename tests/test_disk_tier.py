@@ -4,6 +4,7 @@ files, read-only, SIGKILL). Tests about single objects use chunk=16 (one block p
 from __future__ import annotations
 
 import ctypes
+import logging
 import multiprocessing
 import os
 import shutil
@@ -19,6 +20,7 @@ import torch
 from services import block_chain, get_and_check, empty_like_blocks, same_bytes
 
 from tierkv.layout import KVLayout
+from tierkv.tiers import service
 from tierkv.tiers.codec import byte_view, encode_header, key_hex, payload_offset
 from tierkv.tiers.open import open_store
 
@@ -286,20 +288,45 @@ def _drop_write_override_caps() -> None:
     assert libc.capset(ctypes.byref(hdr), data) == 0
 
 
-def _readonly_child(root: str, conn) -> None:
+def _read_only(root: Path, work):
+    """`work(root)`'s result, from a forked child that cannot write to `root` (made read-only with
+    its subdirectories, the child's root powers over permissions dropped)."""
+    dirs = [root, *(p for p in root.iterdir() if p.is_dir())]
+    for d in dirs:
+        d.chmod(0o555)
+    try:
+        ctx = multiprocessing.get_context("fork")
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_read_only_child, args=(str(root), work, child))
+        proc.start()
+        assert parent.poll(60), "the child died without an answer (its traceback is above)"
+        result = parent.recv()
+        proc.join(30)
+    finally:
+        for d in dirs:
+            d.chmod(0o755)
+    assert not isinstance(result, str), result
+    return result
+
+
+def _read_only_child(root: str, work, conn) -> None:
     _drop_write_override_caps()
     try:
         open(os.path.join(root, "probe"), "w")
-        conn.send(("fault not real: a write succeeded",))
+        conn.send("fault not real: a write succeeded")
         return
     except PermissionError:
         pass
+    conn.send(work(root))
+
+
+def _puts_and_gets(root: str):
     ids, pays = block_chain(LAYOUT, 6)
     s = _store(root)
     puts = s.put_many(ids[3:], pays[3:])
     gets = _check(s, ids[:3], pays[:3])
-    conn.send((puts, gets, s.stats()["errors"]["io"], sorted(p.name for p in Path(root).rglob("*"))))
     s.close()
+    return puts, gets, s.stats()["errors"]["io"], sorted(p.name for p in Path(root).rglob("*"))
 
 
 def test_read_only_directory_fails_puts_and_still_serves_reads(tmp_path):
@@ -308,22 +335,34 @@ def test_read_only_directory_fails_puts_and_still_serves_reads(tmp_path):
     s.put_many(ids[:3], pays[:3])
     s.close()
     before = sorted(p.name for p in tmp_path.rglob("*"))
-    for d in [tmp_path, *(p for p in tmp_path.iterdir() if p.is_dir())]:
-        d.chmod(0o555)
-    try:
-        ctx = multiprocessing.get_context("fork")
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_readonly_child, args=(str(tmp_path), child))
-        proc.start()
-        result = parent.recv()
-        proc.join(30)
-    finally:
-        for d in [tmp_path, *(p for p in tmp_path.iterdir() if p.is_dir())]:
-            d.chmod(0o755)
-    assert len(result) == 4, result[0]
-    puts, gets, io_errors, after = result
+    puts, gets, io_errors, after = _read_only(tmp_path, _puts_and_gets)
     assert puts == [False] * 3 and gets == [True] * 3 and io_errors >= 1  # blocks 3..5: one chunk object
     assert after == before  # no temp file or half object left behind
+
+
+def _flood_of_puts(root: str):
+    lines: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("tierkv").addHandler(handler)
+    ids, pays = block_chain(LAYOUT, 60, seed=9)
+    s = _store(root)
+    puts = [ok for i in range(60) for ok in s.put_many(ids[i : i + 1], pays[i : i + 1])]  # one block a put
+    s.close()
+    return puts, s.stats()["healthy"], s.stats()["degraded"], lines
+
+
+def test_a_read_only_directory_logs_a_few_lines_not_one_per_block(tmp_path):
+    # A read-only disk logged 129 WARNING lines in 30 s, one per failed put: now the store says once
+    # that its writes fail (and is degraded, for /health), and the failures after that are one line
+    # per service.WARN_EVERY_S with a count.
+    _store(tmp_path).close()
+    puts, healthy, degraded, lines = _read_only(tmp_path, _flood_of_puts)
+    assert puts == [False] * 60 and not healthy, (puts, healthy)
+    assert len(degraded) == 1 and degraded[0].startswith("writes fail (PermissionError"), degraded
+    assert len(lines) == 2, lines
+    assert "writes fail" in lines[0] and "degraded" in lines[0], lines
+    assert "_put_run failed" in lines[1], lines
 
 
 _WRITER = textwrap.dedent(
@@ -404,4 +443,39 @@ def test_a_put_of_an_object_deleted_behind_the_index_is_written_again(tmp_path):
     assert s.put_many(ids[1:2], pays[1:2]) == [True]
     assert _file(tmp_path, ids[1].hash).exists() and _check(s, ids, pays) == [True] * 3
     assert s.stats()["objects"] == 3
+    s.close()
+
+
+def _store_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name.startswith("tierkv.tiers") and r.levelno >= logging.WARNING]
+
+
+def test_misnamed_objects_are_dropped_never_kept_fresh_and_warned_about_at_a_rate(tmp_path, caplog, monkeypatch):
+    # An object whose record names another block ("mismatch": a misnamed file, a header byte flipped
+    # into another block's token ids) is as useless to every reader as a damaged one: the first read
+    # deletes it, so lookups stop finding (and refreshing) it and the next write stores the real block.
+    monkeypatch.setattr(service, "WARN_EVERY_S", 0.5)
+    n = 40
+    ids, pays = block_chain(LAYOUT, n + 1)
+    s = _store(tmp_path)
+    assert s.put_many(ids, pays) == [True] * (n + 1)
+    for b in ids[:n]:
+        shutil.copyfile(_file(tmp_path, ids[n].hash), _file(tmp_path, b.hash))  # block n's record, under b's name
+    caplog.set_level(logging.WARNING, logger="tierkv")
+    for i in range(n):  # one read each: n misses, as many objects dropped, one WARNING line for them all
+        assert _check(s, ids[i : i + 1], pays[i : i + 1]) == [False]
+    assert s.stats()["errors"]["mismatch"] == n
+    assert not any(_file(tmp_path, b.hash).exists() for b in ids[:n])
+    assert s.contains_many([b.hash for b in ids]) == [False] * n + [True]
+    assert s.stats()["objects"] == 1
+    [line] = _store_warnings(caplog)
+    assert "header names another block" in line, line
+    # once the period is over, the next warning says how many were held back
+    time.sleep(0.6)
+    shutil.copyfile(_file(tmp_path, ids[n].hash), _file(tmp_path, ids[0].hash))
+    assert _check(s, ids[:1], pays[:1]) == [False]
+    first, second = _store_warnings(caplog)
+    assert f"{n - 1} more" in second, second
+    assert s.put_many(ids[:n], pays[:n]) == [True] * n and _check(s, ids, pays) == [True] * (n + 1)
     s.close()

@@ -110,7 +110,7 @@ def test_redis_killed_mid_run_every_answer_comes_with_the_same_tokens(tiny_model
     srv = start_server(tiny_model, tmp_path / "faulty.log", FAULT_L1, FAULT_L2, redis_server.url)
     try:
         marks: dict[str, dict] = {}
-        health: list[int] = []
+        health: list[tuple[int, dict]] = []
         killed, restarted = asyncio.Event(), asyncio.Event()
 
         async def gate(n: int) -> None:
@@ -137,7 +137,8 @@ def test_redis_killed_mid_run_every_answer_comes_with_the_same_tokens(tiny_model
         async def poll_health(c: httpx.AsyncClient) -> None:
             await killed.wait()
             while not restarted.is_set():
-                health.append((await c.get(srv.url + "/health")).status_code)
+                h = await c.get(srv.url + "/health")
+                health.append((h.status_code, h.json()))
                 await asyncio.sleep(0.1)
 
         async def with_fault():
@@ -169,4 +170,129 @@ def test_redis_killed_mid_run_every_answer_comes_with_the_same_tokens(tiny_model
     assert at_restart["lookups"] > at_kill["lookups"] and l3_errors(at_restart) > 0, at_restart
     assert marks["restart"]["answers"] > marks["kill"]["answers"], marks  # answers came during the outage
     assert end["hits"] > at_restart["hits"] and end["puts"] > at_restart["puts"], (at_restart, end)
-    assert health and all(code == 200 for code in health), health
+    assert health and all(code == 200 for code, _ in health), health
+    # /health names the store while it is down (once a call has failed), and the log says it went
+    # and came back, once each, whatever the number of failed calls in between
+    store = redis_server.url
+    named = [body["degraded"] for _, body in health if body["status"] == "degraded"]
+    assert named, health
+    for [entry] in named:  # refused, or reset by the dying server: ConnectionError either way
+        [problem] = entry["problems"]
+        assert entry["tier"] == "l3" and entry["store"] == store, entry
+        assert problem.startswith(f"node 127.0.0.1:{redis_server.port} does not answer (ConnectionError: "), entry
+    lines = [line for line in srv.log_path.read_text().splitlines() if f"redis L3 {store}" in line]
+    assert len(lines) == 2 and "does not answer" in lines[0] and "answers again" in lines[1], lines
+
+
+# ---------------------------------------------------------------------------- S3 frozen mid-run
+
+BEFORE_S, FROZEN_S = 4.0, 4.0  # the workload runs this long before the freeze, then this long frozen
+RECOVER_S = 30.0  # at most this long after the thaw for the store to be healthy and read again
+
+
+def healthy_gauge(text: str) -> list[str]:
+    """The tierkv_tier_healthy samples of a /metrics text, as lines."""
+    return [line for line in text.splitlines() if line.startswith("tierkv_tier_healthy{")]
+
+
+def test_a_frozen_s3_stalls_no_request_and_health_names_it(tiny_model, seaweed_private, tmp_path):
+    """SIGSTOP on SeaweedFS under load, with S3's default timeouts: its lookups ran on the engine's
+    thread and one took up to ~30 s, so every request stalled. Now requests keep completing at the
+    pace they had before, /health (still 200) and tierkv_tier_healthy name the store, /v1/cache/stats
+    answers, and once thawed the store is healthy and read again. One log line each way."""
+    sw = seaweed_private
+    store = "s3://frozen/kv"
+    srv = start_server(tiny_model, tmp_path / "s3.log", FAULT_L1, FAULT_L2, sw.url("frozen"))
+    answers: list[Answer] = []
+    marks: dict[str, float] = {}
+    polls: list[tuple[float, int, dict, float, list[str]]] = []  # (time, /health status, body, stats s, gauge)
+    after: dict[str, dict] = {}
+    stop = asyncio.Event()
+
+    async def client(c: httpx.AsyncClient, mine) -> None:
+        i = 0
+        while not stop.is_set():
+            key, prompt, stream = mine[i % len(mine)]
+            answers.append(await complete(c, srv.url, key, prompt, stream))
+            i += 1
+
+    async def l3_hits(c: httpx.AsyncClient) -> int:
+        (st,) = (await c.get(srv.url + "/v1/cache/stats")).json()["l3_stores"]
+        return st["hits"]
+
+    async def fault(c: httpx.AsyncClient) -> None:
+        marks["start"] = time.monotonic()
+        await asyncio.sleep(BEFORE_S)
+        after["before"] = (await c.get(srv.url + "/v1/cache/stats")).json()
+        sw.freeze()
+        marks["freeze"] = time.monotonic()
+        while time.monotonic() < marks["freeze"] + FROZEN_S:
+            t0 = time.monotonic()
+            h = await c.get(srv.url + "/health")
+            t1 = time.monotonic()
+            assert (await c.get(srv.url + "/v1/cache/stats")).status_code == 200
+            t2 = time.monotonic()
+            gauge = healthy_gauge((await c.get(srv.url + "/metrics")).text)
+            polls.append((t0 - marks["freeze"], h.status_code, h.json(), t2 - t1, gauge))
+            await asyncio.sleep(0.2)
+        sw.thaw()
+        marks["thaw"] = time.monotonic()
+        hits = await l3_hits(c)
+        while time.monotonic() < marks["thaw"] + RECOVER_S:
+            if (await c.get(srv.url + "/health")).json() == {"status": "ok"} and await l3_hits(c) > hits:
+                break
+            await asyncio.sleep(0.2)
+        marks["recovered"] = time.monotonic()
+        after["health"] = (await c.get(srv.url + "/health")).json()
+        after["gauge"] = healthy_gauge((await c.get(srv.url + "/metrics")).text)
+        after["hits"] = {"thaw": hits, "end": await l3_hits(c)}
+        stop.set()
+
+    async def run() -> None:
+        async with httpx.AsyncClient(timeout=60) as c:
+            await asyncio.gather(fault(c), *(client(c, mine) for mine in fault_plan()))
+
+    try:
+        asyncio.run(run())
+        s = wait_idle_and_nothing_held(srv)
+    finally:
+        sw.thaw()
+        code = srv.stop()
+    assert_clean_exit(srv, code)
+    assert_all_answered(answers, len(answers))
+
+    def window(a: float, b: float) -> list[Answer]:
+        return [x for x in answers if a <= x.start and x.end <= b]
+
+    before = window(marks["start"] + 1.0, marks["freeze"])  # the first second warms the model up
+    frozen = window(marks["freeze"], marks["thaw"])
+    before_rate = len(before) / (marks["freeze"] - marks["start"] - 1.0)
+    frozen_rate = len(frozen) / (marks["thaw"] - marks["freeze"])
+    slowest = max(a.latency for a in before)
+    median = sorted(a.latency for a in before)[len(before) // 2]
+    frozen_median = sorted(a.latency for a in frozen)[len(frozen) // 2] if frozen else float("inf")
+    stats_s = max(p[3] for p in polls)
+    print(f"frozen S3: before {len(before)} answers ({before_rate:.1f}/s, median {median * 1e3:.0f} ms, slowest "
+          f"{slowest * 1e3:.0f} ms); frozen {FROZEN_S:.0f} s: {len(frozen)} answers ({frozen_rate:.1f}/s, median "
+          f"{frozen_median * 1e3:.0f} ms, slowest {max((a.latency for a in frozen), default=0) * 1e3:.0f} ms), "
+          f"/v1/cache/stats at most {stats_s * 1e3:.0f} ms; healthy and read again "
+          f"{marks['recovered'] - marks['thaw']:.1f} s after the thaw; L3 hits {after['hits']}")
+    # requests kept their pace: the engine never waited on the hung store but once, for one lookup
+    assert frozen_rate >= 0.5 * before_rate and frozen_median <= 2 * median, (before_rate, frozen_rate)
+    assert stats_s <= slowest + 0.5, stats_s  # at most one lookup_timeout (0.5 s) behind the engine
+    # /health stays 200 and names the store (from the first lookup that timed out on), as the gauge does
+    assert all(status == 200 for _, status, _, _, _ in polls), polls
+    named = [p for p in polls if p[2]["status"] == "degraded"]
+    assert named and named[-1] is polls[-1], polls
+    for _, _, body, _, gauge in named:
+        [entry] = body["degraded"]
+        assert entry["tier"] == "l3" and entry["store"] == store and entry["problems"], body
+        assert gauge == [f'tierkv_tier_healthy{{store="{store}",tier="l3"}} 0.0'], gauge
+    # and once it answers, it is healthy and read again
+    assert after["health"] == {"status": "ok"}, after
+    assert after["gauge"] == [f'tierkv_tier_healthy{{store="{store}",tier="l3"}} 1.0'], after
+    assert after["hits"]["end"] > after["hits"]["thaw"], after
+    (st,) = s["l3_stores"]
+    assert st["healthy"] and st["hits"] > 0, st
+    lines = [line for line in srv.log_path.read_text().splitlines() if f"s3 L3 {store}" in line]
+    assert len(lines) == 2 and "degraded" in lines[0] and "answers again" in lines[1], lines

@@ -145,22 +145,42 @@ def test_blocks_stored_by_one_process_are_hits_for_another(redis_server):
     s.close()
 
 
-def test_redis_killed_mid_run_then_restarted(redis_server):
+def _store_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name.startswith("tierkv.tiers") and r.levelno >= logging.WARNING]
+
+
+def test_redis_killed_mid_run_then_restarted(redis_server, caplog):
+    caplog.set_level(logging.WARNING, logger="tierkv")
     ids, pays = block_chain(LAYOUT, 8)
     s = open_store(redis_server.url + "?timeout=0.5", LAYOUT)
     assert s.put_many(ids[:4], pays[:4]) == [True] * 4
+    assert s.stats()["healthy"] and s.stats()["degraded"] == []
     redis_server.kill()
     assert s.contains_many([b.hash for b in ids]) == [False] * 8
     assert _check(s, ids, pays) == [False] * 8
     assert s.put_many(ids[4:], pays[4:]) == [False] * 4
     st = s.stats()["errors"]
     assert st["io"] + st["unavailable"] >= 3 and st["io"] >= 1
+    node = f"node 127.0.0.1:{redis_server.port}"
+    [why] = s.stats()["degraded"]
+    assert not s.stats()["healthy"] and why.startswith(f"{node} does not answer (ConnectionError"), why
+    end = time.monotonic() + 1.5  # calls all along the outage, past the breaker's waits: one line said it went
+    while time.monotonic() < end:
+        s.contains_many([b.hash for b in ids])
+        s.put_many(ids[4:], pays[4:])
+        time.sleep(0.05)
+    [gone] = _store_warnings(caplog)
+    assert f"{redis_server.url}: {node} does not answer" in gone and "degraded" in gone, gone
     assert redis_server.start()
     # The restarted server is empty (no persistence): misses until blocks are stored again.
     end = time.monotonic() + 10
     while not all(s.put_many(ids, pays)) and time.monotonic() < end:
         time.sleep(0.1)
     assert _wait_for_hits(s, ids, pays) == [True] * 8
+    assert s.stats()["healthy"] and s.stats()["degraded"] == []
+    gone, back = _store_warnings(caplog)  # and one line that it came back
+    assert f"{redis_server.url}: answers again" in back, back
     s.close()
 
 

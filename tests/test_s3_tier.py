@@ -150,6 +150,57 @@ def test_a_request_that_times_out_is_a_miss_then_service_resumes(seaweed_private
     s.close()
 
 
+def test_lookups_of_a_frozen_s3_miss_within_their_timeout_and_recover_once_it_answers(seaweed_private, caplog):
+    # What the engine's thread sees (the cache passes each store's lookup_timeout): a hung S3 costs
+    # one timeout, then lookups miss at once while it is degraded; one line says so, one that it is back.
+    caplog.set_level(logging.WARNING, logger="tierkv")
+    sw = seaweed_private
+    ids, pays = block_chain(LAYOUT, 4)
+    hashes = [b.hash for b in ids]
+    s = open_store(sw.url("frozen", lookup_timeout="0.3"), LAYOUT)  # the default service timeouts
+    assert s.put_many(ids, pays) == [True] * 4
+    assert s.contains_many(hashes, timeout=s.lookup_timeout) == [True] * 4 and s.stats()["healthy"]
+    sw.freeze()  # SIGSTOP: connections are accepted by the kernel, nothing answers
+    try:
+        t0 = time.monotonic()
+        assert s.contains_many(hashes, timeout=s.lookup_timeout) == [False] * 4
+        first = time.monotonic() - t0
+        t0 = time.monotonic()
+        for _ in range(20):
+            assert s.contains_many(hashes, timeout=s.lookup_timeout) == [False] * 4
+        rest = time.monotonic() - t0
+        st = s.stats()
+    finally:
+        sw.thaw()
+    assert s.lookup_timeout <= first < 2 * s.lookup_timeout, first
+    assert rest < s.lookup_timeout, rest  # 20 lookups while it is degraded wait for nothing
+    assert not st["healthy"] and st["degraded"] == ["lookups take longer than 0.3 s"], st
+    assert st["errors"]["timeout"] >= 1 and st["errors"]["unavailable"] == 20
+    end = time.monotonic() + 20
+    while s.contains_many(hashes, timeout=s.lookup_timeout) != [True] * 4 and time.monotonic() < end:
+        time.sleep(0.05)  # a probe answers in time: the next lookup is waited for again
+    assert s.contains_many(hashes, timeout=s.lookup_timeout) == [True] * 4
+    assert s.stats()["healthy"] and _check(s, ids, pays) == [True] * 4
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("tierkv.tiers")]
+    assert len(lines) == 2, lines
+    assert "s3 L3 s3://frozen/kv: lookups take longer than 0.3 s: degraded" in lines[0], lines
+    assert "s3 L3 s3://frozen/kv: answers again" in lines[1], lines
+    s.close()
+
+
+def test_s3_timeouts_are_a_caches_not_botocores(seaweed):
+    # botocore waits 60 s for a byte and tries 3 times; tierkv had 10 s and (botocore's max_attempts
+    # counts retries) 4 tries, so one call to a hung S3 could hold its caller 40 s. A cache gives up
+    # sooner: a miss costs a recompute.
+    s = open_store(seaweed.url("defaults"), LAYOUT)
+    cfg = s._s3.meta.config
+    assert (cfg.read_timeout, cfg.connect_timeout, cfg.retries["total_max_attempts"]) == (2.0, 1.0, 2)
+    assert s.lookup_timeout == 0.5
+    s.close()
+    with pytest.raises(ConfigError, match="lookup_timeout=0.0 must be above 0"):
+        open_store(seaweed.url("defaults", lookup_timeout="0"), LAYOUT)
+
+
 def _branch(ids, at: int, n: int, seed: int):
     """`n` blocks of new random tokens chained after ids[at - 1] (chain positions at, at+1, ...)."""
     import numpy as np

@@ -65,7 +65,8 @@ class L3Mover:
 
     def contains(self, hashes: list[int], first_pos: int = 0) -> list[bool]:
         """Which `hashes` (a chain's blocks from position `first_pos`) some store holds: one
-        batched query per store, for what earlier ones lacked."""
+        batched query per store, for what earlier ones lacked. Called on the engine's thread, so
+        each store answers within its `lookup_timeout` or not at all (a miss: l3.py)."""
         found = [False] * len(hashes)
         for store in self.stores:
             todo = [i for i, f in enumerate(found) if not f]
@@ -73,7 +74,8 @@ class L3Mover:
                 break
             # a later store is asked about the chain from the first block that earlier ones lack
             start = todo[0]
-            for i, hit in enumerate(store.contains_many(hashes[start:], first_pos + start), start):
+            hits = store.contains_many(hashes[start:], first_pos + start, store.lookup_timeout)
+            for i, hit in enumerate(hits, start):
                 found[i] = found[i] or hit
         return found
 

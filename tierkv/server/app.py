@@ -170,6 +170,13 @@ def create_app(engine: AsyncEngine, served: Served, *, api_key: str | None = Non
             return JSONResponse({"status": "failed", "reason": engine.failed}, status_code=503)
         if engine.draining:
             return JSONResponse({"status": "shutting down"}, status_code=503)
+        # A degraded L3 store (hung, down, failing its writes) is named, yet the answer stays 200:
+        # every request is still served, its blocks recomputed. Read from the stats snapshot, so a
+        # hung store never holds /health up.
+        degraded = [{"tier": "l3", "store": st["store"], "problems": st["degraded"]}
+                    for st in (engine.stats or {}).get("l3_stores", []) if not st["healthy"]]
+        if degraded:
+            return {"status": "degraded", "degraded": degraded}
         return {"status": "ok"}
 
     @app.api_route("/metrics", methods=["GET", "HEAD"])

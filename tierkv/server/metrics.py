@@ -212,6 +212,13 @@ class _EngineCollector:
                     for t in ("l1", "l2"):
                         fam.add_metric([str(rank["rank"]), t], rank["tiers"].get(t, {}).get(key, 0))
                 yield fam
+        # one sample per L3 store, labelled as /health names it (its URL without options or credentials)
+        fam = GaugeMetricFamily("tierkv_tier_healthy", "1 while a tier's store answers; 0 while it is degraded (hung, "
+                                "down, or its writes fail; /health says why): its lookups miss meanwhile",
+                                labels=["tier", "store"])
+        for store in s.get("l3_stores", []):
+            fam.add_metric(["l3", store["store"]], 1.0 if store["healthy"] else 0.0)
+        yield fam
         # the whole L2 pool is page-locked at start when it is pinned, used or not
         yield GaugeMetricFamily("tierkv_pinned_host_bytes", "page-locked host memory of the L2 pool",
                                 value=tiers.get("l2", {}).get("capacity_bytes", 0) if self.l2_pinned else 0)

@@ -33,8 +33,8 @@ import numpy as np
 from ..errors import ConfigError
 from ..layout import KVLayout
 from .codec import payload_offset
-from .l3 import DEFAULT_CHUNK_TOKENS, L3Store
-from .service import UrlOptions
+from .l3 import COMMON_OPTIONS, DEFAULT_CHUNK_TOKENS, L3Store
+from .service import UrlOptions, describe
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ class DiskStore(L3Store):
     align = ALIGN
 
     def __init__(self, url: str, layout: KVLayout) -> None:
-        opts = UrlOptions(url, ("size", "threads", "direct", "fsync", "chunk"))
+        opts = UrlOptions(url, ("size", "threads", "direct", "fsync", "chunk", *COMMON_OPTIONS))
         self.root = unquote(urlsplit(url).path)
         if os.path.exists(self.root) and not os.path.isdir(self.root):
             raise ConfigError(f"L3 URL {opts.url}: {self.root} exists and is not a directory")
@@ -87,7 +87,7 @@ class DiskStore(L3Store):
         self.capacity = opts.get("size", free // 2, UrlOptions.size)
         self.direct = opts.get("direct", False, UrlOptions.boolean) and _O_DIRECT != 0
         self.fsync = opts.get("fsync", True, UrlOptions.boolean)
-        super().__init__(layout, url, opts.get("threads", 8, int), opts.get("chunk", DEFAULT_CHUNK_TOKENS, int))
+        super().__init__(layout, url, opts.get("threads", 8, int), opts.get("chunk", DEFAULT_CHUNK_TOKENS, int), opts)
         self._lru: OrderedDict[str, int] = OrderedDict()  # object name -> file size, oldest access first
         self._used = 0  # bytes of the files in _lru
         self._reserved = 0  # bytes of writes in flight
@@ -268,16 +268,18 @@ class DiskStore(L3Store):
                 self._check_dir(sub, make=True)
                 self._write_file(tmp, parts)
             os.rename(tmp, path)  # atomic: readers see the old object, the new one or none
-        except OSError:
+        except OSError as err:
             try:
                 os.unlink(tmp)
             except OSError:
                 pass
+            self.health.failed("writes", f"fail ({describe(err)})")  # read-only, full, gone: say so on /health
             raise
         finally:
             with self._lock:
                 self._reserved -= size
         self._learn(name, size)
+        self.health.answered("writes")
         return True
 
     def _check_dir(self, sub: str, make: bool) -> None:

@@ -1,13 +1,14 @@
 """l3: the interface every L3 store (disk, S3, Redis) offers, their shared bookkeeping and chunk
 objects. The stores subclass L3Store; open.py picks one by URL (so this file imports no store);
-service.py holds what every store keeps beside its objects (URL options, stats, a breaker).
+service.py holds what every store keeps beside its objects (URL options, stats, a breaker,
+its health).
 
     store = open_store("file:///var/cache/tierkv?size=100GiB", layout)   # or s3://..., redis://...
-    store.contains_many(hashes: list[int], first_pos=0) -> list[bool]   # a prefix-closed hint
+    store.contains_many(hashes: list[int], first_pos=0, timeout=None) -> list[bool]   # a prefix-closed hint
     store.get_many(ids: list[BlockId], outs: list[buffer], deadline: float | None = None) -> list[bool]
     store.put_many(ids: list[BlockId], payloads: list[buffer]) -> list[bool]
     store.estimate_load_seconds(num_blocks: int) -> float       # for load-or-recompute
-    store.stats() -> dict;  store.close()
+    store.stats() -> dict;  store.health;  store.close()
 
 A buffer is a contiguous CPU tensor (an L2 slot), numpy array, bytearray or memoryview of
 exactly layout.bytes_per_block bytes; reads land in it without an intermediate tensor. A get
@@ -68,6 +69,21 @@ A record is checked on its own (header and checksum), so a damaged block k of a 
 miss from k on and the blocks before it still hit. Objects of format 1 (one object per block,
 named `<32 hex>`) are never read: their names differ, and the disk store evicts them first.
 
+Health (service.Health). A slow or hung store must never stall the engine, whose thread looks
+blocks up: a lookup given a `timeout` (the cache passes `lookup_timeout`, a URL option every store
+takes, default LOOKUP_TIMEOUT_S) runs on the store's lookup thread, and one that misses it is a
+miss, marks the store's lookups degraded and is left to finish alone. While it runs, lookups miss
+at once; after it, each lookup starts a probe (a real lookup, in the background) and misses, until
+a probe answers in time while no other part of the store fails. So a hung store costs the engine
+one timeout, then nothing. Stores also mark a service that fails (S3, a Redis node: its Breaker)
+and a disk whose writes fail. `stats()` says `healthy` and what is wrong (`degraded`); a change of
+health is one WARNING line each way, and the per-block WARNINGs are rate-limited (service.Warnings).
+The hop to the lookup thread costs ~25 us a lookup (2-vCPU VM; a disk lookup of 16 blocks takes
+30-70 us itself). Why 0.5 s: a lookup takes under a millisecond on Redis and a few on nearby S3
+(two HEADs, at most four rounds of them when probing), and a step of the engine tens of ms on a
+GPU: a lookup ten times slower than remote S3's is a store in trouble, and waiting for it once
+costs less than a false alarm on a slow network.
+
 A store with `events` set records each block it stored (and the disk store each object it
 evicted) there, under its `medium`; `shared` says whether other processes and machines read it.
 
@@ -92,6 +108,7 @@ from abc import ABC
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, TypeVar
 
 from ..config import redact_url
@@ -110,7 +127,7 @@ from .codec import (
     payload_offset,
     record_size,
 )
-from .service import UNMEASURED_READ_BPS, StoreStats
+from .service import UNMEASURED_READ_BPS, Health, StoreStats, UrlOptions, Warnings
 
 __all__ = ["BlockId", "L3Store", "key_hex"]
 
@@ -121,6 +138,9 @@ T = TypeVar("T")
 # for why that is the default; LMCache uses 256)
 DEFAULT_CHUNK_TOKENS = 0
 _WHERE_MAX = 1 << 16  # block hashes whose object name a lookup found, kept for the reads after it
+LOOKUP_TIMEOUT_S = 0.5  # how long the cache waits for a store's lookup (URL option lookup_timeout; why: above)
+COMMON_OPTIONS = ("lookup_timeout",)  # URL options every store takes, read here
+_LOOKUPS = "lookups"  # the part of a store's health that lookup timeouts fail
 
 
 PROBES = 3  # existence checks per round after the first, when a store probes (probe_prefix; why 3: above)
@@ -168,9 +188,15 @@ class L3Store(ABC):
     probe_lookup: bool = False
     shared: bool = False  # read by other processes and machines too (S3, Redis), not this machine's own
 
-    def __init__(self, layout: KVLayout, url: str, threads: int, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> None:
+    def __init__(self, layout: KVLayout, url: str, threads: int, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                 opts: UrlOptions | None = None) -> None:
+        """`opts`: the store's URL options, for the COMMON_OPTIONS (their defaults without it)."""
         self.layout = layout
         self.url = redact_url(url)
+        self.address = self.url.split("?")[0]  # names the store in logs, /health and metrics: no options
+        self.lookup_timeout = LOOKUP_TIMEOUT_S if opts is None else opts.get("lookup_timeout", LOOKUP_TIMEOUT_S, float)
+        if not self.lookup_timeout > 0:
+            raise ConfigError(f"L3 URL {self.url}: lookup_timeout={self.lookup_timeout} must be above 0 (seconds)")
         self.chunked = type(self)._read is not L3Store._read
         self.chunk_blocks = 1
         if self.chunked:
@@ -182,6 +208,13 @@ class L3Store(ABC):
         self._offset = payload_offset(layout, self.align)
         self._stats = StoreStats()
         self._pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix=f"tierkv-{self.name}")
+        # lookups with a timeout run here, one at a time: one late lookup is all a hung store costs
+        self._lookups = ThreadPoolExecutor(1, thread_name_prefix=f"tierkv-{self.name}-lookup")
+        self._late: Future | None = None  # a lookup past its timeout, not finished yet
+        self._late_lock = threading.Lock()
+        store_log = logging.getLogger(type(self).__module__)
+        self.health = Health(store_log, f"{self.name} L3 {self.address}")
+        self._warn = Warnings(store_log)  # per-block and per-call WARNING lines, rate-limited
         self._where: OrderedDict[int, int] = OrderedDict()  # block hash -> hash naming the object found holding it
         self._where_lock = threading.Lock()
         self._tls = threading.local()  # per-thread scratch for record headers
@@ -194,18 +227,54 @@ class L3Store(ABC):
         return f"{type(self).__name__}({self.url!r}, {self.layout.fingerprint})"
 
     # -- public API -----------------------------------------------------------------------
-    def contains_many(self, hashes: Sequence[int], first_pos: int = 0) -> list[bool]:
+    def contains_many(self, hashes: Sequence[int], first_pos: int = 0, timeout: float | None = None) -> list[bool]:
         """Which of `hashes` (a chain's blocks from position `first_pos` on) the store holds.
 
         A hint: a later get may still miss. A probing store (S3) answers True for a leading run
-        and False after it, and may report a hole inside the run (see the module docstring)."""
+        and False after it, and may report a hole inside the run (see the module docstring).
+        `timeout`: seconds to wait for the answer, off the calling thread; a lookup past it is a
+        miss and marks the store's lookups degraded (see "Health" above). None: in this thread."""
         if not hashes or self._closed:
             return [False] * len(hashes)
+        if timeout is None:
+            return self._contains_now(list(hashes), first_pos)
+        with self._late_lock:
+            late = self._late is not None and not self._late.done()
+            probe = not late and _LOOKUPS in self.health.failing()
+            if not late:
+                self._late = None
+                job = self._lookups.submit(self._timed_lookup, list(hashes), first_pos, timeout)
+                if probe:
+                    self._late = job  # answers for itself (_timed_lookup); nobody waits for it
+        if late or probe:
+            self._stats.error("unavailable")
+            return [False] * len(hashes)
+        try:
+            return job.result(timeout)
+        except FutureTimeout:
+            with self._late_lock:
+                self._late = job
+            self.health.failed(_LOOKUPS, f"take longer than {timeout:g} s")
+            self._stats.error("timeout")
+            return [False] * len(hashes)
+
+    def _timed_lookup(self, hashes: list[int], first_pos: int, timeout: float) -> list[bool]:
+        """A lookup on the lookup thread. Lookups answer again once one takes at most `timeout`
+        while nothing else of the store fails: a probe that is fast only because a breaker skips
+        the calls of a hung service has not heard from it, and trusted, the next lookup would wait
+        for that service again."""
+        t0 = time.monotonic()
+        found = self._contains_now(hashes, first_pos)
+        if not self.health.healthy and time.monotonic() - t0 <= timeout and self.health.failing() <= {_LOOKUPS}:
+            self.health.answered(_LOOKUPS)
+        return found
+
+    def _contains_now(self, hashes: list[int], first_pos: int) -> list[bool]:
         t0 = time.monotonic()
         try:
-            found = self._lookup(list(hashes), first_pos) if self.chunked else self._contains(list(hashes))
+            found = self._lookup(hashes, first_pos) if self.chunked else self._contains(hashes)
         except Exception as err:  # a store must never take the engine down
-            log.warning("%s: lookup failed: %s", self.url, err)
+            self._warn("%s: lookup failed: %s", self.url, err)
             self._stats.error("io")
             found = [False] * len(hashes)
         self._stats.add(lookups=1)
@@ -224,7 +293,7 @@ class L3Store(ABC):
         try:
             ok = self._get_chunks(list(ids), views, deadline) if self.chunked else self._get(list(ids), views, deadline)
         except Exception as err:
-            log.warning("%s: read failed: %s", self.url, err)
+            self._warn("%s: read failed: %s", self.url, err)
             self._stats.error("io")
             ok = [False] * len(ids)
         hits = sum(ok)
@@ -251,7 +320,7 @@ class L3Store(ABC):
         try:
             ok = self._put_chunks(list(ids), views) if self.chunked else self._put(list(ids), views)
         except Exception as err:
-            log.warning("%s: write failed: %s", self.url, err)
+            self._warn("%s: write failed: %s", self.url, err)
             self._stats.error("io")
             ok = [False] * len(ids)
         done = sum(ok)
@@ -278,12 +347,16 @@ class L3Store(ABC):
         return latency + num_blocks * self.layout.bytes_per_block / (s.read_Bps or UNMEASURED_READ_BPS)
 
     def stats(self) -> dict[str, Any]:
-        return {"name": self.name, "url": self.url, "chunk_blocks": self.chunk_blocks,
+        """Counters and estimates; `healthy` and, when not, what is wrong (`degraded`). Never
+        waits on the service: a scrape of a hung store answers at once."""
+        return {"name": self.name, "url": self.url, "store": self.address, "chunk_blocks": self.chunk_blocks,
+                "healthy": self.health.healthy, "degraded": self.health.problems(),
                 **self._stats.snapshot(), **self._extra_stats()}
 
     def close(self) -> None:
         if not self._closed:
             self._closed = True
+            self._lookups.shutdown(wait=True)
             self._pool.shutdown(wait=True)
             self._close()
 
@@ -429,10 +502,12 @@ class L3Store(ABC):
                 ok[i] = True
         except DecodeError as err:
             # Records are checked one by one: those before this one stay hits, this and later miss.
-            log.warning("%s: %s, record %d: %s", self.url, name, r, err)
+            # The object is dropped whatever the kind: a name is a pure function of the chain, so a
+            # record that is not the block its name says (mismatch) fails every reader as damage
+            # does, and kept, each lookup would find it again and keep it from being evicted.
+            self._warn("%s: dropping %s, record %d: %s", self.url, name, r, err)
             self._stats.error(err.kind)
-            if err.kind != "mismatch":  # damage would fail every reader; another branch is not damage
-                self._delete_quietly(name)
+            self._delete_quietly(name)
         return True
 
     def _delete_quietly(self, name: str) -> None:
@@ -534,8 +609,9 @@ class L3Store(ABC):
             if parent != head.parent:
                 raise DecodeError("mismatch", "object does not end at this block's parent")
         except DecodeError as err:
-            log.warning("%s: cannot extend %s: %s", self.url, name, err)
+            self._warn("%s: cannot extend %s, dropping it: %s", self.url, name, err)
             self._stats.error(err.kind)
+            self._delete_quietly(name)  # as a read drops it (_read_group): it fails every writer too
             return None
         return buf
 
@@ -577,7 +653,7 @@ class L3Store(ABC):
         try:
             return fn(*args)
         except Exception as err:
-            log.warning("%s: %s failed: %s", self.url, getattr(fn, "__name__", "call"), err)
+            self._warn("%s: %s failed: %s", self.url, getattr(fn, "__name__", "call"), err)
             self._stats.error("io")
             return default
 

@@ -48,7 +48,7 @@ from ..config import redis_cluster_nodes
 from ..layout import KVLayout
 from .codec import (BlockId, DecodeError, check_payload, decode_header, decode_into, encode_header, key_hex,
                     payload_offset)
-from .l3 import L3Store
+from .l3 import COMMON_OPTIONS, L3Store
 from .service import Breaker, UrlOptions
 
 log = logging.getLogger(__name__)
@@ -78,6 +78,11 @@ def slot_tag(h: int) -> str:
     that a chunk's keys keep to one node and one pipeline.
     """
     return key_hex(h)
+
+
+def _part(node: str) -> str:
+    """How a node's failures are named in the store's health ("node 10.0.0.5:6379", "cluster")."""
+    return node if node == "cluster" else f"node {node}"
 
 
 def _command(*args: bytes) -> bytes:
@@ -158,13 +163,13 @@ class RedisStore(L3Store):
     shared = True
 
     def __init__(self, url: str, layout: KVLayout) -> None:
-        opts = UrlOptions(url, ("ttl", "timeout", "connect_timeout", "prefix", "threads", "max_object"))
+        opts = UrlOptions(url, ("ttl", "timeout", "connect_timeout", "prefix", "threads", "max_object", *COMMON_OPTIONS))
         self.ttl = opts.get("ttl", 0, int) or None
         timeout = opts.get("timeout", 2.0, float)
         self.prefix = opts.get("prefix", "tierkv", str)
         threads = opts.get("threads", 4, int)
         self._max_object = opts.get("max_object", 0, UrlOptions.size) or None
-        super().__init__(layout, url, threads)
+        super().__init__(layout, url, threads, opts=opts)
         parts = urlsplit(url)
         self.cluster = parts.scheme.endswith("+cluster")
         client_opts = dict(
@@ -218,20 +223,21 @@ class RedisStore(L3Store):
 
     def _call(self, node: str, fn: Callable[[], T]) -> T:
         """Run one round trip to `node`; classify failures for stats and its breaker, then re-raise."""
-        breaker = self._breakers.get(node) or self._breakers.setdefault(node, Breaker())
+        breaker = self._breakers.get(node) or self._breakers.setdefault(node, Breaker(health=self.health,
+                                                                                      part=_part(node)))
         if not breaker.allow():
             self._stats.error("unavailable")
             raise _Unavailable()
         try:
             out = fn()
-        except redis.TimeoutError:
+        except redis.TimeoutError as err:
             self._stats.error("timeout")
-            breaker.failure()
+            breaker.failure(err)
             self._node_failed()
             raise
-        except (redis.ConnectionError, RedisClusterException, OSError):
+        except (redis.ConnectionError, RedisClusterException, OSError) as err:
             self._stats.error("io")
-            breaker.failure()
+            breaker.failure(err)
             self._node_failed()
             raise
         except redis.RedisError:
@@ -260,7 +266,16 @@ class RedisStore(L3Store):
                     self._stats.error("io")
                     self._stale = True  # keep using the old map; try again later
                     log.debug("redis L3 %s: reloading the slot map failed: %s", self.url, err)
+                else:
+                    self._forget_gone_nodes(set(self._rc.nodes_manager.nodes_cache))
             return self._rc
+
+    def _forget_gone_nodes(self, live: set[str]) -> None:
+        """Nodes the new slot map lacks get no call again, so none would clear their failure:
+        forget them (a failover replaced a dead primary, say) in health and breakers."""
+        for node in [n for n in self._breakers if n != "cluster" and n not in live]:
+            self._breakers.pop(node, None)
+            self.health.answered(_part(node))
 
     def _route(self, keys: list[bytes], per: int) -> list[tuple[str, redis.Redis, list[int]]]:
         """Batches of key indices, each for one node and of at most `per` keys.
@@ -405,7 +420,7 @@ class RedisStore(L3Store):
                     decode_into(self.layout, ids[i], data, outs[i])  # raises: wrong size for this layout
                 ok.append(True)
             except DecodeError as err:
-                log.warning("redis L3 %s: dropping %s (%s)", self.url, key_hex(ids[i].hash), err)
+                self._warn("redis L3 %s: dropping %s (%s)", self.url, key_hex(ids[i].hash), err)
                 self._stats.error(err.kind)
                 bad.append(self._key(ids[i].hash))
                 ok.append(False)
@@ -417,7 +432,7 @@ class RedisStore(L3Store):
         nargs = b"*5\r\n" if self.ttl is not None else b"*3\r\n"
 
         def batch(node: str, client: redis.Redis, idx: list[int]) -> list[bool]:
-            limit = self._call(node, lambda: self._bulk_limit(node, client))
+            limit = self._bulk_limit(node, client)
             if self.object_size > limit:
                 # Every block of a layout has the same size: refuse all, before sending any bytes.
                 self._warn_once("too_large", "redis L3 %s: blocks of %d bytes exceed the server's limit of %d bytes; "
@@ -465,15 +480,20 @@ class RedisStore(L3Store):
         return run
 
     def _bulk_limit(self, node: str, client: redis.Redis) -> int:
-        """The largest value `node` accepts (proto-max-bulk-len), asked once it answers."""
+        """The largest value `node` accepts (proto-max-bulk-len), asked once it answers. Only the
+        asking goes through _call: a limit known already is no answer from the node (taken for
+        one, a dead node's breaker and health said it was back before each failed write)."""
         if self._max_object is not None:
             return self._max_object
         if node not in self._limits:
-            try:
-                got = client.config_get("proto-max-bulk-len")
-                self._limits[node] = int(got.get("proto-max-bulk-len", _DEFAULT_BULK_LIMIT))
-            except redis.ResponseError:  # CONFIG renamed or denied (managed Redis)
-                self._limits[node] = _DEFAULT_BULK_LIMIT
+            def ask() -> int:
+                try:
+                    got = client.config_get("proto-max-bulk-len")
+                    return int(got.get("proto-max-bulk-len", _DEFAULT_BULK_LIMIT))
+                except redis.ResponseError:  # CONFIG renamed or denied (managed Redis)
+                    return _DEFAULT_BULK_LIMIT
+
+            self._limits[node] = self._call(node, ask)
         return self._limits[node]
 
     def _close(self) -> None:

@@ -5,10 +5,17 @@ probes (l3.probe_prefix): HEADs of the first and the last chunk in parallel, so 
 miss is one round trip, and a run that ends inside takes up to three more; a read is one ranged
 GET per chunk, a write one PUT; they run in parallel on a thread pool. Connect/read timeouts bound
 every call, a failed call is retried (`retries` attempts in all) and a short back-off skips calls
-while the service is down. Credentials come from boto3's usual chain (env vars, ~/.aws files,
-instance roles) and are never logged; logged URLs are redacted.
+while the service is down. The defaults are a cache's, not botocore's (60 s timeouts, 3 attempts):
+`timeout=2` (seconds without a byte from the service: a large PUT or GET streams, so it bounds a
+stall, not a transfer), `connect_timeout=1`, `retries=2`. A miss costs a recompute, while a worker
+stuck on a hung service holds up the reads or writes queued behind it (the engine waits for
+neither: lookups have their own timeout, l3.py). tierkv had 10 s and 3 attempts (4 for botocore,
+whose max_attempts counts retries only): one lookup of a hung S3 took ~30 s, on the engine's thread.
+Credentials come from boto3's usual chain (env vars, ~/.aws files, instance roles) and are never
+logged; logged URLs are redacted.
 Options: create_bucket=1, threads, timeout, connect_timeout, retries, addressing=path|virtual|auto,
-chunk (tokens per object). Objects of the one-block format 1 (`<prefix>/<32 hex>`) are never read.
+chunk (tokens per object), lookup_timeout (l3.py). Objects of the one-block format 1
+(`<prefix>/<32 hex>`) are never read.
 
 HEADs skip botocore's per-call machinery (_Heads). A lookup's time on loopback was its HEAD count
 times the ~1-2 ms of CPU botocore spends on each (validation, endpoint rules, event hooks,
@@ -45,7 +52,7 @@ from urllib3.exceptions import TimeoutError as Urllib3Timeout
 
 from ..errors import ConfigError
 from ..layout import KVLayout
-from .l3 import DEFAULT_CHUNK_TOKENS, L3Store
+from .l3 import COMMON_OPTIONS, DEFAULT_CHUNK_TOKENS, L3Store
 from .service import Breaker, UrlOptions
 
 log = logging.getLogger(__name__)
@@ -53,6 +60,8 @@ log = logging.getLogger(__name__)
 _NOT_FOUND = {"404", "NoSuchKey", "NotFound"}
 _PAST_END = {"416", "InvalidRange"}  # a ranged GET that starts beyond the object's end
 _ADDRESSING = ("auto", "path", "virtual")
+# Timeouts and attempts (why these: the module docstring)
+DEFAULT_TIMEOUT_S, DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_ATTEMPTS = 2.0, 1.0, 2
 _MARKER = "tierkv-head-template"  # the key botocore is asked to build a HEAD for (never sent)
 # "AWS4-HMAC-SHA256 Credential=<key id>/<date>/<region>/<service>/aws4_request, ..."
 _SCOPE = re.compile(r"AWS4-HMAC-SHA256 Credential=[^/,]+/\d{8}/([^/,]+)/([^/,]+)/aws4_request")
@@ -137,13 +146,14 @@ class S3Store(L3Store):
 
     def __init__(self, url: str, layout: KVLayout) -> None:
         opts = UrlOptions(url, ("endpoint", "region", "create_bucket", "threads", "timeout",
-                                "connect_timeout", "retries", "addressing", "chunk"))
+                                "connect_timeout", "retries", "addressing", "chunk", *COMMON_OPTIONS))
         threads = opts.get("threads", 16, int)
         endpoint = opts.get("endpoint", None, str)
         # Self-hosted S3 (SeaweedFS, MinIO) on an IP endpoint needs path-style addressing.
         addressing = opts.get("addressing", "path" if endpoint else "auto", str)
-        timeout, connect_timeout = opts.get("timeout", 10.0, float), opts.get("connect_timeout", 2.0, float)
-        attempts = opts.get("retries", 3, int)
+        timeout = opts.get("timeout", DEFAULT_TIMEOUT_S, float)
+        connect_timeout = opts.get("connect_timeout", DEFAULT_CONNECT_TIMEOUT_S, float)
+        attempts = opts.get("retries", DEFAULT_ATTEMPTS, int)
         where = f"s3 L3 URL {opts.url}"
         if threads < 1 or attempts < 1 or not timeout > 0 or not connect_timeout > 0:
             raise ConfigError(f"{where}: threads and retries must be at least 1, timeout and connect_timeout above 0")
@@ -151,13 +161,14 @@ class S3Store(L3Store):
             raise ConfigError(f"{where}: addressing={addressing!r}; accepted: {', '.join(_ADDRESSING)}")
         if endpoint is not None and not re.match(r"https?://[^/?#]", endpoint):
             raise ConfigError(f"{where}: endpoint {endpoint!r} is not an http(s) URL; use endpoint=http://host:port")
-        super().__init__(layout, url, threads, opts.get("chunk", DEFAULT_CHUNK_TOKENS, int))
+        super().__init__(layout, url, threads, opts.get("chunk", DEFAULT_CHUNK_TOKENS, int), opts)
         parts = urlsplit(url)
         self.bucket = parts.netloc
         self.prefix = unquote(parts.path).strip("/")
         self._config = Config(
             connect_timeout=connect_timeout, read_timeout=timeout,
-            retries={"max_attempts": attempts, "mode": "standard"},
+            # total_max_attempts counts the first attempt; botocore's max_attempts does not (3 made 4)
+            retries={"total_max_attempts": attempts, "mode": "standard"},
             max_pool_connections=threads,
             s3={"addressing_style": addressing},
         )
@@ -165,7 +176,7 @@ class S3Store(L3Store):
         self._s3 = boto3.session.Session(botocore_session=self._core).client(
             "s3", endpoint_url=endpoint, region_name=opts.get("region", None, str), config=self._config
         )
-        self._breaker = Breaker()
+        self._breaker = Breaker(health=self.health, part="the service")
         self._heads = self._head_template(attempts)
         if opts.get("create_bucket", False, UrlOptions.boolean):
             self._create_bucket()
@@ -246,17 +257,17 @@ class S3Store(L3Store):
         except _Status:
             self._stats.error("io")  # the same, from the fast HEAD path
             raise
-        except NewConnectionError:  # refused or unresolvable: urllib3 files it under connect timeouts
+        except NewConnectionError as err:  # refused or unresolvable: urllib3 files it under connect timeouts
             self._stats.error("io")
-            self._breaker.failure()
+            self._breaker.failure(err)
             raise
-        except (ConnectTimeoutError, ReadTimeoutError, Urllib3Timeout):
+        except (ConnectTimeoutError, ReadTimeoutError, Urllib3Timeout) as err:
             self._stats.error("timeout")
-            self._breaker.failure()
+            self._breaker.failure(err)
             raise
-        except (BotoCoreError, OSError, Urllib3Error):
+        except (BotoCoreError, OSError, Urllib3Error) as err:
             self._stats.error("io")
-            self._breaker.failure()
+            self._breaker.failure(err)
             raise
         self._breaker.success()
         return out
@@ -312,7 +323,7 @@ class S3Store(L3Store):
             self._call(self._s3.put_object, Bucket=self.bucket, Key=self._key(name), Body=b"".join(parts))
         except (_Unavailable, ClientError, BotoCoreError, OSError) as err:
             if not isinstance(err, _Unavailable):
-                log.warning("s3 L3 %s: put of %s failed: %s", self.url, name, err)
+                self._warn("s3 L3 %s: put of %s failed: %s", self.url, name, err)
             return False
         return True
 
