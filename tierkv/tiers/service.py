@@ -172,7 +172,7 @@ class Health:
             return [f"{part} {why}" for part, why in self._failing.items()]
 
     def failed(self, part: str, why: str) -> None:
-        """`part` failed; `why` completes the sentence "<part> <why>" (e.g. "lookups", "take longer than 0.25 s")."""
+        """`part` failed; `why` completes the sentence "<part> <why>" ("lookups", "take longer than 0.5 s")."""
         if part in self._failing:  # the common case while a service is down: no lock
             return
         with self._lock:
@@ -183,8 +183,7 @@ class Health:
             if first:
                 self._since = time.monotonic()
         if first:
-            self._log.warning("%s: %s %s: degraded, its lookups miss and its calls are skipped or fail until it "
-                              "answers again", self.what, part, why)
+            self._log.warning("%s: %s %s: degraded until it answers again", self.what, part, why)
 
     def answered(self, part: str) -> None:
         """A call to `part` succeeded (cheap when it was not failing: called on every success)."""
