@@ -79,14 +79,14 @@ class Replica(ServerProcess):
     """tierkv-serve (the bundled model) writing every block through to the shared L3 and
     publishing its KV-cache events, with a replay socket, on ports of its own (`ports`: given ones)."""
 
-    def __init__(self, log_path: Path, l3: str, ports: Ports | None = None) -> None:
+    def __init__(self, log_path: Path, l3: str, ports: Ports | None = None, extra: tuple[str, ...] = ()) -> None:
         ports = ports or Ports.free()
         # '*' binds the server's host; a named host would make the publisher connect there (vLLM's rule)
         events = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{ports.events}",
                   "replay_endpoint": f"tcp://*:{ports.replay}"}
         self.sources = ports.sources  # (events, replay) as a router connects to them
         super().__init__(["--l3", l3, "--write-policy", "write_through", "--kv-events-config", json.dumps(events),
-                          *REPLICA_ARGS], log_path, port=ports.http)
+                          *REPLICA_ARGS, *extra], log_path, port=ports.http)
 
     def counters(self) -> dict[str, float]:
         text = httpx.get(self.url + "/metrics", timeout=10).text
@@ -100,10 +100,11 @@ class Replica(ServerProcess):
 
 
 class Fleet:
-    """A Redis L3 and `n` replicas over it, started together; `add()` starts one more."""
+    """A Redis L3 and `n` replicas over it, started together; `add()` starts one more. `extra`: flags
+    every replica takes besides REPLICA_ARGS (a test's shutdown settings)."""
 
-    def __init__(self, workdir: Path, n: int = 3) -> None:
-        self.workdir = workdir
+    def __init__(self, workdir: Path, n: int = 3, extra: tuple[str, ...] = ()) -> None:
+        self.workdir, self.extra = workdir, extra
         self.redis = RedisServer(workdir)
         if self.redis.binary is None or not self.redis.start():
             raise RuntimeError("redis-server did not start (apt-get install -y redis-server)")
@@ -121,7 +122,7 @@ class Fleet:
             raise
 
     def add(self, wait: bool = True, ports: Ports | None = None) -> Replica:
-        r = Replica(self.workdir / f"replica{len(self.replicas)}.log", self.redis.url, ports)
+        r = Replica(self.workdir / f"replica{len(self.replicas)}.log", self.redis.url, ports, self.extra)
         self.replicas.append(r)
         if wait:
             r.wait_ready()

@@ -9,7 +9,7 @@ from models import save_tiny_checkpoint
 from tierkv.engine.engine import Engine
 from tierkv.engine.sampler import SamplingParams
 from tierkv.engine.request import RequestOutput
-from tierkv.server.async_engine import AsyncEngine, _put_all
+from tierkv.server.async_engine import AsyncEngine, ShuttingDown, _put_all
 
 
 @pytest.fixture(scope="module")
@@ -96,3 +96,58 @@ def test_each_token_leaves_in_the_step_that_sampled_it(engine):
         assert launches[k][1] <= handed[k], f"token {k} handed over before its step ended"
         if k + 1 < 6:
             assert handed[k] <= launches[k + 1][0], f"token {k} held back until step {k + 1} ran"
+
+
+def test_the_drain_cuts_at_its_deadline_while_a_step_runs_on(engine):
+    # The cut ran on the engine thread, between steps: a step longer than the grace held every
+    # request past the deadline (issue 37 item 5). Here one step takes 3 s and the grace 0.3 s: the
+    # stream that runs, the request still waiting to be added and a call to the engine all end
+    # with ShuttingDown at the deadline; the engine aborts the request once the step ends, and the
+    # shutdown, given 5 s for it, waits for that and closes the engine.
+    run = engine.runner.run
+    slow = {"on": False}
+
+    def step(plan, previous=None):
+        if slow["on"]:
+            slow["on"] = False
+            time.sleep(3.0)
+        return run(plan, previous)
+
+    async def main() -> dict:
+        aeng = AsyncEngine(engine)
+        aeng.start()
+        params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+        stream = await aeng.submit(list(range(3, 40)), params, request_id="running")
+        assert not isinstance(await stream.queue.get(), Exception)  # its first token is out
+        slow["on"] = True
+        await asyncio.sleep(0.2)  # the slow step has begun
+        waiting = asyncio.ensure_future(aeng.submit(list(range(3, 20)), params, request_id="waiting"))
+        stats = asyncio.ensure_future(aeng.call(lambda eng: eng.cache_stats()))
+        start = time.monotonic()
+        aeng.drain(0.3)
+        ends = {}
+        while True:
+            item = await stream.queue.get()
+            if isinstance(item, Exception):
+                ends["running"] = (time.monotonic() - start, item)
+                break
+        for name, fut in (("waiting", waiting), ("call", stats)):
+            try:
+                await fut
+            except ShuttingDown as err:
+                ends[name] = (time.monotonic() - start, err)
+        with pytest.raises(ShuttingDown):  # the cut is done: nothing new waits on the engine
+            await aeng.call(lambda eng: eng.cache_stats())
+        await aeng.shutdown(grace_s=0.3, flush_timeout_s=5)
+        ends["freed"] = not engine.requests and not engine.scheduler.running and not engine.scheduler.waiting
+        return ends
+
+    engine.runner.run = step
+    try:
+        ends = asyncio.run(main())
+    finally:
+        del engine.runner.run
+    for name in ("running", "waiting", "call"):
+        seconds, err = ends[name]
+        assert isinstance(err, ShuttingDown) and 0.25 < seconds < 1.5, (name, seconds, err)
+    assert ends["freed"]

@@ -11,6 +11,7 @@ figures from one run are benchmarks/results/routers-cpu.json.
 from __future__ import annotations
 
 import json
+import random
 import re
 import shutil
 import sys
@@ -25,8 +26,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_routers  # noqa: E402
 from bench_routers import Fleet, Ports, Router, Workload, converse  # noqa: E402
 from services import unavailable  # noqa: E402
+from tierkv.server.async_engine import CLOSE_S  # noqa: E402
 
 WORK = Workload()  # 6 conversations of 4 rounds, 4 tokens an answer
+# Every replica's drain: a grace shorter than one prefill step of LONG_WORDS words (~5 s on a CPU),
+# and at most FLUSH_S after it for the step in flight (the rolling update, issue 37 item 5)
+GRACE_S, FLUSH_S = 1.0, 3.0
+LONG_WORDS = 1000
 DEPLOY_DOC = Path(__file__).resolve().parents[1] / "docs" / "deploy.md"
 
 
@@ -47,7 +53,7 @@ def workdir(tmp_path_factory) -> Path:
 def fleet(workdir):
     if shutil.which("redis-server") is None:
         unavailable("redis-server is not installed", "apt-get install -y redis-server")
-    fleet = Fleet(workdir, 3)
+    fleet = Fleet(workdir, 3, extra=("--grace-period", str(GRACE_S), "--flush-timeout", str(FLUSH_S)))
     yield fleet
     fleet.stop()
 
@@ -161,9 +167,11 @@ def test_a_rolling_update_under_load_fails_no_request(fleet, workdir):
     """kv_aware over three replicas. A new replica starts; its first request, a conversation it
     never saw, is served from the shared L3. Six conversations run through the router meanwhile:
     the new replica joins it (POST /add_worker); an old one gets SIGTERM while the router still
-    lists it and while it runs a long request, which it finishes; the router retries on other
-    replicas what the old one no longer takes; once it has exited it leaves the router (POST
-    /remove_worker). No request fails."""
+    lists it and while it computes a long prompt whose one prefill step outlasts its grace period
+    (1 s): at the deadline that request ends with the documented SSE error event, not a 500, and
+    the replica exits within its grace and flush timeout. The router retries on other replicas what
+    the old one no longer takes; once it has exited it leaves the router (POST /remove_worker). No
+    client request fails."""
     fleet.reset()
     old = fleet.live[0]
     with Router("vllm", "kv_aware", fleet.live, fleet.model, workdir / "router-rolling.log") as router:
@@ -185,16 +193,20 @@ def test_a_rolling_update_under_load_fails_no_request(fleet, workdir):
         try:
             time.sleep(2)
             assert httpx.post(router.url + "/add_worker", params={"url": new.url}, timeout=30).status_code == 200
-            # a long request on the old replica: once its first token is out, SIGTERM
+            # a long prompt on the old replica: once it is in the engine (its headers are out), SIGTERM
+            prompt = " ".join(random.Random(7).choice(bench_routers.WORDS) for _ in range(LONG_WORDS))
             with httpx.stream("POST", old.url + "/v1/completions", timeout=120, json={
-                    "model": fleet.model, "prompt": "Once upon a time", "max_tokens": 32, "min_tokens": 32,
-                    "stream": True}) as r:
-                chunks = (json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {"))
-                assert r.status_code == 200 and next(chunks)["choices"]
+                    "model": fleet.model, "prompt": prompt, "max_tokens": 8, "stream": True}) as r:
+                assert r.status_code == 200
+                sigterm = time.monotonic()
                 old.terminate()
-                rest = list(chunks)
-            assert rest[-1]["choices"][0]["finish_reason"] == "length"  # the drain let it finish
+                events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+                cut_after = time.monotonic() - sigterm
+            # the step outlasted the grace: no token came before the cut, at the deadline
+            assert [e["error"]["code"] for e in events] == ["shutting_down"], events
+            assert cut_after < GRACE_S + 2.0, cut_after
             assert old.proc.wait(60) == 0, old.log()[-3000:]
+            assert time.monotonic() - sigterm < GRACE_S + FLUSH_S + CLOSE_S + 2.0, old.log()[-3000:]
             assert httpx.post(router.url + "/remove_worker", params={"url": old.url}, timeout=30).status_code == 200
             time.sleep(2)
         finally:
@@ -205,3 +217,5 @@ def test_a_rolling_update_under_load_fails_no_request(fleet, workdir):
     assert turns and not [t.error for t in turns if t.error], [t.error for t in turns if t.error]
     assert refused > 0  # the router did send the draining replica requests, and retried them elsewhere
     assert new.counters()["requests"] > 1  # and sent the new one some
+    log = old.log()
+    assert "Traceback" not in log and "timeout graceful shutdown" not in log and '" 500' not in log, log[-3000:]

@@ -5,8 +5,9 @@ it, adding requests and reading cache stats, runs there, sent through a thread-s
 that the loop drains before each step. Prompts come tokenized (the server does that on a thread
 of its own), so that no request, however long its prompt, holds up a step. Outputs go back to
 per-request asyncio queues via `call_soon_threadsafe`. The waiting queue is bounded (`Overloaded`
-past it). This file never imports anything HTTP and never touches the Engine from any thread but
-its own.
+past it). The drain's cut at the end of the grace period ends every request from whichever thread
+reaches the deadline, without waiting for the step in flight, however long it takes. This file
+never imports anything HTTP and never touches the Engine from any thread but its own.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ log = logging.getLogger(__name__)
 
 STATS_PERIOD_S = 0.25  # how stale the metrics snapshot may get
 CLEAR_WAIT_S = 2.0  # how long emptying the cache waits for the blocks in use to be let go
+CLOSE_S = 1.0  # after the flush: what closing the engine (its threads, tensor-parallel ranks) may take
 
 
 class Overloaded(Exception):
@@ -61,8 +63,13 @@ class AsyncEngine:
         self.engine = engine
         self.max_waiting = max_waiting
         self._commands: queue.Queue = queue.Queue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}  # engine thread only
+        # the requests the engine runs, by id, and the answers the engine thread still owes (added or
+        # refused requests, calls): both under _lock, since the drain's cut takes them from any thread
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._owed: set[concurrent.futures.Future] = set()
         self._lock = threading.Lock()
+        self._cut_done = False  # the grace period is over: every request was ended
+        self._timer: threading.Timer | None = None  # the drain's deadline
         self._pending = 0  # submitted, not yet drained by the engine thread
         self._waiting = 0  # the scheduler's waiting list, as of the last step
         self._running = 0
@@ -116,9 +123,10 @@ class AsyncEngine:
                 # a rough wait: one step per waiting request is already pessimistic on a GPU
                 raise Overloaded(retry_after=max(1, min(30, (self._pending + self._waiting) // 32)))
             self._pending += 1
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            self._owed.add(done)
         loop = asyncio.get_running_loop()
         out: asyncio.Queue = asyncio.Queue()
-        done: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put(("add", (prompt_ids, params, request_id, cache_salt, priority, loop, out, done)))
         try:
             prompt_tokens = await asyncio.wrap_future(done)
@@ -134,6 +142,10 @@ class AsyncEngine:
     async def call(self, fn: Callable[[Any], Any]) -> Any:
         """Run `fn(engine)` on the engine thread (e.g. cache_stats()) and return its result."""
         done: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if self._cut_done:  # the engine thread may be in a step that outlasts the process
+                raise ShuttingDown("the server is shutting down")
+            self._owed.add(done)
         self._commands.put(("call", (fn, done)))
         return await asyncio.wrap_future(done)
 
@@ -159,24 +171,54 @@ class AsyncEngine:
         return True
 
     def drain(self, grace_s: float) -> None:
-        """Refuse new requests now; after `grace_s`, cut short whatever still runs (each stream gets
-        a ShuttingDown error, so clients see a clean end rather than a dropped connection)."""
+        """Refuse new requests now; after `grace_s`, cut short whatever still runs (`cut`). A timer
+        thread does it, not the engine thread, which may be in the middle of a long step then."""
         if self.draining:
             return
         self.draining = True
-        timer = threading.Timer(grace_s, self._commands.put, args=(("cut", None),))
-        timer.daemon = True
-        timer.start()
+        self._timer = threading.Timer(grace_s, self.cut)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def cut(self) -> None:
+        """End every request now, from any thread: each stream gets a ShuttingDown error (clients see
+        the documented end: an SSE error event, or a 503 before any header) and each answer the
+        engine thread still owes is that error. The engine thread frees their blocks once its step
+        ends; nothing here waits for it. Idempotent."""
+        with self._lock:
+            if self._cut_done:
+                return
+            self._cut_done = True
+            streams, self._streams = self._streams, {}
+            owed, self._owed = self._owed, set()
+        for done in owed:
+            try:
+                done.set_exception(ShuttingDown("the server is shutting down"))
+            except concurrent.futures.InvalidStateError:
+                pass  # its caller went away (cancelled)
+        err = ShuttingDown("the server shut down before this request finished")
+        self._send([(target, err) for target in streams.values()])
+        for request_id in streams:
+            self._commands.put(("abort", request_id))
 
     async def shutdown(self, grace_s: float, flush_timeout_s: float) -> None:
-        """Stop taking requests, let running ones finish for up to `grace_s`, abort the rest,
-        flush write-back blocks to L3, close the engine."""
-        self.draining = True
-        end = time.monotonic() + grace_s
-        while time.monotonic() < end and (self._running or self.num_waiting):
+        """Stop taking requests and let running ones finish until the grace period ends (it began
+        with the drain, when a signal started one), then cut the rest. The engine then gets at most
+        `flush_timeout_s` to end the step in flight, flush write-back blocks to L3 and close; past
+        that it is left behind (a daemon thread), so the process exits in time however long a step
+        takes."""
+        self.drain(grace_s)
+        while not self._cut_done and (self.num_running or self.num_waiting):
             await asyncio.sleep(0.05)
-        self._commands.put(("stop", flush_timeout_s))
-        await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+        self.cut()  # nothing is left to cut when every request finished in time
+        if self._timer is not None:
+            self._timer.cancel()
+        end = time.monotonic() + flush_timeout_s
+        self._commands.put(("stop", end))
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, flush_timeout_s + CLOSE_S)
+        if self._thread.is_alive():
+            log.warning("the engine was still in a step %.0f s after the grace period (--flush-timeout): exiting "
+                        "without flushing write-back blocks to L3 or closing it", flush_timeout_s)
 
     # ------------------------------------------------------------------ engine thread
 
@@ -232,12 +274,11 @@ class AsyncEngine:
                 self._abort(arg)
             elif kind == "call":
                 fn, done = arg
-                try:
-                    done.set_result(fn(self.engine))
-                except Exception as err:  # noqa: BLE001 (handed to the caller)
-                    done.set_exception(err)
-            elif kind == "cut":
-                self._fail_all(ShuttingDown("the server shut down before this request finished"))
+                if self._claim(done):
+                    try:
+                        done.set_result(fn(self.engine))
+                    except Exception as err:  # noqa: BLE001 (handed to the caller)
+                        done.set_exception(err)
             elif kind == "stop":
                 self._stop_engine(arg)
                 return True
@@ -248,11 +289,20 @@ class AsyncEngine:
         self._count()
         return False
 
+    def _claim(self, done: concurrent.futures.Future) -> bool:
+        """Take on an answer the engine thread owes; False when there is none to give: the cut gave
+        it already, or its caller went away."""
+        with self._lock:
+            if done not in self._owed:
+                return False
+            self._owed.discard(done)
+        return done.set_running_or_notify_cancel()
+
     def _add(self, prompt_ids, params, request_id, salt, priority, loop, out, done) -> None:
         with self._lock:
             self._pending -= 1
-        if not done.set_running_or_notify_cancel():
-            return  # the caller went away before we got here
+        if not self._claim(done):
+            return
         if (refused := self.refusal()) is not None:
             done.set_exception(refused)
             return
@@ -261,24 +311,40 @@ class AsyncEngine:
         except Exception as err:  # noqa: BLE001 (handed to the caller)
             done.set_exception(err)
             return
-        self._streams[request_id] = (loop, out)
+        with self._lock:
+            cut = self._cut_done  # it came between the drain and the cut, which passed it by
+            if not cut:
+                self._streams[request_id] = (loop, out)
+        if cut:
+            self.engine.abort(request_id)
+            done.set_exception(ShuttingDown("the server is shutting down"))
+            return
         done.set_result(len(prompt_ids))
 
     def _abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
-        self._streams.pop(request_id, None)
+        with self._lock:
+            self._streams.pop(request_id, None)
 
     def _deliver(self, items: list[tuple[str, Any, bool]]) -> None:
-        """Queue (request id, output or error, finished) items to their streams: one wake-up of
-        each event loop for the lot, not one per stream."""
+        """Queue (request id, output or error, finished) items to their streams."""
+        sends = []
+        with self._lock:
+            for request_id, item, finished in items:
+                target = self._streams.get(request_id)
+                if target is None:
+                    continue  # aborted, or cut, meanwhile
+                if finished:
+                    del self._streams[request_id]
+                sends.append((target, item))
+        self._send(sends)
+
+    @staticmethod
+    def _send(sends: list[tuple[tuple[asyncio.AbstractEventLoop, asyncio.Queue], Any]]) -> None:
+        """Put each item in its stream's queue: one wake-up of each event loop for the lot, not one
+        per stream."""
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for request_id, item, finished in items:
-            target = self._streams.get(request_id)
-            if target is None:
-                continue  # aborted meanwhile
-            loop, out = target
-            if finished:
-                del self._streams[request_id]
+        for (loop, out), item in sends:
             by_loop.setdefault(loop, []).append((out, item))
         for loop, puts in by_loop.items():
             try:
@@ -299,12 +365,14 @@ class AsyncEngine:
             entry["top_tokens"] = [dec(i) for i, _ in entry["top"]]
 
     def _fail_all(self, err: Exception) -> None:
-        for rid in list(self._streams):
+        with self._lock:
+            ids = list(self._streams)
+        for rid in ids:
             try:
                 self.engine.abort(rid)
             except Exception:
                 log.exception("abort of %s failed", rid)
-        self._deliver([(rid, err, True) for rid in list(self._streams)])
+        self._deliver([(rid, err, True) for rid in ids])
 
     def _count(self) -> None:
         sched = self.engine.scheduler
@@ -322,12 +390,13 @@ class AsyncEngine:
             except Exception:
                 log.exception("cache_stats() failed")
 
-    def _stop_engine(self, flush_timeout_s: float) -> None:
+    def _stop_engine(self, end: float) -> None:
+        """Flush write-back blocks to L3 until `end` (time.monotonic()), then close the engine."""
         self._fail_all(ShuttingDown("the server shut down before this request finished"))
         self._count()
         try:
-            if not self.engine.cache.flush(flush_timeout_s):
-                log.warning("L3 flush did not finish within %.0f s; unflushed blocks are lost", flush_timeout_s)
+            if not self.engine.cache.flush(max(0.0, end - time.monotonic())):
+                log.warning("L3 flush did not finish within --flush-timeout; unflushed blocks are lost")
         except Exception:
             log.exception("L3 flush failed")
         self._refresh_stats(force=True)
@@ -341,7 +410,7 @@ class AsyncEngine:
             except queue.Empty:
                 return
             done = arg[-1] if kind == "add" else arg[1] if kind == "call" else None
-            if done is not None and not done.done():
+            if done is not None and self._claim(done):
                 done.set_exception(ShuttingDown("the server is shutting down"))
 
 

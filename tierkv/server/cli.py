@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import gc
 import logging
 import os
 import re
@@ -111,8 +112,10 @@ def parser() -> argparse.ArgumentParser:
       "--no-async-scheduling runs each step to completion first")
     a("--tensor-parallel-size", "-tp", type=int, help="GPUs to split the model over, one process each, started by "
       "the server (rank r on cuda:r; pick GPUs with CUDA_VISIBLE_DEVICES); --l1/--l2 are then per GPU (default 1)")
-    a("--grace-period", type=float, help="seconds running requests get to finish after SIGTERM (default 30)")
-    a("--flush-timeout", type=float, help="seconds allowed for flushing write-back blocks to L3 on exit (default 60)")
+    a("--grace-period", type=float, help="seconds running requests get to finish after SIGTERM; then each ends "
+      "with an error event or a 503, whatever step the engine is in (default 30)")
+    a("--flush-timeout", type=float, help="seconds allowed after the grace period for the step in flight to end and "
+      "write-back blocks to be flushed to L3 (default 60)")
     a("--log-level", help="debug, info, warning, error, critical (default info)")
     a("--strict-request-fields", action="store_true", help="refuse (400, naming it) a request field the server does "
       "not take, instead of ignoring it and counting it in tierkv_request_unknown_fields_total; fields that would "
@@ -415,6 +418,10 @@ def main(argv: list[str] | None = None) -> int:
           f"({_fmt_bytes(limits.send_buffer_bytes)} buffer), keep-alive "
           f"{limits.keep_alive_timeout:g} s x {limits.max_keep_alive_requests} requests, "
           f"{limits.max_connections} connections", flush=True)
+    # What the model load left is never garbage: out of the collector's sight, its full passes (which
+    # hold the GIL, and so the engine thread) stay short
+    gc.collect()
+    gc.freeze()
     server.run()
     if kv_events is not None:
         kv_events.close()  # after the engine's shutdown: its last evictions go out too
@@ -422,6 +429,17 @@ def main(argv: list[str] | None = None) -> int:
         log.error("the server did not start (is port %s free?)", opts["port"])
         return 1
     log.info("stopped")
+    if aengine.started:
+        # The shutdown left the engine thread in a step longer than --flush-timeout: finalizing the
+        # interpreter would tear libtorch down under it (std::terminate, SIGABRT). Nothing is left
+        # to flush or close: the rank processes of tensor parallelism exit with this one.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    # Nothing is left to collect at exit either: collecting the heap of a loaded model took the
+    # interpreter 2-15 s after this line, past the grace period that a supervisor allows
+    gc.freeze()
     return 0
 
 
