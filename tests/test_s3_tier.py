@@ -109,7 +109,8 @@ def test_blocks_stored_by_one_process_are_hits_for_another(seaweed):
 def test_seaweedfs_stopped_mid_run_then_restarted(seaweed_private):
     sw = seaweed_private
     ids, pays = block_chain(LAYOUT, 8)
-    s = open_store(sw.url("faults", timeout="1", connect_timeout="0.5", retries="1"), LAYOUT)
+    # two attempts: a new bucket's first PUTs can take SeaweedFS over a second (it grows a volume)
+    s = open_store(sw.url("faults", timeout="1", connect_timeout="0.5", retries="2"), LAYOUT)
     assert s.put_many(ids[:4], pays[:4]) == [True] * 4
     sw.stop()
     s._breaker = Breaker(min_wait=2.0, max_wait=2.0)  # the second lookup below comes well within its wait
