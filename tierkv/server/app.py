@@ -13,12 +13,15 @@ import hmac
 import logging
 import re
 import time
+import warnings
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -31,11 +34,16 @@ from .profiling import add_profile_routes
 from .request_log import RequestIdHeader, request_done, request_ids
 from .protocol import (
     ERRORS,
+    REFUSED,
     APIError,
+    ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    CompletionChunk,
     CompletionRequest,
     CompletionResponse,
+    publish_openapi,
+    streamed,
     usage,
 )
 from .serving import (
@@ -72,6 +80,31 @@ class _ParsedRoute(APIRoute):
             return await handler(_ParsedRequest(request.scope, request.receive))
 
         return route
+
+
+def _operation_id(route: APIRoute) -> str:
+    """FastAPI's operation id less its method: _openapi adds each operation's own."""
+    return re.sub(r"\W", "_", f"{route.name}{route.path_format}")
+
+
+def _openapi(app: FastAPI, strict_request_fields: bool) -> Callable[[], dict]:
+    """app.openapi: FastAPI's schema with an operation id of its own for each method (FastAPI gives
+    the GET and HEAD of one route the same), and what protocol.publish_openapi adds."""
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="Duplicate Operation ID")  # made unique below
+                schema = get_openapi(title=app.title, version=app.version, openapi_version=app.openapi_version,
+                                     description=app.description, routes=app.routes)
+            for item in schema["paths"].values():
+                for method, op in item.items():
+                    op["operationId"] = f"{op['operationId']}_{method}"
+            publish_openapi(schema["components"]["schemas"], strict_request_fields)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    return openapi
 
 
 class _Guard:
@@ -133,7 +166,9 @@ def create_app(engine: AsyncEngine, served: Served, *, api_key: str | None = Non
         await engine.shutdown(grace_s, flush_timeout_s)
 
     app = FastAPI(title="tierkv-serve", version="0.1.0", lifespan=lifespan,
-                  description="OpenAI-compatible server over tierkv's tiered KV cache")
+                  description="OpenAI-compatible server over tierkv's tiered KV cache",
+                  generate_unique_id_function=_operation_id)
+    app.openapi = _openapi(app, strict_request_fields)
     app.router.route_class = _ParsedRoute
     state = app.state
     state.engine, state.metrics, state.api_key = engine, metrics, api_key
@@ -142,11 +177,16 @@ def create_app(engine: AsyncEngine, served: Served, *, api_key: str | None = Non
     async def invalid(request: Request, exc: RequestValidationError):
         errors = exc.errors()
         # a value that fits no member of a union fails once per member: a broken limit ("at most 4
-        # items") says more than a type mismatch against another member ("should be a valid string")
-        first = next((e for e in errors if not e.get("type", "").endswith("_type")), errors[0] if errors else {})
+        # items") says more than a mismatch against another member ("should be a valid string", "unable
+        # to parse string as an integer")
+        first = next((e for e in errors if not e.get("type", "").endswith(("_type", "_parsing"))),
+                     errors[0] if errors else {})
         if first.get("type") == "json_invalid":
             return error_response(APIError(400, "the request body is not valid JSON", code="invalid_json"))
         loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _UNION_MEMBER.match(str(p))]
+        if first.get("type") == REFUSED:  # a rule of protocol.py's validators: its message says it all
+            param = (first.get("ctx") or {}).get("param") or (loc[0] if loc else None)
+            return error_response(APIError(400, first["msg"], param=param))
         if not loc:  # the body itself is wrong: not an object, or not sent as JSON
             return error_response(APIError(400, "the request body must be a JSON object (with Content-Type: "
                                    "application/json)", code="invalid_json"))
@@ -157,7 +197,8 @@ def create_app(engine: AsyncEngine, served: Served, *, api_key: str | None = Non
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return error_response(APIError(exc.status_code, str(exc.detail), type=kind))
+        # its headers too: a 405 names the methods the route takes (Allow)
+        return error_response(APIError(exc.status_code, str(exc.detail), type=kind, headers=exc.headers))
 
     @app.exception_handler(Exception)
     async def crashed(request: Request, exc: Exception):
@@ -179,7 +220,7 @@ def create_app(engine: AsyncEngine, served: Served, *, api_key: str | None = Non
             return {"status": "degraded", "degraded": degraded}
         return {"status": "ok"}
 
-    @app.api_route("/metrics", methods=["GET", "HEAD"])
+    @app.api_route("/metrics", methods=["GET", "HEAD"], response_class=PlainTextResponse)
     async def prometheus():
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
@@ -195,11 +236,13 @@ def create_app(engine: AsyncEngine, served: Served, *, api_key: str | None = Non
         except ShuttingDown as err:
             return error_response(api_error(err))
 
-    @app.post("/v1/completions", response_model=CompletionResponse, responses=ERRORS)
+    @app.post("/v1/completions", response_model=CompletionResponse,
+              responses={**ERRORS, **streamed(CompletionChunk)})
     async def completions(body: CompletionRequest, request: Request):
         return await _generate(body, request, prepare_completion, chat=False)
 
-    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERRORS)
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
+              responses={**ERRORS, **streamed(ChatCompletionChunk)})
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await _generate(body, request, prepare_chat, chat=True)
 

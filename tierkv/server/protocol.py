@@ -1,16 +1,20 @@
 """The wire format of tierkv-serve: pydantic models of OpenAI's request and response shapes.
 
-Requests are validated here (types, ranges, required fields) so that FastAPI publishes the
-rules in its OpenAPI schema; rules that need the model (context length, the model's name) are
-checked in app.py. `APIError` is the one exception the server turns into OpenAI's error JSON.
-This file holds data shapes only: no engine, no I/O.
+Requests are validated here (types, ranges, required fields, rules across fields) so that
+FastAPI publishes the rules in its OpenAPI schema: a rule pydantic cannot state in JSON Schema
+itself is checked by a validator (`refused`) and stated beside it. Rules that need the model
+(context length, the model's name, the vocabulary) are checked where it is known (serving.py,
+the engine). `APIError` is the one exception the server turns into OpenAI's error JSON. This file
+holds data shapes only: no engine, no I/O.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, model_validator
+from pydantic.json_schema import models_json_schema
+from pydantic_core import PydanticCustomError
 
 INT64 = 2**63 - 1
 MAX_LOGPROBS = 20  # the engine's limit (tierkv.engine.sampler.MAX_LOGPROBS)
@@ -23,6 +27,24 @@ LOAD_FORMATS = ("vllm", "sglang")  # GET /get_load's shapes: vllm-router's and s
 
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 TokenId = Annotated[int, Field(ge=0, le=INT64)]
+REFUSED = "refused"  # the type of a validator's error: the app sends its message as it is
+
+
+def refused(message: str, param: str | None = None) -> PydanticCustomError:
+    """A rule that a validator checks broken: the app answers 400 with `message`, naming `param`
+    (default: the field validated). No braces in `message`: pydantic formats it."""
+    return PydanticCustomError(REFUSED, message, {"param": param} if param else None)
+
+
+def _false_only(value: bool, info: ValidationInfo) -> bool:
+    if value:
+        raise refused(f"{info.field_name} is not supported: leave it out or send false")
+    return value
+
+
+# a field of OpenAI's or vLLM's that tierkv takes at false only: the schema says so, and true is refused
+FalseOnly = Annotated[bool, AfterValidator(_false_only),
+                      Field(description="not supported: false only", json_schema_extra={"const": False})]
 
 
 class APIError(Exception):
@@ -123,16 +145,22 @@ class _Sampling(BaseModel):
     include_stop_str_in_output: bool = False
 
 
+PromptIds = Annotated[list[TokenId], Field(min_length=1)]
+PromptText = Annotated[str, Field(min_length=1)]
+One = Field(min_length=1, max_length=1)  # a list holding one prompt: no batches, one prompt a request
+
+
 class CompletionRequest(_Sampling):
     # token ids first: a union tries its members in order, and a long id list checked against
     # list[str] first fails once per item (a 12K-token prompt took 6 ms to validate, now 0.2 ms)
-    prompt: list[int] | str | list[str] | list[list[int]] = Field(
-        description="one prompt: text or token ids (a list holding one prompt is accepted too)")
+    prompt: PromptIds | PromptText | Annotated[list[PromptText], One] | Annotated[list[PromptIds], One] = Field(
+        description="one prompt, not empty: text or token ids (a list holding one prompt is accepted too; "
+        "batches are not: one prompt per request)")
     max_tokens: int | None = Field(16, ge=1, le=INT64, description="OpenAI's default is 16")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
-    best_of: int | None = Field(None, ge=1, le=128)
-    suffix: str | None = None
+    echo: FalseOnly = False
+    best_of: int | None = Field(None, ge=1, le=1, description="not supported: 1 (or null) only")
+    suffix: str | None = Field(None, max_length=0, description="not supported: empty (or null) only")
 
 
 class TextPart(BaseModel):
@@ -149,26 +177,53 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_Sampling):
+    # the schema's statement of the validator below (OpenAPI 3.1 schemas are JSON Schema 2020-12)
+    model_config = ConfigDict(json_schema_extra={
+        "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
+        "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}})
+
     messages: list[ChatMessage] = Field(min_length=1, description="at least one message")
-    max_tokens: int | None = Field(None, ge=1, le=INT64, description="deprecated by OpenAI; same as max_completion_tokens")
+    max_tokens: int | None = Field(None, ge=1, le=INT64,
+                                   description="deprecated by OpenAI; same as max_completion_tokens")
     max_completion_tokens: int | None = Field(None, ge=1, le=INT64)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="needs logprobs set to true")
+
+    @model_validator(mode="after")
+    def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise refused("top_logprobs needs logprobs set to true", "top_logprobs")
+        return self
 
 
 class TokenizeRequest(BaseModel):
     """POST /tokenize, in vLLM's shape: a prompt, or messages rendered with the chat template."""
 
-    model_config = ConfigDict(extra="allow")
+    # the schema's statement of the validator below: a prompt or messages, not both (or neither),
+    # and add_special_tokens never true with messages
+    model_config = ConfigDict(extra="allow", json_schema_extra={
+        "oneOf": [{"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+                  {"required": ["messages"], "properties": {"messages": {"type": "array"}}}],
+        "if": {"required": ["messages"], "properties": {"messages": {"type": "array"}}},
+        "then": {"properties": {"add_special_tokens": {"not": {"const": True}}}}})
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool | None = Field(None, description="default: true for a prompt, false for messages "
-                                            "(the chat template writes them)")
+                                            "(the chat template writes them; true is refused)")
     add_generation_prompt: bool = True
-    continue_final_message: bool = False
+    continue_final_message: FalseOnly = False
     return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise refused("send either a prompt or messages", "prompt")
+        if self.messages is not None and self.add_special_tokens:
+            raise refused("add_special_tokens with messages is not supported: the chat template writes the special "
+                          "tokens", "add_special_tokens")
+        return self
 
 
 class DetokenizeRequest(BaseModel):
@@ -229,6 +284,64 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class CompletionChunkChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: dict | None
+
+
+class CompletionChunk(BaseModel):
+    """An event of a streamed completion. With stream_options.include_usage the last one has no
+    choices and the usage; with continuous_usage_stats too, every one has the usage so far."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChunkChoice]
+    usage: Usage | None = None
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None  # in each choice's first chunk
+    content: str
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    finish_reason: str | None
+    logprobs: dict | None
+
+
+class ChatCompletionChunk(BaseModel):
+    """An event of a streamed chat completion; usage as in CompletionChunk."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+STREAM_CHUNKS = (CompletionChunk, ChatCompletionChunk)  # no route returns them: publish_openapi adds them
+
+
+def streamed(chunk: type[BaseModel]) -> dict:
+    """OpenAPI of a generation route's 200 besides its JSON: with "stream": true, server-sent events
+    whose data is a `chunk`, an ErrorResponse if the request fails on its way, and at last [DONE].
+    The schema is each event's, as OpenAPI 3.1 has it."""
+    payload = {"anyOf": [{"$ref": f"#/components/schemas/{m.__name__}"} for m in (chunk, ErrorResponse)]}
+    data = {"anyOf": [{"const": "[DONE]"},
+                      {"type": "string", "contentMediaType": "application/json", "contentSchema": payload}]}
+    return {200: {"content": {"text/event-stream": {"schema": {
+        "type": "object", "required": ["data"], "properties": {"data": data},
+        "description": f'with "stream": true: an event `data: {{...}}` per step, each a {chunk.__name__}, then '
+        "`data: [DONE]`"}}}}}
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
@@ -251,3 +364,25 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+
+
+def publish_openapi(schemas: dict, strict: bool) -> None:
+    """Add to the OpenAPI components FastAPI made (`schemas`) what the routes do not tell it: the
+    streamed chunks (no route returns them as its model), and what the server does with the
+    unknown fields of each request that keeps them: with `strict`, it takes none; else it takes any,
+    except that of FOREIGN_FIELDS it takes the neutral values only."""
+    _, chunks = models_json_schema([(m, "serialization") for m in STREAM_CHUNKS],
+                                   ref_template="#/components/schemas/{model}")
+    for name, schema in chunks["$defs"].items():
+        schemas.setdefault(name, schema)
+    for schema in schemas.values():
+        if schema.get("additionalProperties") is not True:  # responses, and the shapes inside requests
+            continue
+        if strict:
+            schema["additionalProperties"] = False
+            continue
+        props = schema.setdefault("properties", {})
+        for name, neutral in FOREIGN_FIELDS.items():
+            if neutral is not ANY and name not in props:
+                props[name] = {"enum": list(neutral), "description": "another server's field, taken here only at a "
+                               "value that changes nothing"}

@@ -48,7 +48,8 @@ def extra_fields(body: BaseModel, strict: bool) -> list[str]:
                            "fields: --strict-request-fields)", param=shown, code="unknown_field")
         neutral = FOREIGN_FIELDS.get(name, ANY)
         if neutral is not ANY and value not in neutral:
-            raise APIError(400, f"{name} is not supported by this server: leave it out or send {neutral[0]!r}",
+            values = " or ".join(json.dumps(v) for v in neutral)  # as JSON spells them: null, not None
+            raise APIError(400, f"{name} is not supported by this server: leave it out or send {values}",
                            param=name, code="unsupported_field")
         labels.append(name if name in FOREIGN_FIELDS else "other")
     return labels
@@ -95,19 +96,9 @@ def _encoder(prompt: Callable[[Any], list[int]], params: dict, max_model_len: in
 
 def prepare_completion(req: CompletionRequest, served_names: list[str], max_model_len: int) -> Encode:
     check_model(req.model, served_names)
-    if req.echo:
-        raise APIError(400, "echo is not supported", param="echo")
-    if req.best_of not in (None, 1):
-        raise APIError(400, "best_of > 1 is not supported", param="best_of")
-    if req.suffix:
-        raise APIError(400, "suffix is not supported", param="suffix")
-    prompt = req.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise APIError(400, "batched prompts are not supported: send one prompt per request", param="prompt")
+    prompt = req.prompt  # not empty, and a list holds one prompt at most (the schema's rules)
+    if isinstance(prompt, list) and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
-    if not prompt:
-        raise APIError(400, "the prompt is empty", param="prompt")
     if isinstance(prompt, str):
         def tokens(tokenizer) -> list[int]:
             return text_tokens(tokenizer, prompt, max_model_len)
@@ -130,8 +121,6 @@ def text_tokens(tokenizer, text: str, max_model_len: int, add_special_tokens: bo
                        f"is {max_model_len} tokens (one is left for the output): shorten the prompt",
                        param=param, code="context_length_exceeded")
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
-
-
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict]:
@@ -157,8 +146,6 @@ def apply_chat_template(tokenizer, messages: list[dict], max_model_len: int, add
 
 def prepare_chat(req: ChatCompletionRequest, served_names: list[str], max_model_len: int) -> Encode:
     check_model(req.model, served_names)
-    if req.top_logprobs is not None and not req.logprobs:
-        raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
     messages = chat_messages(req.messages)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None

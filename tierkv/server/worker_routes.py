@@ -135,14 +135,7 @@ def add_worker_routes(app: FastAPI, engine: AsyncEngine, served: Served, *, toke
     async def _tokenize(body: TokenizeRequest) -> Response:
         accept(body)
         check_model(body.model, names)
-        if (body.prompt is None) == (body.messages is None):
-            raise APIError(400, "send either a prompt or messages", param="prompt")
-        if body.continue_final_message:
-            raise APIError(400, "continue_final_message is not supported", param="continue_final_message")
-        if body.messages is not None:
-            if body.add_special_tokens:
-                raise APIError(400, "add_special_tokens with messages is not supported: the chat template "
-                               "writes the special tokens", param="add_special_tokens")
+        if body.messages is not None:  # or else a prompt (TokenizeRequest checked that)
             messages, generation = chat_messages(body.messages), body.add_generation_prompt
 
             def encode(tok):
