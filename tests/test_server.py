@@ -403,6 +403,8 @@ SCHEMA_CASES = [  # (route, body): the schema refuses a body exactly when the se
     ("/v1/completions", {"prompt": "hi"}), ("/v1/completions", {"prompt": ["hi"]}),
     ("/v1/completions", {"prompt": [[9, 8]]}), ("/v1/completions", {"prompt": "hi", "echo": False, "best_of": 1,
                                                                     "suffix": ""}),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"1": 2}}), ("/v1/completions", {"prompt": "hi", "tools": []}),
+    ("/v1/completions", {"prompt": "hi", "no_stop_trim": False, "logit_bias": None, "anything": {"else": 1}}),
     ("/v1/chat/completions", {"messages": MESSAGES, "top_logprobs": 2}),
     ("/v1/chat/completions", {"messages": MESSAGES, "top_logprobs": 2, "logprobs": False}),
     ("/v1/chat/completions", {"messages": MESSAGES, "top_logprobs": 2, "logprobs": True}),
@@ -434,7 +436,7 @@ def test_openapi_says_what_the_server_does(server):
         assert r.status_code in (200, 400), r.text
         assert schema_refuses == (r.status_code == 400), (path, fields, r.text)
         refused.append(schema_refuses)
-    assert refused.count(True) == 17  # the cases above that are refused
+    assert refused.count(True) == 18  # the cases above that are refused
 
 
 # ---------------------------------------------------------------------------- cancellation, metrics

@@ -350,6 +350,9 @@ def test_strict_mode_refuses_unknown_fields_by_name(strict):
         assert r.status_code == 400 and r.json()["error"]["param"] == field and "--strict-request-fields" in r.text
     r = httpx.post(strict.url + "/tokenize", json={"prompt": "w1", "extra": 1}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["code"] == "unknown_field"
+    schemas = httpx.get(strict.url + "/openapi.json", timeout=30).json()["components"]["schemas"]
+    for name in ("CompletionRequest", "ChatCompletionRequest", "TokenizeRequest", "DetokenizeRequest"):
+        assert schemas[name]["additionalProperties"] is False, name  # the schema says so too
     # --load-format sglang: SGLang's list by default, vLLM's on request
     (load,) = httpx.get(strict.url + "/get_load", timeout=30).json()
     assert load == {"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}
