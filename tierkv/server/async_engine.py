@@ -119,6 +119,8 @@ class AsyncEngine:
         if (refused := self.refusal()) is not None:
             raise refused
         with self._lock:
+            if self._cut_done:  # a drain with no grace began since the check above
+                raise ShuttingDown("the server is shutting down")
             if self._pending + self._waiting >= self.max_waiting:
                 # a rough wait: one step per waiting request is already pessimistic on a GPU
                 raise Overloaded(retry_after=max(1, min(30, (self._pending + self._waiting) // 32)))

@@ -351,6 +351,8 @@ def describe(engine, opts: dict):
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Check the options, load the model and serve until SIGTERM or SIGINT; then the process exits
+    (0). Returns only when the server could not start: 2 for a bad option, 1 for the rest."""
     opts = load_options(argv)
     # Every option is checked here, before torch, FastAPI or a weight is loaded: a bad value
     # fails in a fraction of a second (this file and EngineConfig import neither).
@@ -419,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{limits.keep_alive_timeout:g} s x {limits.max_keep_alive_requests} requests, "
           f"{limits.max_connections} connections", flush=True)
     # What the model load left is never garbage: out of the collector's sight, its full passes (which
-    # hold the GIL, and so the engine thread) stay short
+    # hold the GIL, and so hold up the engine thread) stay short
     gc.collect()
     gc.freeze()
     server.run()
@@ -429,18 +431,15 @@ def main(argv: list[str] | None = None) -> int:
         log.error("the server did not start (is port %s free?)", opts["port"])
         return 1
     log.info("stopped")
-    if aengine.started:
-        # The shutdown left the engine thread in a step longer than --flush-timeout: finalizing the
-        # interpreter would tear libtorch down under it (std::terminate, SIGABRT). Nothing is left
-        # to flush or close: the rank processes of tensor parallelism exit with this one.
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
-    # Nothing is left to collect at exit either: collecting the heap of a loaded model took the
-    # interpreter 2-15 s after this line, past the grace period that a supervisor allows
-    gc.freeze()
-    return 0
+    # Exit now, without finalizing the interpreter: the engine is closed and its write-back blocks
+    # flushed, or it was left in a step longer than --flush-timeout, under which finalizing would
+    # tear libtorch down (std::terminate, SIGABRT); collecting a loaded model's heap took 2-15 s
+    # after this line, past the grace period a supervisor allows. Tensor-parallel ranks exit with
+    # this process.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _draining_server(config, engine):

@@ -27,6 +27,8 @@ class Tokenizing:
         why no work is taken now (the server is draining), checked as each job starts, so that the
         jobs queued behind a long one end at once rather than one after another."""
         self.tokenizer = Tokenizer.from_dir(Path(root)) if root else None
+        if self.tokenizer is not None:
+            _ = self.tokenizer.length_bound  # read from tokenizer.json now rather than by the first request
         self.refusal = refusal
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierkv-tokenize")
 
