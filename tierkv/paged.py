@@ -3,8 +3,8 @@
 A sequence comes from admission (admission.py: `admit`, `allocate`); here it grows (`append`),
 enters its full blocks in the index (`commit`), takes blocks others computed (`adopt`), forks
 (`fork`), offloads its oldest blocks to L2 when larger than L1 (`offload`, `stream`), and gives
-everything back (`free`); `live_sequences` lists those not given back yet. `wait_for_layer` and `save_layer` let an engine overlap loads and saves
-with its own forward. TieredKVCache (cache.py) is this plus the simple API, lifecycle and stats.
+everything back (`free`); `live_sequences` lists those not given back yet. `wait_for_layer` and
+`save_layer` let an engine overlap loads and saves with its own forward. TieredKVCache (cache.py) is this plus the simple API, lifecycle and stats.
 
 Every public method runs under the cache's guard (guard.py) and checks its arguments before it
 changes anything: a freed or foreign sequence, or tokens that do not extend one, raise UsageError
