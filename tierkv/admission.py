@@ -313,7 +313,7 @@ class Admission:
     @guarded
     def allocate(
         self, tokens=None, salt: str | None = None, *, priority: int = 0, match: Match | None = None,
-        stream: bool = False, reserve: int | None = None,
+        stream: bool = False, reserve: int | None = None, slots: list[int] | None = None, computed: int = 0,
     ) -> SequenceBlocks:
         """Reserve L1 blocks for `tokens`: cached prefix blocks are shared (L1) or loaded (L2), the rest is fresh.
 
@@ -327,6 +327,11 @@ class Admission:
         For sequences larger than L1: `reserve` limits the room taken now to the first `reserve`
         tokens (`append` adds more later), and `stream=True` leaves the leading cached blocks that
         L2 holds in L2, offloaded, instead of loading them (attention streams them).
+
+        With an engine-owned L1 (engine_blocks=), `slots` are the engine's block ids for the
+        sequence's first blocks (those it allocated so far: `append` takes the next ones); the
+        first `computed` tokens are already in them (the engine's own prefix cache), and the
+        cached blocks after those are loaded from L2 into their ids by the engine (`take_moves`).
         """
         if match is None:
             if tokens is None:
@@ -346,6 +351,11 @@ class Admission:
         taken = self._l3_part(m)[1]
         if taken > len(m.blocks) or m.removals != self.index.removals:
             blocks = self.index.walk(m.hashes[:taken], m.ns, m.token_bytes, self.block_size)
+        if self.tiers.engine_owned:
+            return self._allocate_in_engine_blocks(m, blocks, slots, computed, priority)
+        if slots is not None:
+            raise UsageError("allocate(slots=) is for a cache whose L1 the engine owns (engine_blocks=); this one "
+                             "takes its own L1 blocks")
         k = self._streamable(blocks) if stream else 0
         offloaded, cached = blocks[:k], blocks[k:]
         reserved = self._reserve(num_tokens, reserve, len(blocks))
@@ -383,3 +393,43 @@ class Admission:
         )
         self._live[seq] = None  # until free()
         return seq
+
+    def _allocate_in_engine_blocks(self, m: Match, blocks: list[BlockEntry], slots, computed: int,
+                                   priority: int) -> SequenceBlocks:
+        """`allocate` where the engine owns L1: the cached blocks past the engine's `computed`
+        ones are loaded from L2 into the engine's `slots`, their L2 copies held until the engine
+        reports the load done. tierkv's index never places a block in the engine's L1."""
+        bs = self.block_size
+        slots = self._engine_slots(slots, "allocate")
+        # the engine may give blocks for the first chunk only: `append` adds the rest as it does
+        num_tokens = min(len(m.token_bytes) // 4, len(slots) * bs)
+        if not isinstance(computed, int) or not 0 <= computed <= len(m.token_bytes) // 4:
+            raise UsageError(f"allocate(computed=) takes the tokens the engine already holds, 0..{num_tokens}, "
+                             f"got {computed!r}")
+        blocks = blocks[: len(slots)]
+        skip = min(computed // bs, len(blocks))
+        load = blocks[skip:]
+        self.index.hold_l2(load)
+        moved = self.tiers.load_l2(load, slots[skip : skip + len(load)])
+        self.tiers.mover.after(lambda: self.index.release_l2(load))
+        by_tier = self._count_hits(m.query_tokens, [], load)
+        self.tiers.used(blocks, priority)
+        seq = SequenceBlocks(
+            ns=m.ns, priority=priority, slots=slots, entries=[None] * len(slots), hashes=list(m.hashes),
+            committed=len(blocks), num_tokens=num_tokens,
+            num_cached_tokens=max(len(blocks) * bs, computed // bs * bs), pending=in_flight([moved]),
+            token_bytes=bytearray(m.token_bytes), cached_by_tier=by_tier, owner=self, in_l3=m.in_l3,
+        )
+        self._live[seq] = None
+        return seq
+
+    def _engine_slots(self, slots, call: str) -> list[int]:
+        """The engine's block ids `slots` as a list of ints, each a block it has."""
+        if slots is None:
+            raise UsageError(f"{call}() on a cache whose L1 the engine owns needs slots=: the engine's block ids")
+        out = [int(s) for s in slots]
+        n = self.l1.engine_blocks
+        bad = next((s for s in out if not 0 <= s < n), None)
+        if bad is not None:
+            raise UsageError(f"{call}(slots=) got block id {bad}; the engine has blocks 0..{n - 1}")
+        return out

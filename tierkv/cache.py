@@ -35,6 +35,7 @@ from .sequence import SequenceBlocks
 from .streaming import LayerStreamer
 from .tiering import Prefetch, Tiering
 from .tiers import DevicePool
+from .tiers.engine_blocks import EngineBlocks
 from .transfer import in_flight
 
 __all__ = ["TieredKVCache", "SequenceBlocks", "Match", "Prefetch", "max_sequence_tokens", "stream_window_blocks"]
@@ -65,6 +66,8 @@ class TieredKVCache(PagedCache):
         kv_caches=None,
         kv_layout: str = "tierkv",
         exchange=None,
+        engine_blocks: int | None = None,
+        kv_format: str = "",
     ) -> None:
         """`model` names the weights whose KV this is: the L3 tiers are shared between processes
         and machines, and blocks are named by it, so a cache with an L3 needs one (the Hub id
@@ -76,7 +79,14 @@ class TieredKVCache(PagedCache):
         [2, N, block_size, kv_heads, head_dim], a list or a dict in layer order), "flashinfer_nhd"
         ([N, 2, block_size, kv_heads, head_dim] per layer), "flashinfer_hnd" ([N, 2, kv_heads,
         block_size, head_dim] per layer) or "tierkv" (one tensor [layers, N, 2, block_size,
-        kv_heads, head_dim]). Block slot s of the cache is block s of those tensors."""
+        kv_heads, head_dim]). Block slot s of the cache is block s of those tensors.
+
+        `engine_blocks`: the engine owns L1 (its block manager, its buffers, perhaps in other
+        processes): the number of KV blocks it has. tierkv then keeps L2 and L3 only; `allocate`
+        and `append` take the engine's block ids (`slots=`), and every L1<->L2 copy is recorded
+        for the engine to run: `take_moves()` each step, `moves_done(n)` once it ran them (see
+        docs/custom_engine.md). `kv_format` names what the engine's pages hold when it is not
+        K and V per token and head (vLLM's CPU pages pack K for the vector unit)."""
         self.layout = layout
         self.config = config = config if config is not None else CacheConfig()
         if config.l3 and not (isinstance(model, str) and model.strip()):
@@ -84,7 +94,11 @@ class TieredKVCache(PagedCache):
                               "(e.g. the Hub id and revision), since L3 is shared between processes and machines "
                               "and two models with the same KV layout would read each other's blocks")
         l1 = None
-        if kv_caches is not None:
+        if engine_blocks is not None:
+            if kv_caches is not None or config.l1 is not None:
+                raise ConfigError("engine_blocks= says the engine owns L1: pass neither kv_caches nor CacheConfig.l1")
+            l1 = EngineBlocks(layout, engine_blocks, kv_format)
+        elif kv_caches is not None:
             if config.l1 is not None:
                 raise ConfigError("CacheConfig.l1 sizes tierkv's own L1 pool; with kv_caches the engine's buffers "
                                   "are L1: leave CacheConfig.l1 unset")
@@ -112,6 +126,7 @@ class TieredKVCache(PagedCache):
         # Private L1 slots that forked sequences share (`fork`): slot -> holders beyond the first.
         # Such a slot goes back to the free list with its last holder.
         self._shared: dict[int, int] = {}
+        self._engine_saving: set[int] = set()  # engine-owned L1: hashes being copied into L2 (paged.commit)
         self._live: dict[SequenceBlocks, None] = {}  # sequences allocated and not freed, oldest first
 
     def __enter__(self) -> TieredKVCache:
@@ -294,6 +309,30 @@ class TieredKVCache(PagedCache):
         if self.tiers.moves is not None:
             raise ConfigError(f"{name}() is not available on a tensor-parallel engine's cache (each rank holds "
                               f"its own KV heads); use it with tensor_parallel_size=1")
+
+    # ------------------------------------------------------------------ an engine-owned L1
+
+    @guarded
+    def take_moves(self) -> tuple[int, list[tuple[int, list[int], list[int]]]]:
+        """With engine_blocks: the L1<->L2 copies recorded since the last call, for the engine to
+        run on its buffers (transfer.run_moves), as (batch number, [(kind, src slots, dst slots)]):
+        kind L2_TO_L1 (loads into its blocks: run them before the forward that reads them) or
+        L1_TO_L2 (saves: run them after the forward that writes them). Report the batch with
+        `moves_done` once its copies are complete; until then its L2 slots stay held."""
+        self._require_engine_blocks("take_moves")
+        return self.tiers.mover.take()
+
+    @guarded
+    def moves_done(self, number: int) -> None:
+        """With engine_blocks: every batch up to `number` has been run; saved blocks enter L2 (and,
+        write-through, go on to L3), and the L2 blocks loaded from are released."""
+        self._require_engine_blocks("moves_done")
+        self.tiers.mover.reported(number)
+
+    def _require_engine_blocks(self, name: str) -> None:
+        if not self.tiers.engine_owned:
+            raise UsageError(f"{name}() is for a cache made with engine_blocks= (the engine owns L1); this cache "
+                             "runs its own copies")
 
     # ------------------------------------------------------------------ lifecycle, reporting
 

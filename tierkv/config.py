@@ -155,6 +155,9 @@ class CacheConfig:
         the bytes of bf16, so twice the blocks in the same L2 and L3 and half the PCIe and disk
         traffic, at the cost of fp8 rounding (up to ~3.5% of a head's largest value). L1
         keeps the model's dtype; blocks are converted on the device as they move.
+    l2_file: None keeps L2 in this process's memory; a path (under /dev/shm) makes L2 a shared
+        memory file there, created by the cache, that other processes map with
+        `HostPool.attach` (an engine whose workers run the L1<->L2 copies: the vLLM connector).
     """
 
     l1: int | str | None = None
@@ -164,6 +167,7 @@ class CacheConfig:
     write_policy: str = "write_through"
     selective_min_hits: int = 2
     kv_offload_dtype: str | None = None
+    l2_file: str | None = None
 
     def __post_init__(self) -> None:
         if self.l1 is not None:

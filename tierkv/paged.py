@@ -4,7 +4,9 @@ A sequence comes from admission (admission.py: `admit`, `allocate`); here it gro
 enters its full blocks in the index (`commit`), takes blocks others computed (`adopt`), forks
 (`fork`), offloads its oldest blocks to L2 when larger than L1 (`offload`, `stream`), and gives
 everything back (`free`); `live_sequences` lists those not given back yet. `wait_for_layer` and
-`save_layer` let an engine overlap loads and saves with its own forward. TieredKVCache (cache.py) is this plus the simple API, lifecycle and stats.
+`save_layer` let an engine overlap loads and saves with its own forward. Where the engine owns
+L1 (engine_blocks=), the same calls take its block ids, and its copies are recorded for it to
+run (`take_moves`). TieredKVCache (cache.py) is this plus the simple API, lifecycle and stats.
 
 Every public method runs under the cache's guard (guard.py) and checks its arguments before it
 changes anything: a freed or foreign sequence, or tokens that do not extend one, raise UsageError
@@ -33,6 +35,7 @@ class PagedCache(Admission):
     """The block-level API a paged engine speaks, on top of admission."""
 
     _shared: dict[int, int]  # private L1 slots forked sequences share: slot -> holders beyond the first
+    _engine_saving: set[int]  # engine-owned L1: hashes of blocks the engine is copying into L2 now
 
     # ------------------------------------------------------------------ a running sequence
 
@@ -50,12 +53,24 @@ class PagedCache(Admission):
         return need <= self.tiers.l1_room()
 
     @guarded
-    def append(self, seq: SequenceBlocks, num_tokens: int = 1) -> None:
-        """Reserve room for `num_tokens` more tokens; raises CacheFullError (changing nothing) if L1 cannot."""
+    def append(self, seq: SequenceBlocks, num_tokens: int = 1, slots: list[int] | None = None) -> None:
+        """Reserve room for `num_tokens` more tokens; raises CacheFullError (changing nothing) if L1
+        cannot. Where the engine owns L1, `slots` are the block ids it added for them (none when
+        the sequence's blocks already hold them)."""
         self._check_seq(seq, "append")
         if not isinstance(num_tokens, (int, np.integer)) or num_tokens < 0:
             raise UsageError(f"append() takes a number of tokens >= 0, got {num_tokens!r}")
         need = self.blocks_needed(seq.num_tokens + num_tokens) - len(seq.slots)
+        if self.tiers.engine_owned:
+            slots = self._engine_slots(slots or [], "append")
+            if len(slots) < need:
+                raise UsageError(f"append() of {num_tokens} tokens needs {need} more block ids (slots=), got {len(slots)}")
+            seq.slots += slots
+            seq.entries += [None] * len(slots)
+            seq.num_tokens += int(num_tokens)
+            return
+        if slots is not None:
+            raise UsageError("append(slots=) is for a cache whose L1 the engine owns (engine_blocks=)")
         if need > 0:
             slots = self.tiers.take_l1(need)
             seq.slots += slots
@@ -139,6 +154,10 @@ class PagedCache(Admission):
             known_hashes = len(seq.hashes)
             tail = token_bytes(tokens[known_hashes * bs : full * bs])
             seq.hashes += hash_blocks(tail, bs, seq.ns, parent=seq.hashes[-1] if known_hashes else 0)
+        if self.tiers.engine_owned:
+            self._save_engine_blocks(seq, tb, start, full)
+            seq.committed = full
+            return full - start
         new, told = [], 0  # told: how many of `new` the tiers were told of (under write-through
         # they copy them down then: telling them every COPY_CHUNK blocks starts the first copy
         # while the rest are entered, so that a long prompt's bookkeeping hides behind its copy)
@@ -164,6 +183,44 @@ class PagedCache(Admission):
             self._saved(seq, new)
         self.tiers.stored(new[told:])  # under write-through, copies down what a layer-by-layer save did not
         return full - start
+
+    def _save_engine_blocks(self, seq: SequenceBlocks, tb: bytes, start: int, full: int) -> None:
+        """commit() where the engine owns L1: blocks start..full-1 (their tokens `tb`) that no tier
+        holds or is saving are copied into fresh L2 slots by the engine (`take_moves`), and enter
+        the index, in L2, once it reports the copy done: until then a lookup must not find them
+        (a load issued before the copy would read the slot empty). What L2 has no room for now
+        is not saved."""
+        bs, todo = self.block_size, []
+        for i in range(start, full):
+            h, parent = seq.hashes[i], seq.hashes[i - 1] if i else 0
+            blk = tb[(i - start) * 4 * bs : (i - start + 1) * 4 * bs]
+            entry, collided = self.index.lookup(h, parent, seq.ns, blk)
+            if entry is None and not collided and h not in self._engine_saving:
+                todo.append((i, h, parent, blk))
+        slots = self.tiers.take_l2(len(todo)) if todo else []
+        todo = todo[: len(slots)]
+        if not todo:
+            return
+        self.tiers.copy_down([seq.slots[i] for i, *_ in todo], slots)
+        for _, h, *_ in todo:
+            self._engine_saving.add(h)
+        ns, priority, in_l3 = seq.ns, seq.priority, seq.in_l3
+
+        def saved() -> None:
+            new = []
+            for (i, h, parent, blk), slot in zip(todo, slots):
+                self._engine_saving.discard(h)
+                if h in self.index.entries:  # arrived meanwhile (an L3 read): ours is not needed
+                    self.tiers.give_l2([slot])
+                    continue
+                e = self.index.create(h, parent, ns, blk, priority, pos=i)
+                if in_l3[0] <= i < in_l3[1]:
+                    e.l3 = "written"  # recomputed, though L3 has it: nothing to write
+                self.index.place(e, "l2", slot)
+                new.append(e)
+            self.tiers.stored(new, tier="l2")
+
+        self.tiers.mover.after(saved)
 
     def _saved(self, seq: SequenceBlocks, new: list[BlockEntry]) -> None:
         """The end of a step that `save_layer` copied: the blocks it commits (`new`) live in the L2
@@ -267,6 +324,10 @@ class PagedCache(Admission):
         k = seq.offloaded
         if k:
             self.streamer.synchronize()  # its L2 slots may be read by a streamed load in flight
+        if self.tiers.engine_owned:  # the engine's blocks are its own to free; tierkv pinned none
+            seq.slots, seq.entries, seq.freed = [], [], True
+            del self._live[seq]
+            return
         private = []
         for slot, entry in zip(reversed(seq.slots[k:]), reversed(seq.entries[k:])):
             if entry is None:

@@ -35,10 +35,11 @@ from .l3_mover import L3Job, L3Mover
 from .layout import KVLayout, stored_layout
 from .metrics import CacheCounters
 from .tiers import DevicePool, HostPool
+from .tiers.engine_blocks import EngineBlocks
 from .tiers.codec import BlockId
 from .tiers.open import open_store
 from .tiers.pool import blocks_for
-from .transfer import DONE, BlockMover, Transfer, in_flight
+from .transfer import COPY_L1, DONE, FENCE, L1_TO_L2, L2_TO_L1, L3_LANDED, BlockMover, EngineMover, Transfer, in_flight
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +49,6 @@ GPU_L1_FRACTION = 0.8  # on a GPU: this share of the memory free when the cache 
 ACTIVATION_RESERVE = 4 * 2**30  # leaving this much for activations and the allocator
 
 
-# The kinds of L1/L2 byte moves (`Tiering.moves`, StepPlan): source and destination slot lists.
-# L3_LANDED marks where rank 0 took in an L3 read (src = [its number]): past it, the other ranks'
-# slots must hold their heads of its blocks.
-L1_TO_L2, L2_TO_L1, COPY_L1, FENCE, L3_LANDED = 0, 1, 2, 3, 4
 
 
 def default_l1_bytes(device: torch.device) -> int:
@@ -118,8 +115,15 @@ class Tiering:
         l2_blocks = blocks_for(config.l2, self.offload.bytes_per_block, "CacheConfig.l2")
         require_l2_for_l3(config.l3, l2_blocks)  # a library user's CacheConfig: no EngineConfig checked it
         self.l1 = l1 if l1 is not None else DevicePool(layout, l1_blocks, device)
-        self.l2 = HostPool(self.offload, l2_blocks) if l2_blocks else None
-        self.mover = BlockMover(self.l1, self.l2) if self.l2 else None
+        # engine_owned: the engine's block ids and buffers are L1 (tiers/engine_blocks.py); every
+        # L1<->L2 move is recorded for the engine to run, and tierkv keeps L2 and L3
+        self.engine_owned = isinstance(self.l1, EngineBlocks)
+        if self.engine_owned and not l2_blocks:
+            raise ConfigError("with the engine's own L1 (engine_blocks=), tierkv keeps L2 and L3: give CacheConfig.l2 "
+                              "at least one block")
+        self.l2 = (HostPool(self.offload, l2_blocks, file=config.l2_file) if l2_blocks else None)
+        self.mover = (EngineMover(self.offload.bytes_per_block) if self.engine_owned
+                      else BlockMover(self.l1, self.l2) if self.l2 else None)
         self.l3 = (L3Mover([open_store(url, self.l3_layout) for url in config.l3], self.l2, exchange)
                    if config.l3 else None)
         self.index = BlockIndex(config.eviction)
@@ -309,7 +313,7 @@ class Tiering:
         self.reap()
         if any(e.ref or e.held for e in self.index.entries.values()):
             return False
-        if self.mover is not None:
+        if self.mover is not None and not self.engine_owned:  # (the engine's copies hold their blocks)
             self.mover.last.synchronize()  # no copy may still read a slot given back
         slots = self.index.clear()
         self.l1.free.give(slots["l1"])
@@ -566,9 +570,12 @@ class Tiering:
     def close(self, timeout: float | None = None) -> None:
         """Finish the moves in flight, write to L3 what the write policy still owes it (waiting at
         most `timeout` seconds; what is left is logged, never raised), and close the stores."""
+        if self.engine_owned:
+            self.mover.abandon()  # the engine reports nothing more
         if self.mover is not None:
             self.mover.last.synchronize()
         if self.l3 is None:
+            self._close_shared_l2()
             return
         try:
             self.flush(timeout, owed_only=True)
@@ -580,3 +587,9 @@ class Tiering:
         if lost:
             log.warning("close(): %d blocks (%d tokens) that L3 lacks could not be written within %s s; other "
                         "processes will recompute them", len(lost), len(lost) * self.layout.block_size, timeout)
+        self._close_shared_l2()
+
+    def _close_shared_l2(self) -> None:
+        """A shared memory L2 (CacheConfig.l2_file) goes with its cache: its file is removed."""
+        if self.l2 is not None and self.l2.file is not None:
+            self.l2.close()

@@ -28,16 +28,39 @@ from ..kernels.planes import PlaneTable
 from ..layout import KVLayout
 from .pool import FreeSlots, check_fits
 
+def _vllm_half(t: torch.Tensor, c: int) -> torch.Tensor:
+    """K (c=0) or V (c=1) of a vLLM 0.32 page tensor [N, H, B, 2D] (any stride order: vLLM
+    picks one per attention backend), whose last axis holds K then V: a view [N, B, H, D]."""
+    d = t.shape[-1] // 2
+    return t.transpose(1, 2)[..., c * d : (c + 1) * d]
+
+
+def _vllm_cpu_half(t: torch.Tensor, c: int) -> torch.Tensor:
+    """K or V of vLLM's CPU pages: the same [N, H, B, 2D] tensor, but each (block, head) page is
+    [2B, D], K's B rows then V's (cpu_attn.py), and K's bytes are packed for the CPU's vector
+    unit (so copied, never read as K here). A view [N, B, H, D] over those rows."""
+    n, h, b, d2 = t.shape
+    if t.stride(3) != 1 or t.stride(2) != d2:
+        raise ConfigError(f"vLLM CPU KV pages must be contiguous [block_size, 2*head_dim] runs; got strides {t.stride()}")
+    return t.view(n, h, 2, b, d2 // 2)[:, :, c].transpose(1, 2)
+
+
 # The layouts an engine's KV buffers may have: the axes of one buffer (L layers, N blocks, 2 for
-# K and V, B block_size, H kv heads, D head_dim; one buffer per layer where there is no L), and
-# plane(buffer, layer in it, c): K (c=0) or V (c=1) of that layer as a view [N, B, H, D].
+# K and V, B block_size, H kv heads, D head_dim, C both K and V: 2 * head_dim; one buffer per
+# layer where there is no L), and plane(buffer, layer in it, c): K (c=0) or V (c=1) of that layer
+# as a view [N, B, H, D]. "vllm" is older vLLM's per-layer [2, N, B, H, D]; "vllm_paged" is what
+# vLLM 0.32 (the version tierkv's connector is tested with) registers on its CUDA backends
+# (FlashAttention, FlashInfer), "vllm_cpu" on its CPU backend.
 KV_LAYOUTS = {
     "tierkv": ("LN2BHD", lambda t, layer, c: t[layer, :, c]),
     "vllm": ("2NBHD", lambda t, layer, c: t[c]),
+    "vllm_paged": ("NHBC", lambda t, layer, c: _vllm_half(t, c)),
+    "vllm_cpu": ("NHBC", lambda t, layer, c: _vllm_cpu_half(t, c)),
     "flashinfer_nhd": ("N2BHD", lambda t, layer, c: t[:, c]),
     "flashinfer_hnd": ("N2HBD", lambda t, layer, c: t[:, c].transpose(1, 2)),
 }
-_AXIS_NAMES = {"L": "layers", "N": "N", "2": "2", "B": "block_size", "H": "kv_heads", "D": "head_dim"}
+_AXIS_NAMES = {"L": "layers", "N": "N", "2": "2", "B": "block_size", "H": "kv_heads", "D": "head_dim",
+               "C": "2*head_dim"}
 
 # The memory each live pool hands out blocks of: (device, first byte, end byte, the pool). Two
 # caches over one engine's buffers would each give block 0 to a sequence of their own and write
@@ -170,7 +193,7 @@ def _checked(buffers, layout: KVLayout, kv_layout: str) -> list[torch.Tensor]:
     """`buffers` as a list of tensors whose shapes, dtype and device fit `layout` in `kv_layout`."""
     L, _, bs, H, D = layout.block_shape
     axes = KV_LAYOUTS[kv_layout][0]
-    sizes = {"L": L, "N": None, "2": 2, "B": bs, "H": H, "D": D}
+    sizes = {"L": L, "N": None, "2": 2, "B": bs, "H": H, "D": D, "C": 2 * D}
     expected = tuple(sizes[a] for a in axes)  # None: the block count, the buffers' own
     want = 1 if "L" in axes else L
     if not isinstance(buffers, Sequence) or len(buffers) != want or not all(isinstance(t, torch.Tensor) for t in buffers):

@@ -8,18 +8,22 @@ neighbouring slots form long DMA transfers. The pool is plain host memory page-l
 cudaHostRegister: exactly the size asked (torch's pinned allocator rounds up to a power of two)
 and faulted in on all cores first (the driver alone does it on one). Where the OS will not pin
 it all, the pool shrinks to the largest halving that pins, and says so; where nothing pins, it
-stays pageable. This file owns memory and free slots, never policy.
+stays pageable. A pool may instead live in a shared memory file (`file=`): the process that makes
+the cache creates it, and others (an engine's workers, which copy between their KV buffers and L2)
+map the same bytes with `HostPool.attach`. This file owns memory and free slots, never policy.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import weakref
 
 import torch
 
 from ..layout import KVLayout, OffloadLayout
+from ..errors import ConfigError
 from .pool import FreeSlots, check_fits, gib
 
 log = logging.getLogger(__name__)
@@ -53,15 +57,51 @@ def _unregister(kv: torch.Tensor) -> None:
     torch.cuda.cudart().cudaHostUnregister(kv.data_ptr())
 
 
+def _shared_room(file: str, nbytes: int) -> None:
+    """Refuse, naming both sizes, a shared L2 larger than its filesystem's free room (Docker's
+    /dev/shm is 64 MiB by default): the pages would fail one at a time, as SIGBUS, mid-copy."""
+    folder = os.path.dirname(os.path.abspath(file))
+    if not os.path.isdir(folder):
+        raise ConfigError(f"the shared L2 file {file} is in a folder that does not exist")
+    st = os.statvfs(folder)
+    free = st.f_bavail * st.f_frsize
+    if os.path.exists(file):
+        free += os.path.getsize(file)
+    if nbytes > free:
+        raise ConfigError(f"the shared L2 needs {gib(nbytes)} in {folder}, which has {gib(free)} free: lower l2, or "
+                          "give the container more shared memory (docker --shm-size, or a Kubernetes emptyDir with "
+                          "medium: Memory mounted at /dev/shm)")
+
+
+def _mapped(file: str, num_blocks: int, shape: tuple, dtype: torch.dtype, create: bool) -> torch.Tensor:
+    """[num_blocks, *shape] of `dtype` over shared memory file `file` (made anew of that size when `create`)."""
+    nbytes = num_blocks * torch.Size(shape).numel() * torch.tensor([], dtype=dtype).element_size()
+    if create:
+        fd = os.open(file, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)  # the KV of its requests: owner only
+        try:
+            os.ftruncate(fd, nbytes)
+        finally:
+            os.close(fd)
+    raw = torch.from_file(file, shared=True, size=nbytes, dtype=torch.uint8)
+    return raw.view(dtype).view(num_blocks, *shape)
+
+
 class HostPool:
-    def __init__(self, layout: KVLayout | OffloadLayout, num_blocks: int, pin: bool | None = None) -> None:
+    def __init__(self, layout: KVLayout | OffloadLayout, num_blocks: int, pin: bool | None = None,
+                 file: str | None = None) -> None:
+        """`file`: create the pool as this shared memory file (replacing one left there), unpinned
+        here: the processes that copy into it pin their own mappings (`attach`)."""
         self.layout = layout
         self._shape, self._dtype = layout.block_storage  # one block: its shape and dtype here
         check_fits(num_blocks * layout.bytes_per_block, torch.device("cpu"), "CacheConfig.l2")
+        self.file, self.owns_file = file, file is not None
         if pin is None:
             pin = torch.cuda.is_available()
-        kv = self._pinned(num_blocks) if pin and num_blocks > 0 else None
+        kv = self._pinned(num_blocks) if pin and num_blocks > 0 and file is None else None
         self.pinned = kv is not None
+        if file is not None:
+            _shared_room(file, num_blocks * layout.bytes_per_block)
+            kv = _mapped(file, num_blocks, self._shape, self._dtype, create=True)
         self.kv = kv if kv is not None else torch.empty((num_blocks, *self._shape), dtype=self._dtype)
         self.num_blocks = self.kv.shape[0]
         self.free = FreeSlots(self.num_blocks)
@@ -71,6 +111,29 @@ class HostPool:
             # `kv`, so the memory outlives its registration. At exit the OS reclaims it all.
             self._unpin = weakref.finalize(self, _unregister, self.kv)
             self._unpin.atexit = False
+
+    @classmethod
+    def attach(cls, layout: KVLayout | OffloadLayout, file: str, pin: bool | None = None) -> HostPool:
+        """The pool another process made in shared memory file `file` (HostPool(file=...)), mapped
+        here: writes on either side land in the same bytes. Pinned where a GPU is there to copy
+        to (`pin` None) and the driver lets it; the free list is the maker's, not this one's."""
+        pool = cls.__new__(cls)
+        pool.layout, pool.file, pool.owns_file = layout, file, False
+        pool._shape, pool._dtype = layout.block_storage
+        size = os.path.getsize(file) if os.path.exists(file) else -1
+        if size <= 0 or size % layout.bytes_per_block:
+            raise ConfigError(f"{file} is not an L2 pool of blocks of {layout.bytes_per_block} bytes "
+                              f"({'missing' if size < 0 else f'{size} bytes'}): the cache that makes it must use the "
+                              "same KV layout and run first")
+        kv = _mapped(file, size // layout.bytes_per_block, pool._shape, pool._dtype, create=False)
+        pool.pinned = bool(torch.cuda.is_available() if pin is None else pin) and _register(kv)
+        pool.kv, pool.num_blocks = kv, kv.shape[0]
+        pool.free = FreeSlots(0)
+        pool._unpin = None
+        if pool.pinned:
+            pool._unpin = weakref.finalize(pool, _unregister, kv)
+            pool._unpin.atexit = False
+        return pool
 
     def _pinned(self, num_blocks: int) -> torch.Tensor | None:
         """A pinned pool of `num_blocks`, or of the largest halving of it that pins; None if none pins."""
@@ -96,9 +159,15 @@ class HostPool:
         return kv
 
     def close(self) -> None:
-        """Unpin and release the memory, once no copy to or from it is in flight; the pool is then empty."""
+        """Unpin and release the memory, once no copy to or from it is in flight; the pool is then
+        empty. The maker of a shared pool removes its file (mappings elsewhere stay valid)."""
         if self._unpin is not None:
             self._unpin()
+        if self.file is not None and self.owns_file:
+            try:
+                os.unlink(self.file)
+            except FileNotFoundError:
+                pass
         self.kv = torch.empty((0, *self._shape), dtype=self._dtype)
         self.num_blocks, self.pinned = 0, False
         self.free = FreeSlots(0)

@@ -1,0 +1,113 @@
+"""TierKVConnector: vLLM's v1 KV-connector API (KVConnectorBase_V1) over tierkv's L2 and L3.
+
+vLLM builds one in its scheduler process (role SCHEDULER) and one in each worker (role WORKER);
+each call goes to that role's half: scheduler_side.py decides, worker_side.py copies. This file
+only maps vLLM's method names and arguments onto them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from .records import CopiesDone, StepWork
+
+log = logging.getLogger(__name__)
+
+
+class TierKVConnector(KVConnectorBase_V1):
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.scheduler = self.worker = None
+        if role == KVConnectorRole.SCHEDULER:
+            from .scheduler_side import SchedulerSide
+
+            # A corrupt or missing L3 object must make vLLM recompute, never fail the request:
+            # vLLM's default policy ("fail") ends it with an error. The scheduler reads the policy
+            # after it builds the connector, from this same config object.
+            transfer = self._kv_transfer_config
+            if transfer.kv_load_failure_policy != "recompute":
+                log.info("TierKVConnector sets kv_load_failure_policy=recompute (was %s): a block tierkv cannot "
+                         "load is recomputed", transfer.kv_load_failure_policy)
+                transfer.kv_load_failure_policy = "recompute"
+            num_blocks = kv_cache_config.num_blocks if kv_cache_config is not None else 0
+            self.scheduler = SchedulerSide(vllm_config, num_blocks)
+        else:
+            from .worker_side import WorkerSide
+
+            self.worker = WorkerSide(vllm_config)
+
+    # ------------------------------------------------------------------ scheduler role
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self.scheduler.matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        self.scheduler.allocated(request, list(blocks.get_block_ids()[0]), num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> StepWork:
+        return self.scheduler.step(scheduler_output)
+
+    def update_connector_output(self, connector_output) -> None:
+        self.scheduler.copies_done(connector_output.kv_connector_worker_meta)
+
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
+        self.scheduler.finished(request)
+        return False, None  # its copies ran within the steps that recorded them
+
+    def reset_cache(self) -> bool:
+        return self.scheduler.reset()
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: nothing downstream waits for what it stores
+
+    def take_events(self) -> Iterable:
+        return ()
+
+    # ------------------------------------------------------------------ worker role
+
+    def register_kv_caches(self, kv_caches) -> None:
+        self.worker.register(kv_caches)
+
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        self.worker.load(self._get_connector_metadata())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        pass  # start_load_kv ordered the forward's stream after the loads
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:
+        pass  # whole blocks are saved after the forward (wait_for_save)
+
+    def wait_for_save(self) -> None:
+        self.worker.save(self._get_connector_metadata())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        work = self._connector_metadata
+        done = set(work.loaded_async) if isinstance(work, StepWork) else set()
+        return None, done or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        work = self._connector_metadata
+        return set(work.load_errors) if isinstance(work, StepWork) else set()
+
+    def build_connector_worker_meta(self) -> CopiesDone:
+        return self.worker.report()
+
+    # ------------------------------------------------------------------ both
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config) -> str | None:
+        # heads outer: each (layer, block) page is one run of bytes (CPU attention takes only this)
+        return "HND"
+
+    def shutdown(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.close()
+        if self.worker is not None:
+            self.worker.close()

@@ -1,0 +1,108 @@
+"""The connector's options and the identity of its blocks: what `kv_connector_extra_config` may
+say, the KVLayout of vLLM's pages, and the name (namespace) under which the blocks are stored.
+
+Both vLLM processes (the scheduler's and each worker's) build the same answer from the same
+vllm_config, so their caches agree on every slot without talking. Never imports torch kernels,
+never moves bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tierkv.config import CacheConfig
+from tierkv.errors import ConfigError
+from tierkv.layout import KVLayout
+
+# kv_connector_extra_config keys, under tierkv-serve's flag names
+OPTIONS = ("l2", "l3", "eviction", "write_policy", "kv_offload_dtype", "model")
+DEFAULT_L2 = "4GiB"
+
+
+@dataclass(frozen=True)
+class ConnectorOptions:
+    cache: CacheConfig
+    model: str  # the namespace's model name
+    layout: KVLayout  # one rank's pages, as vLLM allocates them
+    kv_format: str  # "" where vLLM's pages hold plain K and V (CUDA), else what they hold (CPU)
+    kv_layout: str  # tiers.gpu.KV_LAYOUTS name of the registered tensors
+    engine_blocks: int  # vLLM's KV blocks (0 on a worker, which learns them at registration)
+
+
+def parse(vllm_config, num_blocks: int = 0) -> ConnectorOptions:
+    """The options of this vLLM engine; ConfigError naming what to change for any it cannot take."""
+    extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+    unknown = sorted(set(extra) - set(OPTIONS))
+    if unknown:
+        raise ConfigError(f"kv_connector_extra_config: unknown key(s) {', '.join(map(repr, unknown))}; TierKVConnector "
+                          f"takes {', '.join(OPTIONS)} (tierkv-serve's flags of the same names)")
+    l3 = extra.get("l3", [])
+    if isinstance(l3, str):
+        l3 = [l3]
+    engine_id = vllm_config.kv_transfer_config.engine_id
+    cache = CacheConfig(
+        l2=extra.get("l2", DEFAULT_L2), l3=list(l3), eviction=extra.get("eviction", "lru"),
+        write_policy=extra.get("write_policy", "write_through"), kv_offload_dtype=extra.get("kv_offload_dtype"),
+        l2_file=f"/dev/shm/tierkv-{engine_id}",
+    )
+    if cache.l2 == 0:
+        raise ConfigError("kv_connector_extra_config l2: TierKVConnector keeps blocks in L2 (and L3 below it); "
+                          "give l2 a size such as \"4GiB\"")
+    parallel = vllm_config.parallel_config
+    if parallel.tensor_parallel_size * parallel.pipeline_parallel_size > 1:
+        raise ConfigError("TierKVConnector runs with tensor_parallel_size=1 and pipeline_parallel_size=1 for now")
+    model_config, cache_config = vllm_config.model_config, vllm_config.cache_config
+    if cache_config.cache_dtype not in ("auto", None):
+        raise ConfigError(f"TierKVConnector stores KV in the model's dtype; --kv-cache-dtype {cache_config.cache_dtype} "
+                          "is not supported: leave it at auto (tierkv's kv_offload_dtype=fp8_e4m3 halves L2 and L3 instead)")
+    dtype = model_config.dtype
+    layout = KVLayout(
+        num_layers=model_config.get_num_layers(parallel), num_kv_heads=model_config.get_num_kv_heads(parallel),
+        head_dim=model_config.get_head_size(), block_size=cache_config.block_size, dtype=dtype,
+    )
+    on_cpu = vllm_config.device_config.device_type == "cpu"
+    kv_format = f"vllm_cpu-{_cpu_isa(dtype, layout)}" if on_cpu else ""
+    return ConnectorOptions(cache=cache, model=extra.get("model") or default_model(vllm_config), layout=layout,
+                            kv_format=kv_format, kv_layout="vllm_cpu" if on_cpu else "vllm_paged",
+                            engine_blocks=num_blocks)
+
+
+def _cpu_isa(dtype: torch.dtype, layout: KVLayout) -> str:
+    """How vLLM's CPU attention packs K on this machine (its own choice, so the same as the
+    workers'): pages packed another way are other bytes, and are named apart."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa  # private: the one place it decides
+
+    return _get_attn_isa(dtype, layout.block_size, layout.head_dim)
+
+
+def default_model(vllm_config) -> str:
+    """The namespace's model name when the options give none: a local checkpoint's fingerprint
+    (every byte of its weights: a fine-tune never reads its base model's blocks), or the Hub id
+    at its revision."""
+    model_config = vllm_config.model_config
+    path = Path(model_config.model)
+    if path.is_dir():
+        from tierkv.engine.loader import fingerprint, weight_files
+
+        return "local:" + fingerprint(path, weight_files(path))
+    return f"{model_config.model}@{model_config.revision or 'main'}"
+
+
+def request_salt(request) -> str | None:
+    """What besides the tokens decides a request's KV, as vLLM keys it: cache_salt and a LoRA."""
+    parts = []
+    if request.cache_salt:
+        parts.append(f"salt:{request.cache_salt}")
+    lora = request.lora_request
+    if lora is not None:
+        parts.append(f"lora:{lora.lora_name}:{lora.lora_path}")
+    return "\x00".join(parts) if parts else None
+
+
+def cacheable(request) -> bool:
+    """Requests whose KV depends on more than token ids and salt (images, prompt embeddings) are
+    neither looked up nor saved: their tokens alone would name other KV."""
+    return not getattr(request, "mm_features", None) and getattr(request, "prompt_embeds", None) is None

@@ -1,0 +1,68 @@
+"""A worker's half of the connector: the copies. It maps the scheduler's shared L2 and vLLM's
+registered KV tensors (one per layer, in vLLM's page layout), and runs each step's recorded
+copies on them: loads before the forward that reads them, saves after the forward that writes
+them. Then it reports the batch done (CopiesDone).
+
+Runs in each vLLM worker process. Decides nothing: every slot comes in StepWork.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from tierkv.layout import stored_layout
+from tierkv.tiers import DevicePool, HostPool
+from tierkv.transfer import DONE, L1_TO_L2, L2_TO_L1, BlockMover, Transfer, run_moves
+
+from . import options
+from .records import CopiesDone, StepWork
+
+log = logging.getLogger(__name__)
+
+
+class WorkerSide:
+    def __init__(self, vllm_config) -> None:
+        self.options = options.parse(vllm_config)
+        self.l1: DevicePool | None = None
+        self.mover: BlockMover | None = None  # made at the first copy: the scheduler makes L2 after registration
+        self.done = -1  # the last batch run here
+        self._loads: Transfer = DONE
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """register_kv_caches: vLLM's per-layer tensors, in layer order, checked against the layout."""
+        self.l1 = DevicePool.of_buffers(self.options.layout, kv_caches, self.options.kv_layout)
+        self.layer_index = {name: i for i, name in enumerate(kv_caches)}
+
+    def _mover(self) -> BlockMover:
+        if self.mover is None:
+            opts = self.options
+            l2 = HostPool.attach(stored_layout(opts.layout, opts.cache.kv_offload_dtype), opts.cache.l2_file)
+            self.mover = BlockMover(self.l1, l2)
+        return self.mover
+
+    def load(self, work: StepWork | None) -> None:
+        """start_load_kv: run the step's loads; the forward's stream waits for them (no host sync)."""
+        if work is None or not any(kind == L2_TO_L1 for kind, _, _ in work.moves):
+            return
+        self._loads = run_moves(self._mover(), work.moves, kinds=(L2_TO_L1,))
+        self._loads.wait()
+
+    def save(self, work: StepWork | None) -> None:
+        """wait_for_save: run the step's saves (after the forward wrote their blocks) and wait for
+        every copy of the batch, so that vLLM may reuse the blocks once the step ends."""
+        if work is None or work.batch < 0:
+            return
+        if any(kind == L1_TO_L2 for kind, _, _ in work.moves):
+            run_moves(self._mover(), work.moves, kinds=(L1_TO_L2,)).synchronize()
+        self._loads.synchronize()
+        self._loads = DONE
+        self.done = work.batch
+
+    def report(self) -> CopiesDone:
+        return CopiesDone(self.done)
+
+    def close(self) -> None:
+        if self.l1 is not None:
+            self.l1.release()
