@@ -5,7 +5,9 @@ in test_vllm_connector.py run it; it is not collected by pytest (no test_ prefix
 usage: python vllm_driver.py '<json>'   with keys:
   model: a Hugging Face directory; extra: kv_connector_extra_config; llm: more LLM(...) arguments;
   steps: a list of {"generate": [prompts], "sampling": {...}} | {"reset": true, "connector": bool}
-         | {"spoil_disk": dir, "how": "flip" | "delete", "count": n}
+         | {"spoil_disk": dir, "how": "flip" | "truncate" | "delete", "count": n}
+         | {"flush_redis": url}: empty that Redis
+         | {"stats": true}: tierkv's counters (in-process engines only: VLLM_ENABLE_V1_MULTIPROCESSING=0)
 """
 
 import json
@@ -26,13 +28,16 @@ def generate(llm, step):
 
 
 def spoil_disk(step):
-    """Damage the newest `count` objects of a disk L3: flip a byte in the middle, or delete them."""
+    """Damage the newest `count` objects of a disk L3: flip a byte in the middle, cut the second
+    half off, or delete them."""
     files = sorted((os.path.join(d, f) for d, _, fs in os.walk(step["spoil_disk"]) for f in fs
                     if not f.startswith(".") and not f.endswith(".tmp") and "index" not in f), key=os.path.getmtime)
     spoiled = files[-step.get("count", 1):]
     for path in spoiled:
         if step.get("how", "flip") == "delete":
             os.unlink(path)
+        elif step["how"] == "truncate":
+            os.truncate(path, os.path.getsize(path) // 2)
         else:
             with open(path, "r+b") as f:
                 f.seek(os.path.getsize(path) // 2)
@@ -40,6 +45,18 @@ def spoil_disk(step):
                 f.seek(-1, 1)
                 f.write(bytes([b[0] ^ 0xFF]))
     return {"spoiled": len(spoiled), "of": len(files)}
+
+
+def stats(llm):
+    """The scheduler connector's cache counters, where the engine core runs in this process."""
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    if core is None:
+        return None
+    side = core.scheduler.connector.scheduler
+    c = side.cache.stats()
+    return {"hit_tokens": c["hit_tokens"], "l3_errors": c["tiers"]["l3"]["errors"],
+            "preemptions": side.preemptions, "resumed_hit_tokens": side.resumed_hit_tokens,
+            "by_tier": {t: c["tiers"][t]["hit_tokens"] for t in ("l2", "l3")}}
 
 
 def main() -> None:
@@ -60,6 +77,12 @@ def main() -> None:
             seen.append(llm.reset_prefix_cache(reset_connector=step.get("connector", False)))
         elif "spoil_disk" in step:
             seen.append(spoil_disk(step))
+        elif "flush_redis" in step:
+            import redis
+
+            seen.append(redis.Redis.from_url(step["flush_redis"]).flushdb())
+        elif "stats" in step:
+            seen.append(stats(llm))
     print("DRIVER_RESULT " + json.dumps(seen), flush=True)
 
 

@@ -23,6 +23,7 @@ from .records import CopiesDone, StepWork
 log = logging.getLogger(__name__)
 
 L3_DEADLINE_S = 5.0  # how long an L3 read may take before what has not arrived is recomputed
+RESET_WAIT_S = 10.0  # how long a reset waits for L3 writes to release the L2 blocks they read
 
 
 @dataclass
@@ -47,6 +48,8 @@ class SchedulerSide:
         self.cache = TieredKVCache(opts.layout, opts.cache, model=opts.model, engine_blocks=max(num_blocks, 1),
                                    kv_format=opts.kv_format)
         self.requests: dict[str, Tracked] = {}
+        # beyond the cache's own counters: preemptions seen, and the tokens loaded back for them
+        self.preemptions = self.resumed_hit_tokens = 0
         log.info("TierKVConnector: L2 %.2f GiB in %s, L3 %s, model %s, blocks of %d tokens",
                  opts.cache.l2 / 2**30, opts.cache.l2_file, opts.cache.l3 or "none", opts.model, self.block_size)
 
@@ -90,6 +93,10 @@ class SchedulerSide:
         want = (t.local + t.promised) // self.block_size
         t.seq = self.cache.allocate(None, t.salt, match=t.match, slots=block_ids, computed=t.local)
         got = max(t.seq.num_cached_tokens, t.local) // self.block_size
+        # blocks L3 was thought to hold but did not deliver are written there again once computed
+        t.seq.in_l3 = (t.seq.in_l3[0], min(t.seq.in_l3[1], got))
+        if t.request.num_preemptions > 0:
+            self.resumed_hit_tokens += sum(t.seq.cached_by_tier.values())
         t.match, t.promised = None, 0
         return block_ids[got:want]
 
@@ -100,6 +107,7 @@ class SchedulerSide:
         request's sequence by the tokens this step computes, and hand the copies to the workers."""
         work = StepWork()
         for rid in so.preempted_req_ids or ():
+            self.preemptions += 1
             self._forget(rid, keep_request=True)
         for rid in so.finished_req_ids:
             self._forget(rid)
@@ -167,7 +175,12 @@ class SchedulerSide:
         self._forget(request.request_id)
 
     def reset(self) -> bool:
-        """reset_cache: drop L2 (L3 is shared with other processes and stays); False while copies hold blocks."""
+        """reset_cache: drop L2 (L3 is shared with other processes and stays). L2 blocks that L3
+        writes still read are held until written: wait for those (up to RESET_WAIT_S) rather than
+        refuse. False while a request's copies hold blocks, as vLLM's own reset refuses then."""
+        if self.cache.clear():
+            return True
+        self.cache.flush(RESET_WAIT_S)
         return self.cache.clear()
 
     def hit_sources(self, request) -> dict[str, int]:
