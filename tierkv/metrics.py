@@ -9,6 +9,20 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 
+# The per-tier counters as metrics, named once for every place that exports them (tierkv-serve's
+# /metrics, the vLLM connector's Prometheus metrics): name -> (TierCounters field, help text)
+TIER_COUNTER_METRICS = {
+    "tierkv_prefix_cache_hit_tokens": ("hit_tokens", "prefix tokens taken from the cache, by the tier each came from"),
+    "tierkv_tier_bytes_in": ("bytes_in", "bytes written into a tier"),
+    "tierkv_tier_bytes_out": ("bytes_out", "bytes read out of a tier"),
+    "tierkv_tier_blocks_in": ("blocks_in", "blocks written into a tier"),
+    "tierkv_tier_blocks_out": ("blocks_out", "blocks read out of a tier"),
+    "tierkv_tier_evictions": ("evictions", "blocks a tier gave up (demoted or dropped)"),
+    "tierkv_tier_drops": ("drops", "evictions that left no copy in any tier"),
+    "tierkv_tier_errors": ("errors", "failed reads/writes of a tier (L3 errors), counted as misses"),
+}
+
+
 @dataclass(slots=True)
 class TierCounters:
     hit_tokens: int = 0  # prefix tokens taken from this tier (allocate, adopt, retrieve)

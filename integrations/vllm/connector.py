@@ -14,6 +14,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from .records import CopiesDone, StepWork
+from .stats import TierKVPromMetrics, TierKVStats
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,23 @@ class TierKVConnector(KVConnectorBase_V1):
         return False  # a cache: nothing downstream waits for what it stores
 
     def take_events(self) -> Iterable:
-        return ()
+        return self.scheduler.take_events()
+
+    def get_external_cache_hit_sources(self, request, num_external_tokens: int) -> dict:
+        from_l2, from_l3 = self.scheduler.hit_sources(request, num_external_tokens)
+        l3 = CacheHitSource.DISK if self.scheduler.l3_is_local_disk else CacheHitSource.EXTERNAL_UNSPECIFIED
+        return {k: v for k, v in ((CacheHitSource.HOST, from_l2), (l3, from_l3)) if v}
+
+    def get_kv_connector_stats(self):
+        return self.scheduler.take_stats() if self.scheduler is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict | None = None):
+        return TierKVStats(dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return TierKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # ------------------------------------------------------------------ worker role
 

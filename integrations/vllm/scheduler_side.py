@@ -13,12 +13,15 @@ import time
 from dataclasses import dataclass, field
 
 from tierkv.cache import TieredKVCache
+from tierkv.events import BlockEvents
 from tierkv.plan import Match
 from tierkv.sequence import SequenceBlocks
 from tierkv.tiering import Prefetch
 
 from . import options
+from .events import VllmHashes, vllm_events
 from .records import CopiesDone, StepWork
+from .stats import StatsReporter, TierKVStats
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +38,7 @@ class Tracked:
     match: Match | None = None  # the lookup answered to vLLM, kept until allocation
     local: int = 0  # tokens vLLM's own prefix cache had at the lookup
     promised: int = 0  # tokens told to vLLM that tierkv loads
+    from_l3: int = 0  # of those, the tokens read from L3 first
     seq: SequenceBlocks | None = None
     fetch: Prefetch | None = None  # an L3 read on its way into L2 (asynchronous load)
     fetch_ids: list[int] = field(default_factory=list)  # vLLM's block ids waiting for it
@@ -50,6 +54,13 @@ class SchedulerSide:
         self.requests: dict[str, Tracked] = {}
         # beyond the cache's own counters: preemptions seen, and the tokens loaded back for them
         self.preemptions = self.resumed_hit_tokens = 0
+        self.stats = StatsReporter(self.cache.counters)
+        # hits from L3 count as vLLM's DISK where the first store (where reads go first) is a file://
+        self.l3_is_local_disk = bool(opts.cache.l3) and opts.cache.l3[0].startswith("file://")
+        events = vllm_config.kv_events_config
+        self.events = BlockEvents() if events is not None and events.enable_kv_cache_events else None
+        self.hashes = VllmHashes()
+        self.cache.listen(self.events)
         log.info("TierKVConnector: L2 %.2f GiB in %s, L3 %s, model %s, blocks of %d tokens",
                  opts.cache.l2 / 2**30, opts.cache.l2_file, opts.cache.l3 or "none", opts.model, self.block_size)
 
@@ -67,6 +78,7 @@ class SchedulerSide:
         m = t.match
         extra = max(0, m.tokens - num_computed)
         t.local, t.promised = num_computed, extra
+        t.from_l3 = min(extra, m.by_tier["l3"])
         # asynchronous when some of it is read from L3 first (an L3 part past vLLM's own hit)
         return extra, bool(extra and m.tokens > max(num_computed, len(m.blocks) * self.block_size))
 
@@ -95,6 +107,8 @@ class SchedulerSide:
         got = max(t.seq.num_cached_tokens, t.local) // self.block_size
         # blocks L3 was thought to hold but did not deliver are written there again once computed
         t.seq.in_l3 = (t.seq.in_l3[0], min(t.seq.in_l3[1], got))
+        if self.events is not None:
+            self.hashes.learn(t.seq.hashes, t.request, 0, got)
         if t.request.num_preemptions > 0:
             self.resumed_hit_tokens += sum(t.seq.cached_by_tier.values())
         t.match, t.promised = None, 0
@@ -138,7 +152,10 @@ class SchedulerSide:
         if new_ids or computed > seq.num_tokens:
             self.cache.append(seq, max(0, computed - seq.num_tokens), slots=new_ids)
         if computed // self.block_size > seq.committed:
+            first = seq.committed
             self.cache.commit(seq, list(tokens[:computed]))
+            if self.events is not None:
+                self.hashes.learn(seq.hashes, t.request, first, seq.committed)
 
     def _fresh(self, t: Tracked, block_ids: list[int]) -> SequenceBlocks:
         """A sequence for a request tierkv loads nothing into: over vLLM's blocks, computed by vLLM."""
@@ -183,10 +200,20 @@ class SchedulerSide:
         self.cache.flush(RESET_WAIT_S)
         return self.cache.clear()
 
-    def hit_sources(self, request) -> dict[str, int]:
+    def hit_sources(self, request, num_external: int) -> tuple[int, int]:
+        """Of the `num_external` tokens vLLM takes from the connector: (from L2, from L3)."""
         t = self.requests.get(request.request_id)
-        m = t.match if t is not None else None
-        return dict(m.by_tier) if m is not None else {}
+        from_l3 = min(num_external, t.from_l3) if t is not None else 0
+        return num_external - from_l3, from_l3
+
+    def take_events(self) -> list:
+        """vLLM KV events for the blocks that entered or left L2 and L3 since the last call."""
+        if self.events is None:
+            return []
+        return vllm_events(self.events.take(), self.hashes, self.block_size)
+
+    def take_stats(self) -> TierKVStats | None:
+        return self.stats.take()
 
     def close(self) -> None:
         self.cache.close()

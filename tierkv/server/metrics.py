@@ -18,6 +18,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
+from ..metrics import TIER_COUNTER_METRICS
+
 # Buckets fit both a GPU (ms) and a loaded CPU (seconds).
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 _PER_TOKEN = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12)
@@ -179,17 +181,7 @@ class _EngineCollector:
         for name, key, doc in _ENGINE_HISTOGRAMS:
             if key in e:
                 yield _histogram(name, doc, e[key])
-        per_tier = {
-            "tierkv_prefix_cache_hit_tokens": ("hit_tokens", "prefix tokens taken from the cache, by the tier each came from"),
-            "tierkv_tier_bytes_in": ("bytes_in", "bytes written into a tier"),
-            "tierkv_tier_bytes_out": ("bytes_out", "bytes read out of a tier"),
-            "tierkv_tier_blocks_in": ("blocks_in", "blocks written into a tier"),
-            "tierkv_tier_blocks_out": ("blocks_out", "blocks read out of a tier"),
-            "tierkv_tier_evictions": ("evictions", "blocks a tier gave up (demoted or dropped)"),
-            "tierkv_tier_drops": ("drops", "evictions that left no copy in any tier"),
-            "tierkv_tier_errors": ("errors", "failed reads/writes of a tier (L3 errors), counted as misses"),
-        }
-        for name, (key, doc) in per_tier.items():
+        for name, (key, doc) in TIER_COUNTER_METRICS.items():
             fam = CounterMetricFamily(name, doc, labels=["tier"])
             for t in TIERS:
                 fam.add_metric([t], tiers.get(t, {}).get(key, 0))
