@@ -37,11 +37,23 @@ L, _, BS, H, D = LAYOUT.block_shape
 
 
 def buffers(kind: str, blocks: int):
+    """`blocks` blocks of engine KV in `kind`: a KV_LAYOUTS name, or vllm_paged_nhd / vllm_paged_hnd
+    (vLLM 0.32's CUDA pages, views of one backing buffer in its LBNHC / LBHNC order)."""
+    if kind == "vllm_paged_nhd":
+        backing = torch.empty(L, blocks, BS, H, 2 * D, dtype=LAYOUT.dtype, device="cuda")
+        return [backing[i].transpose(1, 2) for i in range(L)]
+    if kind == "vllm_paged_hnd":
+        backing = torch.empty(L, blocks, H, BS, 2 * D, dtype=LAYOUT.dtype, device="cuda")
+        return [backing[i] for i in range(L)]
     if kind == "vllm":
         return [torch.empty(2, blocks, BS, H, D, dtype=LAYOUT.dtype, device="cuda") for _ in range(L)]
     if kind == "flashinfer_hnd":
         return [torch.empty(blocks, 2, H, BS, D, dtype=LAYOUT.dtype, device="cuda") for _ in range(L)]
     return torch.empty(L, blocks, 2, BS, H, D, dtype=LAYOUT.dtype, device="cuda")  # tierkv
+
+
+def kv_layout_of(kind: str) -> str:
+    return "vllm_paged" if kind.startswith("vllm_paged") else kind
 
 
 def memcpy_seconds(nbytes: int, repeats: int) -> dict:
@@ -63,7 +75,7 @@ def memcpy_seconds(nbytes: int, repeats: int) -> dict:
 def run(kind: str, blocks: int, scattered: bool, repeats: int) -> dict:
     kv = buffers(kind, 2 * blocks)
     cache = TieredKVCache(LAYOUT, CacheConfig(l2=4 * blocks * LAYOUT.bytes_per_block, write_policy="write_through"),
-                          kv_caches=kv, kv_layout=kind, model="bench")
+                          kv_caches=kv, kv_layout=kv_layout_of(kind), model="bench")
     if scattered:  # slots handed out in random order, as after churn
         for free in (cache.l1.free, cache.l2.free):
             random.Random(0).shuffle(free._stack)
@@ -136,8 +148,8 @@ def check_bytes(kind: str) -> bool:
     """What was timed moves the right bytes: blocks written into the engine's buffers come back
     from L2 into other slots bit for bit."""
     kv = buffers(kind, 64)
-    cache = TieredKVCache(LAYOUT, CacheConfig(l2=64 * LAYOUT.bytes_per_block), kv_caches=kv, kv_layout=kind,
-                          model="check")
+    cache = TieredKVCache(LAYOUT, CacheConfig(l2=64 * LAYOUT.bytes_per_block), kv_caches=kv,
+                          kv_layout=kv_layout_of(kind), model="check")
     tokens = list(range(20 * BS + 1))
     seq = cache.admit(tokens)
     want = torch.randn(20, L, 2, BS, H, D, device="cuda").to(LAYOUT.dtype)
@@ -205,7 +217,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--blocks", type=int, default=1024, help="blocks of the prompt (2 MiB each)")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--layouts", default="vllm,flashinfer_hnd,tierkv")
+    ap.add_argument("--layouts", default="vllm,vllm_paged_nhd,vllm_paged_hnd,flashinfer_hnd,tierkv")
     ap.add_argument("--host-memory", action="store_true", help="also compare ways of making the pinned L2")
     ap.add_argument("--compare-paths", action="store_true", help="also time staged DMA and the GPU's copy forced")
     ap.add_argument("--out", default=None)

@@ -111,6 +111,15 @@ def test_hits_from_l2_then_l3_and_a_spoiled_or_deleted_l3_object_is_recomputed(v
     assert seen[0][0]["logprobs"] == other["logprobs"]
 
 
+def test_an_unknown_option_stops_vllm_at_start_and_names_the_accepted_ones(vllm_python, model_dir, tmp_path):
+    spec = {"model": model_dir, "extra": {"l2": "256MiB", "l3_url": "file:///tmp/x"}, "steps": []}
+    out = subprocess.run([vllm_python, str(DRIVER), json.dumps(spec)], capture_output=True, text=True, timeout=300,
+                         cwd=tmp_path, env=vllm_env(multiprocessing=False))
+    assert out.returncode != 0
+    assert ("kv_connector_extra_config: unknown key(s) 'l3_url'; TierKVConnector takes l2, l3, eviction, "
+            "write_policy, kv_offload_dtype, model") in out.stderr
+
+
 def test_chunked_prefill_preemption_a_shared_prefix_and_parallel_sampling(vllm_python, model_dir, tmp_path):
     """A small step budget (chunked prefill) and 8 KV blocks (vLLM preempts), prompts that share
     a prefix, and n=2: the round after vLLM's prefix cache is reset loads from tierkv and

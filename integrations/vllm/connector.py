@@ -96,7 +96,7 @@ class TierKVConnector(KVConnectorBase_V1):
         self.worker.load(self._get_connector_metadata())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        pass  # start_load_kv ordered the forward's stream after the loads
+        self.worker.wait_for_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:
         pass  # whole blocks are saved after the forward (wait_for_save)
@@ -117,6 +117,10 @@ class TierKVConnector(KVConnectorBase_V1):
         return self.worker.report()
 
     # ------------------------------------------------------------------ both
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict) -> bool:
+        return True  # each layer waits for its loads in wait_for_layer_load, which a full graph skips
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config) -> str | None:

@@ -43,17 +43,22 @@ class WorkerSide:
         return self.mover
 
     def load(self, work: StepWork | None) -> None:
-        """start_load_kv: run the step's loads; the forward's stream waits for them (no host sync)."""
+        """start_load_kv: start the step's loads (on a GPU, on the copy stream, in groups of layers)."""
         if work is None or not any(kind == L2_TO_L1 for kind, _, _ in work.moves):
             return
         self._loads = run_moves(self._mover(), work.moves, kinds=(L2_TO_L1,))
-        self._loads.wait()
+
+    def wait_for_layer(self, layer_name: str) -> None:
+        """wait_for_layer_load: the forward's stream waits for this layer's loads alone (no host
+        sync), so the first layers compute while later ones still load."""
+        self._loads.wait_layer(self.layer_index[layer_name])
 
     def save(self, work: StepWork | None) -> None:
         """wait_for_save: run the step's saves (after the forward wrote their blocks) and wait for
         every copy of the batch, so that vLLM may reuse the blocks once the step ends."""
         if work is None or work.batch < 0:
             return
+        self._loads.wait()  # a layer the forward did not wait for (no attention ran in it)
         if any(kind == L1_TO_L2 for kind, _, _ in work.moves):
             run_moves(self._mover(), work.moves, kinds=(L1_TO_L2,)).synchronize()
         self._loads.synchronize()
