@@ -49,10 +49,11 @@ def vllm_env(multiprocessing: bool) -> dict[str, str]:
             "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocessing else "0", "TOKENIZERS_PARALLELISM": "false"}
 
 
-def drive(python: str, spec: dict, tmp_path: Path, multiprocessing: bool = False) -> tuple[list, str]:
+def drive(python: str, spec: dict, tmp_path: Path, multiprocessing: bool = False,
+          env: dict[str, str] | None = None) -> tuple[list, str]:
     """Run the driver; returns what each step saw, and vLLM's log."""
     out = subprocess.run([python, str(DRIVER), json.dumps(spec)], capture_output=True, text=True, timeout=600,
-                         cwd=tmp_path, env=vllm_env(multiprocessing))
+                         cwd=tmp_path, env={**vllm_env(multiprocessing), **(env or {})})
     log = out.stdout + out.stderr
     line = next((x for x in out.stdout.splitlines() if x.startswith("DRIVER_RESULT ")), None)
     assert out.returncode == 0 and line is not None, f"the vLLM driver failed (exit {out.returncode}):\n{log[-6000:]}"
@@ -145,6 +146,33 @@ def test_chunked_prefill_preemption_a_shared_prefix_and_parallel_sampling(vllm_p
     diff = max(abs(a - b) for x, y in zip(logprobs(cold), logprobs(warm)) for u, v in zip(x, y) for a, b in zip(u, v))
     assert diff < 1e-4
     assert len(cold_n[0]["tokens"]) == 2 and warm_n[0]["tokens"] == cold_n[0]["tokens"]
+
+
+def test_tensor_parallel_ranks_store_their_heads_of_blocks_a_single_rank_engine_reads(vllm_python, tmp_path):
+    """TP=2 (two CPU workers, one core each): an L2 hit after vLLM's prefix cache is reset answers
+    as the cold run did, bit for bit. A TP=1 engine then reads the same blocks from the disk L3
+    (L2 and L3 blocks hold every rank's heads, named apart from no TP size) and answers the same
+    tokens (logprobs within 1e-4: the two TP sizes sum the attention heads in another order)."""
+    from models import save_tiny_checkpoint
+
+    model = str(save_tiny_checkpoint("llama", tmp_path / "tiny", hidden_size=256, num_attention_heads=4,
+                                     num_key_value_heads=2, head_dim=64, intermediate_size=512, vocab_size=1024,
+                                     max_position_embeddings=2048))
+    prompt = [(i * 37) % 1000 + 3 for i in range(170)]
+    gen = {"generate": [prompt], "sampling": {"detokenize": False}}
+    extra = {"l2": "64MiB", "l3": [f"file://{tmp_path / 'l3'}"]}
+    llm = {"tensor_parallel_size": 2, "skip_tokenizer_init": True}
+    # vLLM binds each CPU worker to a NUMA node of its own unless told the cores (one node here)
+    seen, _ = drive(vllm_python, {"model": model, "extra": extra, "llm": llm, "steps": [gen, {"reset": True}, gen]},
+                    tmp_path, multiprocessing=True, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    cold, warm = seen[0][0], seen[2][0]
+    assert cold["num_cached_tokens"] == 0 and warm["num_cached_tokens"] == 160
+    assert warm["tokens"] == cold["tokens"] and warm["logprobs"] == cold["logprobs"]
+    seen, _ = drive(vllm_python, {"model": model, "extra": extra, "llm": {"skip_tokenizer_init": True},
+                                  "steps": [gen]}, tmp_path)
+    single = seen[0][0]
+    assert single["num_cached_tokens"] == 160 and single["tokens"] == cold["tokens"]
+    assert max(abs(a - b) for a, b in zip(single["logprobs"][0], cold["logprobs"][0])) < 1e-4
 
 
 class Server:

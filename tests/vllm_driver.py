@@ -4,7 +4,7 @@ in test_vllm_connector.py run it; it is not collected by pytest (no test_ prefix
 
 usage: python vllm_driver.py '<json>'   with keys:
   model: a Hugging Face directory; extra: kv_connector_extra_config; llm: more LLM(...) arguments;
-  steps: a list of {"generate": [prompts], "sampling": {...}} | {"reset": true, "connector": bool}
+  steps: a list of {"generate": [prompts: text or token ids], "sampling": {...}} | {"reset": true, "connector": bool}
          | {"spoil_disk": dir, "how": "flip" | "truncate" | "delete", "count": n}
          | {"flush_redis": url}: empty that Redis
          | {"stats": true}: tierkv's counters (in-process engines only: VLLM_ENABLE_V1_MULTIPROCESSING=0)
@@ -19,7 +19,9 @@ def generate(llm, step):
     from vllm import SamplingParams
 
     params = SamplingParams(**{"temperature": 0, "max_tokens": 8, "logprobs": 1, **step.get("sampling", {})})
-    outs = llm.generate(step["generate"], params, use_tqdm=False)
+    # a prompt given as token ids goes in as such (a checkpoint without a tokenizer)
+    prompts = [{"prompt_token_ids": p} if isinstance(p, list) else p for p in step["generate"]]
+    outs = llm.generate(prompts, params, use_tqdm=False)
     return [dict(prompt_tokens=len(o.prompt_token_ids), num_cached_tokens=o.num_cached_tokens,
                  finish=[c.finish_reason for c in o.outputs],
                  tokens=[list(c.token_ids) for c in o.outputs],

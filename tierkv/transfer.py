@@ -133,7 +133,10 @@ def runs(slots: list[int]) -> Iterator[tuple[int, int, int]]:
 
 
 class BlockMover:
-    def __init__(self, l1: DevicePool, l2: HostPool) -> None:
+    def __init__(self, l1: DevicePool, l2: HostPool, warm_up: bool = True) -> None:
+        """`warm_up`: compile the copy kernels now by copying slot 0 both ways (the first L2 hit
+        of a process waited ~0.1 s for it); only where slot 0 holds nothing yet, so never over
+        an L2 another process already fills (HostPool.attach)."""
         self.l1, self.l2 = l1, l2
         self.device = l1.device
         self.cuda = self.device.type == "cuda"
@@ -153,7 +156,8 @@ class BlockMover:
         self.l2_planes = block_planes(l2.kv, self.device) if self.fmt is None and (l2.pinned or not self.cuda) else None
         # staged DMA for L2 in L1's format (by groups of layers, too); fp8 L2 is always staged, and
         # moves whole packed rows (a layer's part of one is not where it is in L1's format)
-        self.dma = self.cuda and self.fmt is None and DMA_MOVES and dma.available()
+        # (a head slice of a shared L2, HostPool.attach(heads=), is no run of whole rows: no DMA)
+        self.dma = self.cuda and self.fmt is None and DMA_MOVES and dma.available() and l2.kv.is_contiguous()
         if self.cuda:
             self.stream = torch.cuda.Stream(self.device)  # DMAs, and the GPU's own copies
             self.kernels = torch.cuda.Stream(self.device)  # a staged move's gathers and scatters
@@ -161,7 +165,8 @@ class BlockMover:
             # (reset by every move, which starts after the previous one ended on both streams)
             self._free: list[torch.cuda.Event | None] = [None, None]
             self._chunks = 0  # chunks staged so far in this move: the next one takes half _chunks % 2
-            self._compile()
+            if warm_up:
+                self._compile()
 
     def _compile(self) -> None:
         """Launch every kernel a move may use once, so that Triton compiles them now: the first L2

@@ -2,13 +2,15 @@
 say, the KVLayout of vLLM's pages, and the name (namespace) under which the blocks are stored.
 
 Both vLLM processes (the scheduler's and each worker's) build the same answer from the same
-vllm_config, so their caches agree on every slot without talking. Never imports torch kernels,
+vllm_config, so their caches agree on every slot without talking. Under tensor parallelism a
+block holds every rank's KV heads (each rank copies its slice): L2 and L3 hold whole-model
+blocks, named as a single-GPU engine names them, so TP sizes share them. Never imports torch kernels,
 never moves bytes.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -27,6 +29,8 @@ class ConnectorOptions:
     cache: CacheConfig
     model: str  # the namespace's model name
     layout: KVLayout  # one rank's pages, as vLLM allocates them
+    whole: KVLayout  # a whole block, every rank's KV heads: what L2 slots and L3 objects hold
+    tp_size: int
     kv_format: str  # "" where vLLM's pages hold plain K and V (CUDA), else what they hold (CPU)
     kv_layout: str  # tiers.gpu.KV_LAYOUTS name of the registered tensors
     engine_blocks: int  # vLLM's KV blocks (0 on a worker, which learns them at registration)
@@ -52,9 +56,17 @@ def parse(vllm_config, num_blocks: int = 0) -> ConnectorOptions:
         raise ConfigError("kv_connector_extra_config l2: TierKVConnector keeps blocks in L2 (and L3 below it); "
                           "give l2 a size such as \"4GiB\"")
     parallel = vllm_config.parallel_config
-    if parallel.tensor_parallel_size * parallel.pipeline_parallel_size > 1:
-        raise ConfigError("TierKVConnector runs with tensor_parallel_size=1 and pipeline_parallel_size=1 for now")
     model_config, cache_config = vllm_config.model_config, vllm_config.cache_config
+    tp, total_heads = parallel.tensor_parallel_size, model_config.get_total_num_kv_heads()
+    if parallel.pipeline_parallel_size > 1 or parallel.data_parallel_size > 1:
+        raise ConfigError("TierKVConnector runs with pipeline_parallel_size=1 and data_parallel_size=1 for now "
+                          "(tensor parallelism is supported)")
+    if total_heads % tp:
+        raise ConfigError(f"TierKVConnector needs the {total_heads} KV heads split evenly over tensor_parallel_size="
+                          f"{tp} (vLLM replicates them otherwise, which the connector does not store yet)")
+    if tp > 1 and extra.get("kv_offload_dtype"):
+        raise ConfigError("kv_offload_dtype with tensor_parallel_size > 1: each rank writes its KV heads into its "
+                          "slice of a block, and fp8 blocks are packed whole; leave kv_offload_dtype unset")
     if cache_config.cache_dtype not in ("auto", None):
         raise ConfigError(f"TierKVConnector stores KV in the model's dtype; --kv-cache-dtype {cache_config.cache_dtype} "
                           "is not supported: leave it at auto (tierkv's kv_offload_dtype=fp8_e4m3 halves L2 and L3 instead)")
@@ -66,8 +78,8 @@ def parse(vllm_config, num_blocks: int = 0) -> ConnectorOptions:
     on_cpu = vllm_config.device_config.device_type == "cpu"
     kv_format = f"vllm_cpu-{_cpu_isa(dtype, layout)}" if on_cpu else ""
     return ConnectorOptions(cache=cache, model=extra.get("model") or default_model(vllm_config), layout=layout,
-                            kv_format=kv_format, kv_layout="vllm_cpu" if on_cpu else "vllm_paged",
-                            engine_blocks=num_blocks)
+                            whole=replace(layout, num_kv_heads=total_heads), tp_size=tp, kv_format=kv_format,
+                            kv_layout="vllm_cpu" if on_cpu else "vllm_paged", engine_blocks=num_blocks)
 
 
 def _cpu_isa(dtype: torch.dtype, layout: KVLayout) -> str:

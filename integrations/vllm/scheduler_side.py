@@ -49,7 +49,7 @@ class SchedulerSide:
     def __init__(self, vllm_config, num_blocks: int) -> None:
         self.options = opts = options.parse(vllm_config, num_blocks)
         self.block_size = opts.layout.block_size
-        self.cache = TieredKVCache(opts.layout, opts.cache, model=opts.model, engine_blocks=max(num_blocks, 1),
+        self.cache = TieredKVCache(opts.whole, opts.cache, model=opts.model, engine_blocks=max(num_blocks, 1),
                                    kv_format=opts.kv_format)
         self.requests: dict[str, Tracked] = {}
         # beyond the cache's own counters: preemptions seen, and the tokens loaded back for them

@@ -38,8 +38,15 @@ class WorkerSide:
     def _mover(self) -> BlockMover:
         if self.mover is None:
             opts = self.options
-            l2 = HostPool.attach(stored_layout(opts.layout, opts.cache.kv_offload_dtype), opts.cache.l2_file)
-            self.mover = BlockMover(self.l1, l2)
+            heads = None
+            if opts.tp_size > 1:  # this rank's KV heads of each whole-model L2 block
+                from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+                h = opts.layout.num_kv_heads
+                heads = (get_tensor_model_parallel_rank() * h, (get_tensor_model_parallel_rank() + 1) * h)
+            l2 = HostPool.attach(stored_layout(opts.whole, opts.cache.kv_offload_dtype), opts.cache.l2_file, heads=heads)
+            # no warm-up copy through slot 0: the scheduler may have filled it already
+            self.mover = BlockMover(self.l1, l2, warm_up=False)
         return self.mover
 
     def load(self, work: StepWork | None) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import replace
 import threading
 import weakref
 
@@ -113,10 +114,13 @@ class HostPool:
             self._unpin.atexit = False
 
     @classmethod
-    def attach(cls, layout: KVLayout | OffloadLayout, file: str, pin: bool | None = None) -> HostPool:
+    def attach(cls, layout: KVLayout | OffloadLayout, file: str, pin: bool | None = None,
+               heads: tuple[int, int] | None = None) -> HostPool:
         """The pool another process made in shared memory file `file` (HostPool(file=...)), mapped
         here: writes on either side land in the same bytes. Pinned where a GPU is there to copy
-        to (`pin` None) and the driver lets it; the free list is the maker's, not this one's."""
+        to (`pin` None) and the driver lets it; the free list is the maker's, not this one's.
+        `heads=(first, end)`: a tensor-parallel rank's KV heads of each block (`layout` is the
+        whole block's): the pool is that slice of every slot, and its layout that rank's."""
         pool = cls.__new__(cls)
         pool.layout, pool.file, pool.owns_file = layout, file, False
         pool._shape, pool._dtype = layout.block_storage
@@ -128,6 +132,13 @@ class HostPool:
         kv = _mapped(file, size // layout.bytes_per_block, pool._shape, pool._dtype, create=False)
         pool.pinned = bool(torch.cuda.is_available() if pin is None else pin) and _register(kv)
         pool.kv, pool.num_blocks = kv, kv.shape[0]
+        if heads is not None:
+            if isinstance(layout, OffloadLayout) or not 0 <= heads[0] < heads[1] <= layout.num_kv_heads:
+                raise ConfigError(f"heads={heads}: a rank's slice of the {layout} blocks in {file} (fp8 L2 blocks "
+                                  "are packed whole and cannot be sliced)")
+            pool.kv = kv[..., heads[0] : heads[1], :]  # [n, layers, 2, bs, heads, head_dim]
+            pool.layout = replace(layout, num_kv_heads=heads[1] - heads[0])
+            pool._shape = pool.layout.block_storage[0]
         pool.free = FreeSlots(0)
         pool._unpin = None
         if pool.pinned:
