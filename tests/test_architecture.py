@@ -46,7 +46,7 @@ def _layer(module: str) -> int | None:
     return 1
 
 
-SOURCES = sorted([*ROOT.glob("tierkv/**/*.py"), *ROOT.glob("integrations/*.py")])
+SOURCES = sorted([*ROOT.glob("tierkv/**/*.py"), *ROOT.glob("integrations/**/*.py")])
 
 
 @pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(ROOT)))
