@@ -67,13 +67,13 @@ def logprobs(outputs: list[dict]) -> list:
 def test_hits_from_l2_then_l3_and_a_spoiled_or_deleted_l3_object_is_recomputed(vllm_python, model_dir, tmp_path,
                                                                                 redis_server):
     """One process: cold; vLLM's prefix cache reset -> an L2 hit; tierkv's L2 reset too -> an L3 hit
-    (read asynchronously). Then, with every store spoiled where the next lookup cannot see it (a
-    disk object's bytes flipped, or cut short, and Redis emptied): vLLM is told which blocks
-    failed, recomputes them, and answers the same. A disk object flipped while Redis still holds
-    it: Redis, the next store, serves it. A deleted one that the store still remembers having
-    is promised, fails to load, and is recomputed the same way. Then a new process (vLLM's
-    default multiprocessing: scheduler and worker apart, L2 shared through /dev/shm) with Redis
-    alone hits what the first stored there."""
+    (read asynchronously). Every disk object flipped while Redis holds the blocks: Redis, the
+    next store, serves them, and the disk store deletes the corrupt objects (the next lookup
+    without Redis misses). Then, with every disk object spoiled where the lookup cannot see it
+    (bytes flipped, cut short, or the files deleted behind the store's index) and Redis emptied:
+    vLLM is told which blocks failed, recomputes them, and answers the same, each time. Then a new
+    process (vLLM's default multiprocessing: scheduler and worker apart, L2 shared through
+    /dev/shm) with Redis alone hits what the first stored there."""
     disk = tmp_path / "l3"
     extra = {"l2": "256MiB", "l3": [f"file://{disk}", redis_server.url]}
     gen = {"generate": [PROMPT]}
@@ -81,30 +81,32 @@ def test_hits_from_l2_then_l3_and_a_spoiled_or_deleted_l3_object_is_recomputed(v
     flush = {"flush_redis": redis_server.url}
 
     def spoil(how: str) -> dict:
-        return {"spoil_disk": str(disk), "how": how, "count": 1}
+        return {"spoil_disk": str(disk), "how": how, "count": 1000}  # every object: the chain fails at block 0
 
     steps = [gen, {"reset": True}, gen, {"stats": True}, reset_all, gen, {"stats": True},
-             spoil("flip"), flush, reset_all, gen,  # 10
-             spoil("flip"), reset_all, gen,  # 13
-             spoil("truncate"), flush, reset_all, gen,  # 17
-             spoil("delete"), flush, reset_all, gen,  # 21
-             {"generate": [OTHER]}]  # 22: stored in Redis for the next process
+             spoil("flip"), reset_all, gen,  # 9: from Redis
+             flush, reset_all, gen,  # 12: the corrupt disk objects are gone: a miss (and written again)
+             spoil("flip"), flush, reset_all, gen,  # 16
+             spoil("truncate"), flush, reset_all, gen,  # 20
+             spoil("delete"), flush, reset_all, gen,  # 24
+             {"generate": [OTHER]}]  # 25: stored in Redis for the next process
     seen, log = drive(vllm_python, {"model": model_dir, "extra": extra, "steps": steps}, tmp_path)
     cold, l2_hit, l2_stats, l3_hit, l3_stats = seen[0][0], seen[2][0], seen[3], seen[5][0], seen[6]
     assert cold["num_cached_tokens"] == 0 and cold["prompt_tokens"] == 170
     assert l2_hit["num_cached_tokens"] == 160 and l2_stats["by_tier"]["l2"] == 160
     assert l3_hit["num_cached_tokens"] == 160 and l3_stats["by_tier"]["l3"] == 160
-    assert [seen[i]["spoiled"] for i in (7, 11, 14, 18)] == [1, 1, 1, 1]
-    assert all(seen[i] is True for i in (1, 4, 9, 12, 16, 20))  # every reset took (tierkv's too)
-    after_flip, from_redis, after_truncate, after_delete = seen[10][0], seen[13][0], seen[17][0], seen[21][0]
-    assert from_redis["num_cached_tokens"] == 160
-    for out in (l2_hit, l3_hit, after_flip, from_redis, after_truncate, after_delete):
+    assert [seen[i]["spoiled"] for i in (7, 13, 17, 21)] == [5, 5, 5, 5]  # 5 blocks, an object each
+    assert all(seen[i] is True for i in (1, 4, 8, 11, 15, 19, 23))  # every reset took (tierkv's too)
+    from_redis, missed = seen[9][0], seen[12][0]
+    after_flip, after_truncate, after_delete = seen[16][0], seen[20][0], seen[24][0]
+    assert from_redis["num_cached_tokens"] == 160 and missed["num_cached_tokens"] == 0
+    for out in (l2_hit, l3_hit, from_redis, missed, after_flip, after_truncate, after_delete):
         assert out["tokens"] == cold["tokens"] and out["logprobs"] == cold["logprobs"]
-    # the flipped, the truncated and the deleted object: vLLM was told which blocks failed and
+    # the flipped, the truncated and the deleted objects: vLLM was told which blocks failed and
     # recomputed them (its num_cached_tokens still counts the promise: vLLM sets it once, at admission)
-    assert log.count("Recovered from KV load failure") == 3, log[-4000:]
+    assert log.count("Recovered from KV load failure") == 3, [x for x in log.splitlines() if "Recovered" in x]
 
-    other = seen[22][0]
+    other = seen[25][0]
     seen, _ = drive(vllm_python, {"model": model_dir, "extra": {"l2": "256MiB", "l3": [redis_server.url]},
                                   "steps": [{"generate": [OTHER]}]}, tmp_path, multiprocessing=True)
     full_blocks = (other["prompt_tokens"] - 1) // 32 * 32  # all but the last token, in whole blocks
