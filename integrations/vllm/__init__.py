@@ -9,9 +9,17 @@ through vLLM's v1 KV-connector API. One flag turns it on:
 Files, one concept each: options.py (what the config may say, the blocks' names), records.py (what
 crosses vLLM's process boundary), scheduler_side.py (the decider, in vLLM's scheduler process),
 worker_side.py (the copies, in each worker), connector.py (vLLM's method names onto those).
-Importing this package imports vLLM; nothing else in tierkv does. See docs/vllm.md.
+TierKVConnector (and so vLLM) is imported on first use, so that the worker's half runs where
+vLLM is not installed (the H200 harness, benchmarks/bench_vllm_worker.py); nothing else in
+tierkv imports vLLM. See docs/vllm.md.
 """
 
-from .connector import TierKVConnector
-
 __all__ = ["TierKVConnector"]
+
+
+def __getattr__(name: str):
+    if name == "TierKVConnector":  # vLLM's factory: getattr(import_module(kv_connector_module_path), name)
+        from .connector import TierKVConnector
+
+        return TierKVConnector
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from . import options
 from .records import CopiesDone, StepWork
 from .stats import TierKVPromMetrics, TierKVStats
 
@@ -41,7 +42,7 @@ class TierKVConnector(KVConnectorBase_V1):
         else:
             from .worker_side import WorkerSide
 
-            self.worker = WorkerSide(vllm_config)
+            self.worker = WorkerSide(options.parse(vllm_config))
 
     # ------------------------------------------------------------------ scheduler role
 
@@ -90,7 +91,9 @@ class TierKVConnector(KVConnectorBase_V1):
     # ------------------------------------------------------------------ worker role
 
     def register_kv_caches(self, kv_caches) -> None:
-        self.worker.register(kv_caches)
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        self.worker.register(kv_caches, get_tensor_model_parallel_rank())
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
         self.worker.load(self._get_connector_metadata())

@@ -23,27 +23,26 @@ log = logging.getLogger(__name__)
 
 
 class WorkerSide:
-    def __init__(self, vllm_config) -> None:
-        self.options = options.parse(vllm_config)
+    def __init__(self, opts: options.ConnectorOptions) -> None:
+        self.options = opts
+        self.tp_rank = 0
         self.l1: DevicePool | None = None
         self.mover: BlockMover | None = None  # made at the first copy: the scheduler makes L2 after registration
         self.done = -1  # the last batch run here
-        self._loads: Transfer = DONE
+        self.loads: Transfer = DONE  # the step's loads in flight
 
-    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """register_kv_caches: vLLM's per-layer tensors, in layer order, checked against the layout."""
+    def register(self, kv_caches: dict[str, torch.Tensor], tp_rank: int = 0) -> None:
+        """register_kv_caches: vLLM's per-layer tensors, in layer order, checked against the layout;
+        `tp_rank`: this worker's tensor-parallel rank (its KV heads' place in a whole block)."""
+        self.tp_rank = tp_rank
         self.l1 = DevicePool.of_buffers(self.options.layout, kv_caches, self.options.kv_layout)
         self.layer_index = {name: i for i, name in enumerate(kv_caches)}
 
     def _mover(self) -> BlockMover:
         if self.mover is None:
             opts = self.options
-            heads = None
-            if opts.tp_size > 1:  # this rank's KV heads of each whole-model L2 block
-                from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
-                h = opts.layout.num_kv_heads
-                heads = (get_tensor_model_parallel_rank() * h, (get_tensor_model_parallel_rank() + 1) * h)
+            h = opts.layout.num_kv_heads  # this rank's KV heads of each whole-model L2 block
+            heads = (self.tp_rank * h, (self.tp_rank + 1) * h) if opts.tp_size > 1 else None
             l2 = HostPool.attach(stored_layout(opts.whole, opts.cache.kv_offload_dtype), opts.cache.l2_file, heads=heads)
             # no warm-up copy through slot 0: the scheduler may have filled it already
             self.mover = BlockMover(self.l1, l2, warm_up=False)
@@ -53,23 +52,23 @@ class WorkerSide:
         """start_load_kv: start the step's loads (on a GPU, on the copy stream, in groups of layers)."""
         if work is None or not any(kind == L2_TO_L1 for kind, _, _ in work.moves):
             return
-        self._loads = run_moves(self._mover(), work.moves, kinds=(L2_TO_L1,))
+        self.loads = run_moves(self._mover(), work.moves, kinds=(L2_TO_L1,))
 
     def wait_for_layer(self, layer_name: str) -> None:
         """wait_for_layer_load: the forward's stream waits for this layer's loads alone (no host
         sync), so the first layers compute while later ones still load."""
-        self._loads.wait_layer(self.layer_index[layer_name])
+        self.loads.wait_layer(self.layer_index[layer_name])
 
     def save(self, work: StepWork | None) -> None:
         """wait_for_save: run the step's saves (after the forward wrote their blocks) and wait for
         every copy of the batch, so that vLLM may reuse the blocks once the step ends."""
         if work is None or work.batch < 0:
             return
-        self._loads.wait()  # a layer the forward did not wait for (no attention ran in it)
+        self.loads.wait()  # a layer the forward did not wait for (no attention ran in it)
         if any(kind == L1_TO_L2 for kind, _, _ in work.moves):
             run_moves(self._mover(), work.moves, kinds=(L1_TO_L2,)).synchronize()
-        self._loads.synchronize()
-        self._loads = DONE
+        self.loads.synchronize()
+        self.loads = DONE
         self.done = work.batch
 
     def report(self) -> CopiesDone:
