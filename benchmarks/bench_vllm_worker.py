@@ -102,6 +102,13 @@ class Harness:
         issued.record()
         self.worker.load(work)
         copies = self.worker.loads  # the step's Transfer: an event per group of layers
+        # when each group's copy ended: a timing event on a side stream that waits for the group's
+        # event (tierkv's own events are made without timing, which costs them nothing)
+        side, copies_end = torch.cuda.Stream(), []
+        for e in copies.groups or [copies.event]:
+            side.wait_event(e)
+            copies_end.append(torch.cuda.Event(enable_timing=True))
+            copies_end[-1].record(side)
         for i, name in enumerate(self.names):
             self.worker.wait_for_layer(name)
             if forward is not None:
@@ -111,7 +118,7 @@ class Harness:
         self.worker.save(work)
         self.decider.moves_done(self.worker.report().batch)
         self.decider.free(seq)
-        return seconds, copies, issued
+        return seconds, (copies, copies_end), issued
 
     def check(self, tokens: list[int]) -> bool:
         """The loaded blocks equal the saved ones, K and V, in every layer."""
@@ -144,8 +151,8 @@ def timeline(h: Harness, tokens: list[int], load_seconds: float, out_dir) -> dic
             a @ a
         ends[i].record()
 
-    seconds, loads, issued = h.load(tokens, forward)  # (a staged DMA's Transfer may have one event in all)
-    group_end = [issued.elapsed_time(e) for e in (loads.groups or [loads.event])]
+    seconds, (loads, copies_end), issued = h.load(tokens, forward)  # (a staged DMA may have one event in all)
+    group_end = [issued.elapsed_time(e) for e in copies_end]
     group_first = list(loads.starts or [0])
     compute = [(issued.elapsed_time(s), issued.elapsed_time(e)) for s, e in zip(starts, ends)]
     # group g's copy ran under compute when the layer before its first had started before it ended

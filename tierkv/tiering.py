@@ -122,10 +122,15 @@ class Tiering:
             raise ConfigError("with the engine's own L1 (engine_blocks=), tierkv keeps L2 and L3: give CacheConfig.l2 "
                               "at least one block")
         self.l2 = (HostPool(self.offload, l2_blocks, file=config.l2_file) if l2_blocks else None)
-        self.mover = (EngineMover(self.offload.bytes_per_block) if self.engine_owned
-                      else BlockMover(self.l1, self.l2) if self.l2 else None)
-        self.l3 = (L3Mover([open_store(url, self.l3_layout) for url in config.l3], self.l2, exchange)
-                   if config.l3 else None)
+        try:
+            self.mover = (EngineMover(self.offload.bytes_per_block) if self.engine_owned
+                          else BlockMover(self.l1, self.l2) if self.l2 else None)
+            self.l3 = (L3Mover([open_store(url, self.l3_layout) for url in config.l3], self.l2, exchange)
+                       if config.l3 else None)
+        except BaseException:  # a cache that failed to start holds no memory (nor a shared L2 file)
+            if self.l2 is not None:
+                self.l2.close()
+            raise
         self.index = BlockIndex(config.eviction)
         self.counters = CacheCounters()
         self._fetching: dict[int, L3Job] = {}  # block hash -> the L3 read bringing it into L2

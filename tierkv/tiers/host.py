@@ -78,7 +78,17 @@ def _mapped(file: str, num_blocks: int, shape: tuple, dtype: torch.dtype, create
     """[num_blocks, *shape] of `dtype` over shared memory file `file` (made anew of that size when `create`)."""
     nbytes = num_blocks * torch.Size(shape).numel() * torch.tensor([], dtype=dtype).element_size()
     if create:
-        fd = os.open(file, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)  # the KV of its requests: owner only
+        # the KV of its requests: owner only. A file left there (a crash, another user) is replaced,
+        # never reused: opened as it is, it would keep its own mode and owner.
+        try:
+            try:
+                os.unlink(file)
+            except FileNotFoundError:
+                pass
+            fd = os.open(file, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except OSError as err:
+            raise ConfigError(f"cannot create the shared L2 file {file} ({err.strerror}): remove what is there, "
+                              "or choose another CacheConfig.l2_file") from None
         try:
             os.ftruncate(fd, nbytes)
         finally:
