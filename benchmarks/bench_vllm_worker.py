@@ -152,8 +152,12 @@ def timeline(h: Harness, tokens: list[int], load_seconds: float, out_dir) -> dic
         ends[i].record()
 
     seconds, (loads, copies_end), issued = h.load(tokens, forward)  # (a staged DMA may have one event in all)
-    group_end = [issued.elapsed_time(e) for e in copies_end]
-    group_first = list(loads.starts or [0])
+    # a staged load has an event per chunk of each group: a group's copy ends with its last
+    ends = [issued.elapsed_time(e) for e in copies_end]
+    by_group: dict[int, float] = {}
+    for first, end in zip(loads.starts or [0], ends):
+        by_group[first] = max(end, by_group.get(first, 0.0))
+    group_first, group_end = list(by_group), list(by_group.values())
     compute = [(issued.elapsed_time(s), issued.elapsed_time(e)) for s, e in zip(starts, ends)]
     # group g's copy ran under compute when the layer before its first had started before it ended
     overlapped = [compute[group_first[g] - 1][0] < group_end[g] for g in range(1, len(group_end))]
@@ -177,7 +181,8 @@ def plot(group_first, group_end, compute, out_dir) -> str | None:
     prev = 0.0
     for g, end in enumerate(group_end):
         ax.barh(1, end - prev, left=prev, color=f"C{g}", edgecolor="k")
-        ax.text((prev + end) / 2, 1, f"layers {group_first[g]}-", ha="center", va="center", fontsize=7)
+        last = group_first[g + 1] - 1 if g + 1 < len(group_first) else len(compute) - 1
+        ax.text((prev + end) / 2, 1, f"layers {group_first[g]}-{last}", ha="center", va="center", fontsize=8)
         prev = end
     for i, (s, e) in enumerate(compute):
         g = max(j for j, f in enumerate(group_first) if f <= i)
