@@ -153,9 +153,9 @@ def timeline(h: Harness, tokens: list[int], load_seconds: float, out_dir) -> dic
 
     seconds, (loads, copies_end), issued = h.load(tokens, forward)  # (a staged DMA may have one event in all)
     # a staged load has an event per chunk of each group: a group's copy ends with its last
-    ends = [issued.elapsed_time(e) for e in copies_end]
+    copy_ms = [issued.elapsed_time(e) for e in copies_end]
     by_group: dict[int, float] = {}
-    for first, end in zip(loads.starts or [0], ends):
+    for first, end in zip(loads.starts or [0], copy_ms):
         by_group[first] = max(end, by_group.get(first, 0.0))
     group_first, group_end = list(by_group), list(by_group.values())
     compute = [(issued.elapsed_time(s), issued.elapsed_time(e)) for s, e in zip(starts, ends)]
