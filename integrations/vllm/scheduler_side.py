@@ -52,6 +52,7 @@ class SchedulerSide:
         self.cache = TieredKVCache(opts.whole, opts.cache, model=opts.model, engine_blocks=max(num_blocks, 1),
                                    kv_format=opts.kv_format)
         self.requests: dict[str, Tracked] = {}
+        self.load_errors: list[int] = []  # block ids of this step's loads that cannot be served
         # beyond the cache's own counters: preemptions seen, and the tokens loaded back for them
         self.preemptions = self.resumed_hit_tokens = 0
         self.stats = StatsReporter(self.cache.counters)
@@ -73,8 +74,11 @@ class SchedulerSide:
         if not options.cacheable(request) or getattr(request, "skip_reading_prefix_cache", False):
             return 0, False
         tokens = request.all_token_ids
-        if t.match is None or len(t.match.token_bytes) != 4 * len(tokens):
-            t.match = self.cache.match(list(tokens), t.salt)  # kept: an L3 lookup is a round trip
+        m = t.match
+        # kept while it holds (an L3 lookup is a round trip): looked up again once the tokens
+        # grew or a block left the index since
+        if m is None or len(m.token_bytes) != 4 * len(tokens) or m.removals != self.cache.index.removals:
+            t.match = self.cache.match(list(tokens), t.salt)
         m = t.match
         extra = max(0, m.tokens - num_computed)
         t.local, t.promised = num_computed, extra
@@ -96,7 +100,9 @@ class SchedulerSide:
             t.fetch = self.cache.prefetch(m, L3_DEADLINE_S)
             t.fetch_ids, t.fetch_end = list(block_ids), time.monotonic() + L3_DEADLINE_S
             return
-        self._allocate(t, block_ids)
+        # promised blocks gone since the lookup are reported with this step's work: vLLM then
+        # recomputes them instead of reading whatever its blocks held
+        self.load_errors += self._allocate(t, block_ids)
 
     def _allocate(self, t: Tracked, block_ids: list[int]) -> list[int]:
         """The request's sequence over `block_ids`, loading what tierkv holds past vLLM's own hit;
@@ -119,7 +125,8 @@ class SchedulerSide:
     def step(self, so) -> StepWork:
         """build_connector_meta: finish the L3 reads that landed, extend and commit every scheduled
         request's sequence by the tokens this step computes, and hand the copies to the workers."""
-        work = StepWork()
+        work = StepWork(load_errors=self.load_errors)
+        self.load_errors = []
         for rid in so.preempted_req_ids or ():
             self.preemptions += 1
             self._forget(rid, keep_request=True)
