@@ -404,8 +404,8 @@ class Admission:
         # the engine may give blocks for the first chunk only: `append` adds the rest as it does
         num_tokens = min(len(m.token_bytes) // 4, len(slots) * bs)
         if not isinstance(computed, int) or not 0 <= computed <= len(m.token_bytes) // 4:
-            raise UsageError(f"allocate(computed=) takes the tokens the engine already holds, 0..{num_tokens}, "
-                             f"got {computed!r}")
+            raise UsageError(f"allocate(computed=) takes the tokens the engine already holds, "
+                             f"0..{len(m.token_bytes) // 4}, got {computed!r}")
         blocks = blocks[: len(slots)]
         skip = min(computed // bs, len(blocks))
         load = blocks[skip:]
