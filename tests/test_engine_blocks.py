@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import stat
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -383,3 +385,17 @@ def test_engine_blocks_configurations_that_cannot_work_are_config_errors():
         TieredKVCache(LAYOUT, CacheConfig(l2=l2_bytes(8)), engine_blocks=0)
     # the buffers were not claimed by the refused cache: an engine may register them
     DevicePool.of_buffers(LAYOUT, buffers, "vllm_cpu").release()
+
+
+def test_the_docs_example_runs_as_written(tmp_path, monkeypatch):
+    """docs/custom_engine.md's engine_blocks example, whose asserts check the hit and its bytes."""
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "custom_engine.md").read_text()
+    code = doc.split("## Your block manager")[1].split("```python")[1].split("```")[0]
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # its L3 folder
+    names: dict = {}
+    exec(code, names)
+    assert not os.path.exists(names["l2_file"])
+    (l3,) = tmp_path.iterdir()  # write-through took the prompt's blocks to L3: another cache finds them
+    with TieredKVCache(names["layout"], CacheConfig(l2="1MiB", l3=[f"file://{l3}"]), model="my-model@rev",
+                       engine_blocks=8) as reader:
+        assert reader.match(names["prompt"]).by_tier["l3"] == 96
