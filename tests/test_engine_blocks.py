@@ -71,7 +71,7 @@ class Engine:
 
 
 def engine_cache(config: CacheConfig, **kw) -> TieredKVCache:
-    return TieredKVCache(LAYOUT, config, model=kw.pop("model", "engine-blocks-test"), engine_blocks=BLOCKS, **kw)
+    return TieredKVCache(LAYOUT, config, model="engine-blocks-test", engine_blocks=BLOCKS, **kw)
 
 
 def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
