@@ -270,7 +270,9 @@ def test_a_shared_l2_is_one_set_of_bytes_owner_only_and_gone_at_close(shm):
 
 def test_a_shared_l2_that_cannot_be_made_or_mapped_is_a_config_error(shm, tmp_path):
     # a folder without room (Docker's /dev/shm is 64 MiB): both sizes named, and how to get room
-    with pytest.raises(ConfigError, match=r"needs 0\.06 GiB in /proc, which has 0\.00 GiB free: lower l2.*--shm-size"):
+    whole_blocks = 64 * 2**20 // LAYOUT.bytes_per_block * LAYOUT.bytes_per_block  # what 64 MiB of L2 holds
+    with pytest.raises(ConfigError, match=rf"needs {whole_blocks} bytes \(0\.06 GiB\) in /proc, which has 0 bytes "
+                                          r"\(0\.00 GiB\) free: lower l2.*--shm-size"):
         engine_cache(CacheConfig(l2="64MiB", l2_file="/proc/tierkv-l2"))
     with pytest.raises(ConfigError, match="in a folder that does not exist"):
         engine_cache(CacheConfig(l2=l2_bytes(8), l2_file=str(tmp_path / "missing" / "l2")))

@@ -36,6 +36,14 @@ def test_vllm_cuda_pages_round_trip_through_a_pinned_shared_l2(order, tmp_path):
     blocks, prompt = 64, list(range(1000, 1000 + 16 * 10 + 3))  # 10 full blocks
     decider = TieredKVCache(LAYOUT, CacheConfig(l2=32 * LAYOUT.bytes_per_block, l2_file=shm), model="m",
                             engine_blocks=blocks)
+    try:
+        round_trip(decider, shm, order, blocks, prompt)
+    finally:
+        decider.close()
+    assert not os.path.exists(shm)
+
+
+def round_trip(decider: TieredKVCache, shm: str, order: str, blocks: int, prompt: list[int]) -> None:
     pages = vllm_pages(order, blocks)
     worker = BlockMover(DevicePool.of_buffers(LAYOUT, pages, "vllm_paged"),
                         HostPool.attach(stored_layout(LAYOUT, None), shm))
@@ -61,5 +69,3 @@ def test_vllm_cuda_pages_round_trip_through_a_pinned_shared_l2(order, tmp_path):
         assert torch.equal(t[other[:10], :, :, : LAYOUT.head_dim], k[n])
         assert torch.equal(t[other[:10], :, :, LAYOUT.head_dim :], v[n])
     decider.free(seq)
-    decider.close()
-    assert not os.path.exists(shm)

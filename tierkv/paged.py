@@ -39,6 +39,12 @@ class PagedCache(Admission):
 
     # ------------------------------------------------------------------ a running sequence
 
+    def _refuse_engine_blocks(self, call: str) -> None:
+        # these move or share blocks inside L1, which tierkv does not hold when the engine owns it
+        if self.tiers.engine_owned:
+            raise UsageError(f"{call}() works on tierkv's own L1; with engine_blocks= the engine owns L1 (fork or "
+                             "offload its blocks there, and save them to L2 with commit)")
+
     def _check_seq(self, seq: SequenceBlocks, call: str) -> None:
         if not isinstance(seq, SequenceBlocks) or seq.owner is not self:
             raise UsageError(f"{call}() of a sequence this cache did not allocate; pass one from its "
@@ -260,6 +266,7 @@ class PagedCache(Admission):
         write: each writes its own next tokens there). Fewer than `n` when L1 has no room for
         those copies; none when `seq` streams from L2 (its siblings then go through `allocate`).
         """
+        self._refuse_engine_blocks("fork")
         self._check_seq(seq, "fork")
         full, partial = divmod(num_tokens, self.block_size)
         if n <= 0 or seq.offloaded or len(seq.slots) < full + (partial > 0):
@@ -353,6 +360,7 @@ class PagedCache(Admission):
         blocks stay indexed (now unpinned in L1, held in L2); private ones move to a private L2
         slot. Returns how many moved: fewer when L2 has no room left.
         """
+        self._refuse_engine_blocks("offload")
         self._check_seq(seq, "offload")
         if self.l2 is None or num_blocks <= 0:
             return 0

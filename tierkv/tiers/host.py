@@ -58,6 +58,13 @@ def _unregister(kv: torch.Tensor) -> None:
     torch.cuda.cudart().cudaHostUnregister(kv.data_ptr())
 
 
+def _remove(file: str) -> None:
+    try:
+        os.unlink(file)
+    except FileNotFoundError:
+        pass
+
+
 def _shared_room(file: str, nbytes: int) -> None:
     """Refuse, naming both sizes, a shared L2 larger than its filesystem's free room (Docker's
     /dev/shm is 64 MiB by default): the pages would fail one at a time, as SIGBUS, mid-copy."""
@@ -69,7 +76,8 @@ def _shared_room(file: str, nbytes: int) -> None:
     if os.path.exists(file):
         free += os.path.getsize(file)
     if nbytes > free:
-        raise ConfigError(f"the shared L2 needs {gib(nbytes)} in {folder}, which has {gib(free)} free: lower l2, or "
+        raise ConfigError(f"the shared L2 needs {nbytes} bytes ({gib(nbytes)}) in {folder}, which has {free} bytes "
+                          f"({gib(free)}) free: lower l2, or "
                           "give the container more shared memory (docker --shm-size, or a Kubernetes emptyDir with "
                           "medium: Memory mounted at /dev/shm)")
 
@@ -113,6 +121,9 @@ class HostPool:
         if file is not None:
             _shared_room(file, num_blocks * layout.bytes_per_block)
             kv = _mapped(file, num_blocks, self._shape, self._dtype, create=True)
+            # removed by close(), or else when the process exits (a vLLM that ends without
+            # shutting its connector down): a file in /dev/shm holds its memory until removed
+            self._remove = weakref.finalize(self, _remove, file)
         self.kv = kv if kv is not None else torch.empty((num_blocks, *self._shape), dtype=self._dtype)
         self.num_blocks = self.kv.shape[0]
         self.free = FreeSlots(self.num_blocks)
@@ -185,10 +196,7 @@ class HostPool:
         if self._unpin is not None:
             self._unpin()
         if self.file is not None and self.owns_file:
-            try:
-                os.unlink(self.file)
-            except FileNotFoundError:
-                pass
+            self._remove()
         self.kv = torch.empty((0, *self._shape), dtype=self._dtype)
         self.num_blocks, self.pinned = 0, False
         self.free = FreeSlots(0)
