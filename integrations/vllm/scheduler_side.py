@@ -53,6 +53,7 @@ class SchedulerSide:
                                    kv_format=opts.kv_format)
         self.requests: dict[str, Tracked] = {}
         self.load_errors: list[int] = []  # block ids of this step's loads that cannot be served
+        self.l2_unlinked = False  # the shared L2's file name, removed once every worker mapped it
         # beyond the cache's own counters: preemptions seen, and the tokens loaded back for them
         self.preemptions = self.resumed_hit_tokens = 0
         self.stats = StatsReporter(self.cache.counters)
@@ -174,6 +175,9 @@ class SchedulerSide:
         """update_connector_output: the workers ran every batch up to report.batch."""
         if report is not None and report.batch >= 0:
             self.cache.moves_done(report.batch)
+            if not self.l2_unlinked:  # every worker has mapped L2 by its first report
+                self.cache.l2.unlink()
+                self.l2_unlinked = True
 
     # ------------------------------------------------------------------ ends
 

@@ -64,6 +64,7 @@ class WorkerSide:
         every copy of the batch, so that vLLM may reuse the blocks once the step ends."""
         if work is None or work.batch < 0:
             return
+        self._mover()  # mapped by the first report at the latest: the scheduler then unlinks the file
         self.loads.wait()  # a layer the forward did not wait for (no attention ran in it)
         if any(kind == L1_TO_L2 for kind, _, _ in work.moves):
             run_moves(self._mover(), work.moves, kinds=(L1_TO_L2,)).synchronize()

@@ -167,6 +167,13 @@ class HostPool:
             pool._unpin.atexit = False
         return pool
 
+    def unlink(self) -> None:
+        """Remove the shared file's name once every process that copies into it has mapped it:
+        the memory stays theirs and goes with the last of them, however they end (a killed
+        process runs no close and no exit handler)."""
+        if self.file is not None and self.owns_file:
+            self._remove()
+
     def _pinned(self, num_blocks: int) -> torch.Tensor | None:
         """A pinned pool of `num_blocks`, or of the largest halving of it that pins; None if none pins."""
         asked = num_blocks * self.layout.bytes_per_block
