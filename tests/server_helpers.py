@@ -1,4 +1,4 @@
-"""Helpers for the server tests: run `tierkv-serve` as a real process on a free loopback port, talk
+"""Helpers for the server tests: run `tierkv-serve` (or another OpenAI server) as a real process on a free loopback port, talk
 raw HTTP to it, read its memory.
 
 The server's output goes to a log file that tests read (for the secrets check). Processes are
@@ -30,16 +30,18 @@ def free_port() -> int:
 
 class ServerProcess:
     def __init__(self, args: list[str], log_path: Path, env: dict | None = None,
-                 command: tuple[str, ...] = ("-m", "tierkv.server.cli"), port: int | None = None) -> None:
+                 command: tuple[str, ...] = ("-m", "tierkv.server.cli"), port: int | None = None,
+                 python: str = sys.executable) -> None:
         """`command`: what follows the Python interpreter, before `--port` (e.g. the vllm shim's
-        `-m tierkv.server.vllm_shim serve`); `port`: a given one (default: a free one)."""
+        `-m tierkv.server.vllm_shim serve`); `port`: a given one (default: a free one); `python`:
+        another interpreter (vLLM's venv)."""
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         full_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, *command, "--port", str(self.port), *args],
+            [python, *command, "--port", str(self.port), *args],
             stdout=self._log, stderr=subprocess.STDOUT, env=full_env,
         )
 

@@ -1,6 +1,6 @@
 """The engine-owned L1 mode of the cache (TieredKVCache(engine_blocks=N)), on CPU: the engine
 gives its block ids, tierkv records every L1<->L2 copy (take_moves), the engine runs them on its
-own KV pages (transfer.run_moves over a BlockMover) and reports them (moves_done). The pages are
+own KV pages (recorded_moves.run_moves over a BlockMover) and reports them (moves_done). The pages are
 vLLM 0.32's per-layer [N, kv_heads, block_size, 2*head_dim] tensors, CPU and CUDA stride orders,
 and L2 a shared memory file that the engine side maps (HostPool.attach), as in tierkv's vLLM
 connector. Tensor parallelism has its own file (test_engine_blocks_tp.py)."""
@@ -17,8 +17,9 @@ import torch
 
 from tierkv import CacheConfig, KVLayout, TieredKVCache
 from tierkv.errors import ConfigError, UsageError
+from tierkv.recorded_moves import L1_TO_L2, L2_TO_L1, run_moves
 from tierkv.tiers import DevicePool, HostPool
-from tierkv.transfer import L1_TO_L2, L2_TO_L1, BlockMover, run_moves
+from tierkv.transfer import BlockMover
 
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.float32)
 BS, H, D = LAYOUT.block_size, LAYOUT.num_kv_heads, LAYOUT.head_dim

@@ -13,8 +13,9 @@ import torch
 
 from tierkv import CacheConfig, KVLayout, TieredKVCache
 from tierkv.layout import stored_layout
+from tierkv.recorded_moves import L1_TO_L2, L2_TO_L1, run_moves
 from tierkv.tiers import DevicePool, HostPool
-from tierkv.transfer import L1_TO_L2, L2_TO_L1, BlockMover, run_moves
+from tierkv.transfer import BlockMover
 
 pytestmark = pytest.mark.gpu
 LAYOUT = KVLayout(num_layers=4, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, block_size=16)

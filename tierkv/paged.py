@@ -40,10 +40,11 @@ class PagedCache(Admission):
     # ------------------------------------------------------------------ a running sequence
 
     def _refuse_engine_blocks(self, call: str) -> None:
-        # these move or share blocks inside L1, which tierkv does not hold when the engine owns it
+        # calls that copy, share or move blocks inside tierkv's own L1, which it does not hold
+        # when the engine owns L1
         if self.tiers.engine_owned:
-            raise UsageError(f"{call}() works on tierkv's own L1; with engine_blocks= the engine owns L1 (fork or "
-                             "offload its blocks there, and save them to L2 with commit)")
+            raise UsageError(f"{call}() works on tierkv's own L1, and this cache's L1 is the engine's (engine_blocks=): "
+                             "save and load blocks with allocate(slots=), commit and take_moves")
 
     def _check_seq(self, seq: SequenceBlocks, call: str) -> None:
         if not isinstance(seq, SequenceBlocks) or seq.owner is not self:

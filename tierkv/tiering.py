@@ -39,7 +39,8 @@ from .tiers.engine_blocks import EngineBlocks
 from .tiers.codec import BlockId
 from .tiers.open import open_store
 from .tiers.pool import blocks_for
-from .transfer import COPY_L1, DONE, FENCE, L1_TO_L2, L2_TO_L1, L3_LANDED, BlockMover, EngineMover, Transfer, in_flight
+from .recorded_moves import COPY_L1, FENCE, L1_TO_L2, L2_TO_L1, L3_LANDED, EngineMover, copy
+from .transfer import DONE, BlockMover, Transfer, in_flight
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +48,6 @@ log = logging.getLogger(__name__)
 DEFAULT_CPU_L1 = 2**30  # on CPU: 1 GiB
 GPU_L1_FRACTION = 0.8  # on a GPU: this share of the memory free when the cache is made, after
 ACTIVATION_RESERVE = 4 * 2**30  # leaving this much for activations and the allocator
-
-
 
 
 def default_l1_bytes(device: torch.device) -> int:
@@ -148,10 +147,8 @@ class Tiering:
         return self._apply(kind, src, dst)
 
     def _apply(self, kind: int, src: list[int], dst: list[int]) -> Transfer:
-        if kind == L1_TO_L2:
-            return self.mover.l1_to_l2(src, dst)
-        if kind == L2_TO_L1:
-            return self.mover.l2_to_l1(src, dst)
+        if kind in (L1_TO_L2, L2_TO_L1):
+            return copy(self.mover, kind, src, dst)
         if kind == COPY_L1:
             self._copy_l1(src, dst)
         elif kind == FENCE and self.mover is not None:

@@ -37,8 +37,9 @@ class TierKVConnector(KVConnectorBase_V1):
                 log.info("TierKVConnector sets kv_load_failure_policy=recompute (was %s): a block tierkv cannot "
                          "load is recomputed", transfer.kv_load_failure_policy)
                 transfer.kv_load_failure_policy = "recompute"
-            num_blocks = kv_cache_config.num_blocks if kv_cache_config is not None else 0
-            self.scheduler = SchedulerSide(vllm_config, num_blocks)
+            events = vllm_config.kv_events_config
+            self.scheduler = SchedulerSide(options.parse(vllm_config, kv_cache_config.num_blocks),
+                                           events=events is not None and events.enable_kv_cache_events)
         else:
             from .worker_side import WorkerSide
 

@@ -33,7 +33,7 @@ class ConnectorOptions:
     tp_size: int
     kv_format: str  # "" where vLLM's pages hold plain K and V (CUDA), else what they hold (CPU)
     kv_layout: str  # tiers.gpu.KV_LAYOUTS name of the registered tensors
-    engine_blocks: int  # vLLM's KV blocks (0 on a worker, which learns them at registration)
+    engine_blocks: int  # vLLM's KV blocks (0 on a worker, which needs no count)
 
 
 def parse(vllm_config, num_blocks: int = 0) -> ConnectorOptions:

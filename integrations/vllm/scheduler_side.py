@@ -46,10 +46,11 @@ class Tracked:
 
 
 class SchedulerSide:
-    def __init__(self, vllm_config, num_blocks: int) -> None:
-        self.options = opts = options.parse(vllm_config, num_blocks)
+    def __init__(self, opts: options.ConnectorOptions, events: bool) -> None:
+        """`events`: record block events for vLLM to publish (--kv-events-config)."""
+        self.options = opts
         self.block_size = opts.layout.block_size
-        self.cache = TieredKVCache(opts.whole, opts.cache, model=opts.model, engine_blocks=max(num_blocks, 1),
+        self.cache = TieredKVCache(opts.whole, opts.cache, model=opts.model, engine_blocks=opts.engine_blocks,
                                    kv_format=opts.kv_format)
         self.requests: dict[str, Tracked] = {}
         self.load_errors: list[int] = []  # block ids of this step's loads that cannot be served
@@ -59,8 +60,7 @@ class SchedulerSide:
         self.stats = StatsReporter(self.cache.counters)
         # hits from L3 count as vLLM's DISK where the first store (where reads go first) is a file://
         self.l3_is_local_disk = bool(opts.cache.l3) and opts.cache.l3[0].startswith("file://")
-        events = vllm_config.kv_events_config
-        self.events = BlockEvents() if events is not None and events.enable_kv_cache_events else None
+        self.events = BlockEvents() if events else None
         self.hashes = VllmHashes()
         self.cache.listen(self.events)
         log.info("TierKVConnector: L2 %.2f GiB in %s, L3 %s, model %s, blocks of %d tokens",

@@ -14,7 +14,8 @@ import torch
 
 from tierkv.layout import stored_layout
 from tierkv.tiers import DevicePool, HostPool
-from tierkv.transfer import DONE, L1_TO_L2, L2_TO_L1, BlockMover, Transfer, run_moves
+from tierkv.recorded_moves import L1_TO_L2, L2_TO_L1, run_moves
+from tierkv.transfer import DONE, BlockMover, Transfer
 
 from . import options
 from .records import CopiesDone, StepWork

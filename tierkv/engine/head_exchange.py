@@ -37,7 +37,8 @@ import torch.distributed as dist
 
 from ..errors import ConfigError
 from ..heads import HeadSplit
-from ..tiering import L3_LANDED, Tiering
+from ..recorded_moves import L3_LANDED
+from ..tiering import Tiering
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 tierkv then keeps L2 and L3 only. It never holds, frees or reads an L1 block: the engine gives
 the block ids (`allocate(..., slots=)`, `append(..., slots=)`), and the L1<->L2 copies are
-recorded for the engine to run on its buffers (transfer.EngineMover). This record stands where
+recorded for the engine to run on its buffers (recorded_moves.EngineMover). This record stands where
 the DevicePool would, with the little the cache reads of one: no blocks of tierkv's own, and the
 format the engine's pages hold, which names the blocks (Admission.namespace). It owns nothing.
 """

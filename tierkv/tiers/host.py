@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import replace
 import threading
 import weakref
+from dataclasses import replace
 
 import torch
 
-from ..layout import KVLayout, OffloadLayout
 from ..errors import ConfigError
+from ..layout import KVLayout, OffloadLayout
 from .pool import FreeSlots, check_fits, gib
 
 log = logging.getLogger(__name__)
@@ -89,10 +89,7 @@ def _mapped(file: str, num_blocks: int, shape: tuple, dtype: torch.dtype, create
         # the KV of its requests: owner only. A file left there (a crash, another user) is replaced,
         # never reused: opened as it is, it would keep its own mode and owner.
         try:
-            try:
-                os.unlink(file)
-            except FileNotFoundError:
-                pass
+            _remove(file)
             fd = os.open(file, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         except OSError as err:
             raise ConfigError(f"cannot create the shared L2 file {file} ({err.strerror}): remove what is there, "
