@@ -1,6 +1,6 @@
 """tierkv.kernels: the GPU kernels (paged attention, KV writes, block copies, fp8 KV
-(de)quantisation, the decoder's fused RMSNorm / RoPE / SiLU-mul, the sampler's top-k/top-p
-filter), dispatched by device.
+(de)quantisation, the decoder's fused RMSNorm / RoPE / SiLU-mul, the mixture-of-experts layer, the
+sampler's top-k/top-p filter), dispatched by device.
 
 Triton kernels run on CUDA tensors and the torch reference everywhere else. The environment
 variable TIERKV_KERNELS=reference|triton forces one implementation (triton on CPU means the
@@ -42,6 +42,8 @@ __all__ = [
     "rope_kv_write",
     "silu_mul",
     "top_k_top_p_filter",
+    "mla_decode",
+    "fused_moe",
 ]
 
 # public name -> module of this package that holds its Triton version; a name missing here
@@ -62,6 +64,8 @@ _TRITON_HOME: dict[str, str] = {
     "rope_kv_write": "rope",
     "silu_mul": "activation",
     "top_k_top_p_filter": "sampling",
+    "mla_decode": "mla",
+    "fused_moe": "moe",
 }
 
 
@@ -99,9 +103,10 @@ def kv_write(k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, slot_mapping: t
     return _impl("kv_write", kv)(k, v, kv, slot_mapping)
 
 
-def paged_decode(q, kv, block_tables, seq_lens, scale: float, sliding_window: int | None = None):
-    """q [B, Hq, D] over the paged kv through block_tables [B, max_blocks]; see reference.paged_decode."""
-    return _impl("paged_decode", q)(q, kv, block_tables, seq_lens, scale, sliding_window)
+def paged_decode(q, kv, block_tables, seq_lens, scale: float, sliding_window: int | None = None, sinks=None):
+    """q [B, Hq, D] over the paged kv through block_tables [B, max_blocks]; see reference.paged_decode.
+    sinks: None, or [Hq] fp32 attention-sink logits (gpt-oss), one more softmax column per head."""
+    return _impl("paged_decode", q)(q, kv, block_tables, seq_lens, scale, sliding_window, sinks)
 
 
 def decode_launch(kv: torch.Tensor, batch: int, max_tokens: int) -> tuple[int, int] | None:
@@ -116,15 +121,24 @@ def decode_launch(kv: torch.Tensor, batch: int, max_tokens: int) -> tuple[int, i
 
 
 def paged_prefill(q, kv, block_tables, cu_seqlens_q, seq_lens, scale: float, sliding_window: int | None = None,
-                  context: int | None = None):
+                  context: int | None = None, sinks=None):
     """Flat varlen q [T, Hq, D], causal over the paged kv; see reference.paged_prefill.
 
     context: when the batch is one sequence, its cached token count as the host knows it; a long
     chunk may then take a faster path on the GPU (kernels/dense.py). The result is the same.
+    sinks: None, or [Hq] fp32 attention-sink logits (gpt-oss), one more softmax column per head.
     """
     if backend_for(q) == "reference":
-        return _reference().paged_prefill(q, kv, block_tables, cu_seqlens_q, seq_lens, scale, sliding_window)
-    return _impl("paged_prefill", q)(q, kv, block_tables, cu_seqlens_q, seq_lens, scale, sliding_window, context)
+        return _reference().paged_prefill(q, kv, block_tables, cu_seqlens_q, seq_lens, scale, sliding_window, sinks)
+    return _impl("paged_prefill", q)(q, kv, block_tables, cu_seqlens_q, seq_lens, scale, sliding_window, context,
+                                     sinks)
+
+
+def mla_decode(q_latent, q_pe, kv, block_tables, seq_lens, scale: float):
+    """Absorbed multi-head latent attention of one query per sequence: q_latent [B, H, L] and q_pe
+    [B, H, R] over the latent pool kv [num_blocks, 2, bs, 1, (L + R) / 2] (each token's latent split
+    over the K and V planes); returns the latent-space output [B, H, L]. See reference.mla_decode."""
+    return _impl("mla_decode", q_latent)(q_latent, q_pe, kv, block_tables, seq_lens, scale)
 
 
 def gather_blocks(pool: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -209,3 +223,16 @@ def top_k_top_p_filter(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: 
     """logits [B, V] -> a copy with each row's tokens outside its top_k [B] / top_p [B] set to -inf
     (either may be None); ties at the boundary are all kept. See reference.top_k_top_p_filter."""
     return _impl("top_k_top_p_filter", logits)(logits, top_k, top_p)
+
+
+def fused_moe(x, w13, w2, topk_ids, topk_weights, activation: str = "silu", b13=None, b2=None,
+              alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+    """The routed experts of a sparse MoE block, x [T, H] -> [T, H]: each token's k experts
+    (topk_ids [T, k]) weighted by topk_weights [T, k] and summed.
+
+    Expert weights: w13 [E, 2I, H] (each expert's gate rows, then its up rows), w2 [E, H, I],
+    optional biases b13 [E, 2I] and b2 [E, H]. activation: "silu" (silu(gate) * up) or
+    "swigluoai" (gpt-oss's clamped SwiGLU with alpha and limit). See reference.fused_moe; the
+    Triton version (kernels/moe.py) sorts tokens by expert and runs grouped GEMMs, with no host sync.
+    """
+    return _impl("fused_moe", x)(x, w13, w2, topk_ids, topk_weights, activation, b13, b2, alpha, limit)

@@ -88,21 +88,33 @@ def check_window(sliding_window) -> None:
         _fail(f"sliding_window must be None or a positive int, got {sliding_window!r}")
 
 
-def check_decode(q, kv, block_tables, seq_lens, sliding_window) -> tuple[int, int, int]:
+def check_sinks(sinks, q) -> None:
+    """sinks: None, or one fp32 logit per query head [Hq] on q's device (gpt-oss's attention sinks)."""
+    if sinks is None:
+        return
+    check_tensor("sinks", sinks, 1, (torch.float32,))
+    if sinks.shape[0] != q.shape[1]:
+        _fail(f"sinks must hold one logit per query head: [{q.shape[1]}], got {tuple(sinks.shape)}")
+    check_same_device(q=q, sinks=sinks)
+
+
+def check_decode(q, kv, block_tables, seq_lens, sliding_window, sinks=None) -> tuple[int, int, int]:
     dims = check_attention(q, kv, block_tables, seq_lens, "q")
     if q.shape[0] != seq_lens.shape[0]:
         _fail(f"q has {q.shape[0]} rows (one per sequence) but seq_lens has {seq_lens.shape[0]}")
     check_window(sliding_window)
+    check_sinks(sinks, q)
     check_same_device(q=q, kv=kv, block_tables=block_tables, seq_lens=seq_lens)
     return dims
 
 
-def check_prefill(q, kv, block_tables, cu_seqlens_q, seq_lens, sliding_window) -> tuple[int, int, int]:
+def check_prefill(q, kv, block_tables, cu_seqlens_q, seq_lens, sliding_window, sinks=None) -> tuple[int, int, int]:
     dims = check_attention(q, kv, block_tables, seq_lens, "q")
     check_tensor("cu_seqlens_q", cu_seqlens_q, 1, INDEX_DTYPES)
     if cu_seqlens_q.shape[0] != seq_lens.shape[0] + 1:
         _fail(f"cu_seqlens_q needs B+1 = {seq_lens.shape[0] + 1} entries, got {cu_seqlens_q.shape[0]}")
     check_window(sliding_window)
+    check_sinks(sinks, q)
     check_same_device(q=q, kv=kv, block_tables=block_tables, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens)
     return dims
 
@@ -320,3 +332,68 @@ def check_copy_planes(src, src_slots, dst, dst_slots, planes) -> tuple[int, int]
         if slots.device != runs_on:
             _fail(f"{name} must be on {runs_on}, where the copy runs, got {slots.device}")
     return first, end
+
+
+MOE_ACTIVATIONS = ("silu", "swigluoai")
+
+
+def check_fused_moe(x, w13, w2, topk_ids, topk_weights, activation, b13, b2) -> tuple[int, int, int, int, int]:
+    """x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; topk_ids [T, k] int; topk_weights [T, k] float;
+    b13 None or [E, 2I]; b2 None or [E, H]; weights and biases in x's dtype, all on one device.
+    Returns (T, H, E, I, k). Expert ids are not checked against E here (that would read them):
+    ids outside [0, E) are the caller's bug."""
+    check_tensor("x", x, 2, ATTN_DTYPES)
+    check_tensor("w13", w13, 3, (x.dtype,))
+    check_tensor("w2", w2, 3, (x.dtype,))
+    check_tensor("topk_ids", topk_ids, 2, INDEX_DTYPES)
+    check_tensor("topk_weights", topk_weights, 2, ATTN_DTYPES)
+    tokens, hidden = x.shape
+    experts, two_inter, w_hidden = w13.shape
+    inter = two_inter // 2
+    if two_inter % 2 or w_hidden != hidden:
+        _fail(f"w13 must be [E, 2 * I, H={hidden}] (each expert's gate rows, then its up rows), got {tuple(w13.shape)}")
+    if tuple(w2.shape) != (experts, hidden, inter):
+        _fail(f"w2 must be [E={experts}, H={hidden}, I={inter}], got {tuple(w2.shape)}")
+    if topk_ids.shape[0] != tokens or topk_weights.shape != topk_ids.shape:
+        _fail(f"topk_ids and topk_weights must both be [T={tokens}, k], got {tuple(topk_ids.shape)} and "
+              f"{tuple(topk_weights.shape)}")
+    if activation not in MOE_ACTIVATIONS:
+        _fail(f"activation {activation!r} is not one of {', '.join(MOE_ACTIVATIONS)}")
+    tensors = {"x": x, "w13": w13, "w2": w2, "topk_ids": topk_ids, "topk_weights": topk_weights}
+    for name, bias, shape in (("b13", b13, (experts, two_inter)), ("b2", b2, (experts, hidden))):
+        if bias is None:
+            continue
+        check_tensor(name, bias, 2, (x.dtype,))
+        if tuple(bias.shape) != shape:
+            _fail(f"{name} must be {list(shape)}, got {tuple(bias.shape)}")
+        tensors[name] = bias
+    check_same_device(**tensors)
+    return tokens, hidden, experts, inter, topk_ids.shape[1]
+
+
+def check_mla_decode(q_latent, q_pe, kv, block_tables, seq_lens) -> tuple[int, int, int]:
+    """Absorbed MLA decode: q_latent [B, H, L], q_pe [B, H, R] over a latent pool kv
+    [num_blocks, 2, bs, 1, D] with L + R == 2 * D (a token's latent split over the K and V planes).
+    Returns (H, L, R)."""
+    _, _, hkv, d = check_kv(kv)
+    check_tensor("q_latent", q_latent, 3, ATTN_DTYPES)
+    check_tensor("q_pe", q_pe, 3, (q_latent.dtype,))
+    check_tensor("block_tables", block_tables, 2, INDEX_DTYPES)
+    check_tensor("seq_lens", seq_lens, 1, INDEX_DTYPES)
+    batch, heads, lat = q_latent.shape
+    rope = q_pe.shape[2]
+    if tuple(q_pe.shape[:2]) != (batch, heads):
+        _fail(f"q_pe must be [B={batch}, H={heads}, rope], got {tuple(q_pe.shape)}")
+    if hkv != 1:
+        _fail(f"an MLA latent pool holds one latent per token: kv_heads must be 1, got {hkv}")
+    if lat + rope != 2 * d:
+        _fail(f"kv_lora_rank {lat} + rope dim {rope} must fill the pool's two planes of {d} (= {2 * d})")
+    if lat < d:
+        _fail(f"kv_lora_rank {lat} must be at least half the latent ({d}): the rope part sits in the V plane")
+    if q_latent.dtype != kv.dtype:
+        _fail(f"q_latent dtype {q_latent.dtype} must equal the pool dtype {kv.dtype}")
+    if block_tables.shape[0] != batch or seq_lens.shape[0] != batch:
+        _fail(f"block_tables ({block_tables.shape[0]} rows) and seq_lens ({seq_lens.shape[0]}) need one entry "
+              f"per query row ({batch})")
+    check_same_device(q_latent=q_latent, q_pe=q_pe, kv=kv, block_tables=block_tables, seq_lens=seq_lens)
+    return heads, lat, rope

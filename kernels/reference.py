@@ -50,11 +50,14 @@ def _attend(
     q_pos: torch.Tensor,
     scale: float,
     sliding_window: int | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Masked attention of n queries over one sequence's L keys, fp32 throughout.
 
     q: [n, Hq, D]; k, v: [L, Hkv, D]; q_pos: [n] position of each query in the sequence.
     Query at position p sees key positions j with j <= p and (no window or j > p - W).
+    sinks: None or [Hq], a logit per head that joins each softmax as one more column, dropped
+    after (gpt-oss; transformers' eager_attention_forward): it takes mass, adds no value.
     Returns [n, Hq, D] fp32.
     """
     hq, hkv = q.shape[1], k.shape[1]
@@ -68,7 +71,10 @@ def _attend(
     if sliding_window is not None:
         visible &= k_pos[None, :] > q_pos[:, None] - sliding_window
     scores = scores.masked_fill(~visible[None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)                  # [Hq, n, L]
+    if sinks is not None:
+        column = sinks.float()[:, None, None].expand(-1, scores.shape[1], 1)    # [Hq, n, 1]
+        scores = torch.cat([scores, column], dim=-1)                            # [Hq, n, L + 1]
+    probs = torch.softmax(scores, dim=-1)[..., : k.shape[0]]   # [Hq, n, L], the sink's share dropped
     return torch.einsum("hnl,lhd->nhd", probs, v)          # [n, Hq, D]
 
 
@@ -79,6 +85,7 @@ def paged_decode(
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One new query token per sequence attending to all its tokens in the paged pool.
 
@@ -86,16 +93,17 @@ def paged_decode(
     kv:           [num_blocks, 2, block_size, Hkv, D]
     block_tables: [B, max_blocks] int; entries past a sequence's length are never read
     seq_lens:     [B] int, tokens in the pool per sequence (the query's own K/V included)
+    sinks:        None or [Hq] fp32, attention-sink logits (see _attend)
     returns       [B, Hq, D] in q's dtype
     """
-    _checks.check_decode(q, kv, block_tables, seq_lens, sliding_window)
+    _checks.check_decode(q, kv, block_tables, seq_lens, sliding_window, sinks)
     out = torch.zeros_like(q)
     for b, length in enumerate(seq_lens.tolist()):
         if length <= 0:
             continue  # an empty sequence has nothing to attend to: output stays zero
         k, v = _sequence_kv(kv, block_tables[b], length)
         q_pos = torch.tensor([length - 1], device=q.device)
-        out[b] = _attend(q[b : b + 1], k, v, q_pos, scale, sliding_window)[0].to(q.dtype)
+        out[b] = _attend(q[b : b + 1], k, v, q_pos, scale, sliding_window, sinks)[0].to(q.dtype)
     return out
 
 
@@ -107,6 +115,7 @@ def paged_prefill(
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A flat varlen batch of new tokens attending causally to their sequence in the paged pool.
 
@@ -116,9 +125,10 @@ def paged_prefill(
     cu_seqlens_q: [B+1] int
     seq_lens:     [B] int, cached prefix + new tokens per sequence
     New token j of sequence b sits at position seq_lens[b] - q_len_b + j.
+    sinks:        None or [Hq] fp32, attention-sink logits (see _attend)
     returns       [T, Hq, D] in q's dtype
     """
-    _checks.check_prefill(q, kv, block_tables, cu_seqlens_q, seq_lens, sliding_window)
+    _checks.check_prefill(q, kv, block_tables, cu_seqlens_q, seq_lens, sliding_window, sinks)
     out = torch.zeros_like(q)
     bounds = cu_seqlens_q.tolist()
     for b, length in enumerate(seq_lens.tolist()):
@@ -130,7 +140,7 @@ def paged_prefill(
             raise _checks.ShapeError(f"sequence {b} has {q_len} new tokens but seq_lens is only {length}")
         k, v = _sequence_kv(kv, block_tables[b], length)
         q_pos = torch.arange(length - q_len, length, device=q.device)   # [q_len]
-        out[start:end] = _attend(q[start:end], k, v, q_pos, scale, sliding_window).to(q.dtype)
+        out[start:end] = _attend(q[start:end], k, v, q_pos, scale, sliding_window, sinks).to(q.dtype)
     return out
 
 
@@ -334,3 +344,99 @@ def top_k_top_p_filter(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: 
         keep &= (before.gather(1, first) < p) | (first == 0) | (p >= 1)
     filtered = sorted_logits.masked_fill(~keep, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, filtered)
+
+
+# Mixture of experts. Expert weights, one layout for every family (the loader converts to it):
+#   w13 [E, 2I, H]: expert e's gate rows [0, I) then its up rows [I, 2I), each a Linear weight [out, in]
+#   w2  [E, H, I]:  expert e's down projection, a Linear weight [out, in]
+#   b13 [E, 2I], b2 [E, H]: optional biases (gpt-oss), laid out like the weights' rows
+
+
+def moe_activation(gate_up: torch.Tensor, activation: str, alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+    """gate_up [n, 2I] (gate, then up) -> [n, I], each op in gate_up's dtype as transformers does.
+
+    "silu":      silu(gate) * up (Qwen3-MoE, DeepSeek-V3)
+    "swigluoai": gpt-oss's clamped SwiGLU: gate = min(gate, limit), up = clamp(up, -limit, limit),
+                 (up + 1) * gate * sigmoid(alpha * gate)
+    """
+    gate, up = gate_up.chunk(2, dim=-1)
+    if activation == "silu":
+        return torch.nn.functional.silu(gate) * up
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    activation: str = "silu",
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    alpha: float = 1.702,
+    limit: float = 7.0,
+) -> torch.Tensor:
+    """The routed experts of a sparse MoE block: sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]).
+
+    x:            [T, H]
+    w13, w2:      [E, 2I, H], [E, H, I] (see the layout above); b13 [E, 2I], b2 [E, H] or None
+    topk_ids:     [T, k] int, each row's k distinct experts
+    topk_weights: [T, k], fp32 or x's dtype (the router's; a product with it rounds to x's dtype)
+    expert_e(v) = (act(v @ w13[e].T + b13[e]) @ w2[e].T + b2[e])
+    returns       [T, H] in x's dtype
+
+    A loop over the experts in transformers' order and rounding (each expert's weighted output
+    rounded to x's dtype, then index_add), so the CPU engine matches transformers exactly.
+    """
+    _, _, experts, _, _ = _checks.check_fused_moe(x, w13, w2, topk_ids, topk_weights, activation, b13, b2)
+    out = torch.zeros_like(x)
+    for e in range(experts):
+        tokens, slots = torch.where(topk_ids == e)                        # [n] each
+        if tokens.numel() == 0:
+            continue
+        gate_up = x[tokens] @ w13[e].T                                    # [n, 2I]
+        if b13 is not None:
+            gate_up = gate_up + b13[e]
+        down = moe_activation(gate_up, activation, alpha, limit) @ w2[e].T  # [n, H]
+        if b2 is not None:
+            down = down + b2[e]
+        weighted = down * topk_weights[tokens, slots, None]
+        out.index_add_(0, tokens, weighted.to(x.dtype))
+    return out
+
+
+# Multi-head latent attention (DeepSeek-V2/V3). The pool holds one latent per token,
+# cat(c_kv [L], k_pe [R]), split over the two planes of a one-head pool: K plane = latent[:D],
+# V plane = latent[D:], D = (L + R) / 2.
+
+
+def mla_decode(
+    q_latent: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Absorbed MLA decode: every query head of a sequence against its latent cache.
+
+    q_latent:     [B, H, L] the no-rope query already multiplied by each head's W_UK (kv_lora_rank L)
+    q_pe:         [B, H, R] the rotated rope part of the query
+    kv:           [num_blocks, 2, block_size, 1, D], 2 * D = L + R
+    block_tables: [B, max_blocks]; seq_lens: [B] (the query's own latent included)
+    returns       [B, H, L] in q_latent's dtype: softmax(scale * (q_latent . c_kv + q_pe . k_pe)) @ c_kv,
+                  the attention output in latent space (the caller applies each head's W_UV)
+    """
+    _, lat, rope = _checks.check_mla_decode(q_latent, q_pe, kv, block_tables, seq_lens)
+    out = torch.zeros_like(q_latent)
+    for b, length in enumerate(seq_lens.tolist()):
+        if length <= 0:
+            continue  # nothing to attend to: zeros, as paged_decode
+        k, v = _sequence_kv(kv, block_tables[b], length)                 # [length, 1, D] each
+        c_kv, k_pe = torch.cat([k[:, 0], v[:, 0]], dim=-1).float().split([lat, rope], dim=-1)
+        scores = (q_latent[b].float() @ c_kv.T + q_pe[b].float() @ k_pe.T) * scale   # [H, length]
+        out[b] = (torch.softmax(scores, dim=-1) @ c_kv).to(q_latent.dtype)          # [H, L]
+    return out
