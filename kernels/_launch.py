@@ -43,3 +43,14 @@ def check_triton_device(*tensors: torch.Tensor) -> None:
                 f"the Triton kernels need CUDA tensors, got one on {t.device}; "
                 "use tierkv.kernels (which picks the reference on CPU) or set TRITON_INTERPRET=1"
             )
+
+
+def split_partials(out: torch.Tensor, rows: int, heads: int, splits: int, width: int):
+    """Buffers of a split-KV attention launch: (part [rows, heads, splits, width] fp32, lse [rows,
+    heads, splits] fp32, part's first three strides, lse's first two). With one split the kernel
+    writes `out` directly: the placeholders are then `out` with zero strides."""
+    if splits == 1:
+        return out, out, (0, 0, 0), (0, 0)
+    part = torch.empty(rows, heads, splits, width, dtype=torch.float32, device=out.device)
+    lse = torch.empty(rows, heads, splits, dtype=torch.float32, device=out.device)
+    return part, lse, part.stride()[:3], lse.stride()[:2]

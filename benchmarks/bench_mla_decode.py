@@ -1,0 +1,127 @@
+"""bench_mla_decode: the MLA decode kernel (kernels/mla.py) against its HBM roofline, on the H200.
+
+DeepSeek-V2-Lite's attention shape: 16 query heads, kv_lora_rank 512, rope 64 (a 576-value latent
+per token, bf16, in a paged pool of 16-token blocks with shuffled block ids), nope 128 / v 128 (the
+softmax scale). For batch 1 / 32 / 128 at contexts 4K and 32K it times `mla_decode` (absorbed
+queries in, latent-space output out) replayed in a CUDA graph, as the engine's decode runs, and
+compares it with the roofline: the latent bytes the step must read at the d2d copy bandwidth
+measured in this run (bytes read + written by a 2 GiB torch copy). The latents are read once per
+sequence (all heads at once), so the roofline is the latent cache size over the bandwidth.
+Writes benchmarks/results/bench_mla_decode-<machine>.json (or --out DIR) and prints a table.
+--smoke runs tiny sizes on the CPU (the reference kernel; checks the script, measures nothing).
+Usage: python benchmarks/bench_mla_decode.py [--out DIR] [--smoke]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import write_results  # noqa: E402
+
+from tierkv import kernels  # noqa: E402
+
+HEADS, LATENT, ROPE, NOPE, PAGE, DT = 16, 512, 64, 128, 16, torch.bfloat16   # DeepSeek-V2-Lite
+SHAPES = [(batch, ctx) for ctx in (4096, 32768) for batch in (1, 32, 128)]
+SMOKE_SHAPES = [(1, 64), (3, 40)]
+GB = 1e9
+
+
+def gpu_ms(fn) -> float:
+    """Median GPU time of `fn` replayed in a CUDA graph (no host launch cost)."""
+    from triton.testing import do_bench_cudagraph
+
+    return do_bench_cudagraph(fn, rep=100, return_mode="median")
+
+
+def cpu_ms(fn, reps: int = 3) -> float:
+    fn()
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - start) / reps * 1e3
+
+
+def copy_gbps(device: torch.device, size: int) -> float:
+    """GB/s of bytes read + written by one large copy: the memory ceiling of this run."""
+    src = torch.empty(size, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        t = do_bench(lambda: dst.copy_(src), warmup=10, rep=50, return_mode="median")
+    else:
+        t = cpu_ms(lambda: dst.copy_(src))
+    return 2 * size / (t * 1e-3) / GB
+
+
+def latent_batch(batch: int, ctx: int, device: torch.device, gen: torch.Generator):
+    """A shuffled paged latent pool of `batch` sequences of `ctx` tokens and absorbed queries."""
+    blocks = -(-ctx // PAGE)
+    n = batch * blocks
+    dt = DT if device.type == "cuda" else torch.float32
+    kv = torch.randn(n, 2, PAGE, 1, (LATENT + ROPE) // 2, generator=gen, device=device).to(dt)
+    tables = torch.randperm(n, generator=gen, device=device).to(torch.int32).view(batch, blocks)
+    seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+    q_latent = torch.randn(batch, HEADS, LATENT, generator=gen, device=device).to(dt)
+    q_pe = torch.randn(batch, HEADS, ROPE, generator=gen, device=device).to(dt)
+    return q_latent, q_pe, kv, tables, seq_lens
+
+
+def bench(shapes, device: torch.device, bandwidth: float) -> list[dict]:
+    gen = torch.Generator(device=device).manual_seed(0)
+    scale = (NOPE + ROPE) ** -0.5
+    rows = []
+    for batch, ctx in shapes:
+        q_latent, q_pe, kv, tables, seq_lens = latent_batch(batch, ctx, device, gen)
+
+        def step():
+            return kernels.mla_decode(q_latent, q_pe, kv, tables, seq_lens, scale)
+
+        t = gpu_ms(step) if device.type == "cuda" else cpu_ms(step)
+        latent_bytes = batch * ctx * (LATENT + ROPE) * kv.element_size()
+        floor_ms = latent_bytes / (bandwidth * GB) * 1e3
+        rows.append(dict(batch=batch, context=ctx, ms=t, latent_bytes=latent_bytes, roofline_ms=floor_ms,
+                         of_roofline=floor_ms / t, latent_gbps=latent_bytes / (t * 1e-3) / GB))
+        print(f"B={batch:4d} ctx={ctx:6d}  {t:8.3f} ms  roofline {floor_ms:8.3f} ms  "
+              f"{100 * floor_ms / t:5.1f}% of it  ({latent_bytes / (t * 1e-3) / GB:6.0f} GB/s of latent)", flush=True)
+        del q_latent, q_pe, kv, tables, seq_lens
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> Path:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None, help="folder of the JSON (default benchmarks/results)")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU: checks the script runs")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        device, shapes, copy_size = torch.device("cpu"), SMOKE_SHAPES, 1 << 24
+    elif torch.cuda.is_available():
+        device, shapes, copy_size = torch.device("cuda"), SHAPES, 2 << 30
+    else:
+        sys.exit("bench_mla_decode needs a CUDA GPU (or --smoke)")
+    bandwidth = copy_gbps(device, copy_size)
+    print(f"copy: {bandwidth:.0f} GB/s (read + written)", flush=True)
+    figures = dict(
+        benchmark="bench_mla_decode", smoke=args.smoke,
+        backend=kernels.backend_for(torch.empty(0, device=device)),
+        shape=dict(heads=HEADS, kv_lora_rank=LATENT, rope=ROPE, nope=NOPE, block_size=PAGE,
+                   dtype=str(DT if device.type == "cuda" else torch.float32)),
+        copy_gbps=bandwidth,
+        roofline="latent bytes of the batch / copy_gbps (a copy's read + written bytes per second)",
+        decode=bench(shapes, device, bandwidth),
+    )
+    path = write_results("bench_mla_decode" + ("-smoke" if args.smoke else ""), figures, args.out)
+    print(f"wrote {path}")
+    return path
+
+
+if __name__ == "__main__":
+    main()
