@@ -1,0 +1,180 @@
+"""Triton fused_moe: a sparse MoE layer's routed experts as two grouped GEMMs over tokens sorted by expert.
+
+Steps (see reference.fused_moe for the maths and the weight layout):
+1. sort: the T * k (token, expert) pairs are grouped by expert, each expert's run padded to a multiple
+   of BLOCK_M, so a tile of BLOCK_M rows never mixes experts. Done with torch ops on the device (a
+   stable sort, cumulative sums, a searchsorted): no host sync, and every buffer has a size fixed by
+   T, k, E and BLOCK_M, so the layer can be captured in a CUDA graph. At most min(T * k, E) experts
+   are used, so the padded rows number at most T * k + min(T * k, E) * (BLOCK_M - 1); tiles past
+   the real total (a device scalar) return at once.
+2. gate_up: per tile, x rows of its pairs @ its expert's w13, gate and up in two accumulators, the
+   activation (silu or swigluoai) applied in the epilogue -> act [padded rows, I].
+3. down: act @ w2 of the tile's expert (+ b2), times the pair's routing weight, rounded to x's dtype,
+   written to the pair's row of a [T * k, H] buffer (padding rows write nothing).
+4. the k rows of each token are summed in fp32 and rounded once -> [T, H].
+Rounding follows transformers where it matters (the GEMM outputs are rounded to the dtype before
+the activation, the weighted expert output before the sum); the sum over k is in fp32, so bf16 results
+can differ from the reference by an ulp. This file never reads tensor contents on the host.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _checks
+from ._launch import check_triton_device, dot_precision
+
+_ACTIVATIONS = {"silu": 0, "swigluoai": 1}
+
+
+@triton.jit
+def _gate_up_kernel(X, W13, B13, Act, SortedPairs, TileExpert, NumPadded,
+                    hidden, inter, top_k, num_pairs,
+                    stride_xt, stride_we, stride_wn, stride_be, alpha, limit,
+                    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, DOT_PREC: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # program (m, n): padded rows [m * BLOCK_M, +BLOCK_M) (one expert), act columns [n * BLOCK_N, +BLOCK_N)
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(NumPadded):
+        return
+    expert = tl.load(TileExpert + pid_m).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(SortedPairs + rows)                       # index into the flat [T * k] pairs
+    real = pairs < num_pairs
+    tokens = (pairs // top_k).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < inter
+    w_gate = W13 + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn          # [1, BLOCK_N]
+    w_up = w_gate + inter * stride_wn
+    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < hidden
+        a = tl.load(X + tokens[:, None] * stride_xt + ks[None, :], mask=real[:, None] & k_ok[None, :], other=0.0)
+        w_mask = k_ok[:, None] & col_ok[None, :]
+        wg = tl.load(w_gate + ks[:, None], mask=w_mask, other=0.0)                     # [BLOCK_K, BLOCK_N]
+        wu = tl.load(w_up + ks[:, None], mask=w_mask, other=0.0)
+        acc_gate = tl.dot(a, wg, acc_gate, input_precision=DOT_PREC)
+        acc_up = tl.dot(a, wu, acc_up, input_precision=DOT_PREC)
+    dtype = Act.dtype.element_ty
+    if HAS_BIAS:
+        b = B13 + expert * stride_be
+        acc_gate += tl.load(b + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        acc_up += tl.load(b + inter + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    gate = acc_gate.to(dtype).to(tl.float32)                  # the GEMM's output in the model's dtype
+    up = acc_up.to(dtype).to(tl.float32)
+    if ACTIVATION == 0:   # silu(gate) * up
+        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up
+    else:                 # gpt-oss: clamp, gate * sigmoid(alpha * gate), times (up + 1)
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        act = (up + 1.0) * (gate / (1.0 + tl.exp(-alpha * gate)))
+    tl.store(Act + rows[:, None].to(tl.int64) * inter + cols[None, :], act.to(dtype), mask=col_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(Act, W2, B2, Weights, Out, SortedPairs, TileExpert, NumPadded,
+                 hidden, inter, num_pairs, stride_we, stride_wn, stride_be,
+                 HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # program (m, n): padded rows [m * BLOCK_M, +BLOCK_M), output columns [n * BLOCK_N, +BLOCK_N)
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(NumPadded):
+        return
+    expert = tl.load(TileExpert + pid_m).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(SortedPairs + rows)
+    real = pairs < num_pairs
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < hidden
+    w = W2 + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn                 # [1, BLOCK_N]
+    a_rows = Act + rows[:, None].to(tl.int64) * inter
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < inter
+        a = tl.load(a_rows + ks[None, :], mask=k_ok[None, :], other=0.0)
+        wd = tl.load(w + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
+        acc = tl.dot(a, wd, acc, input_precision=DOT_PREC)
+    dtype = Out.dtype.element_ty
+    if HAS_BIAS:
+        acc += tl.load(B2 + expert * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    weight = tl.load(Weights + pairs, mask=real, other=0.0).to(tl.float32)
+    out = (acc.to(dtype).to(tl.float32) * weight[:, None]).to(dtype)
+    tl.store(Out + pairs[:, None].to(tl.int64) * hidden + cols[None, :], out, mask=real[:, None] & col_ok[None, :])
+
+
+def padded_rows(pairs: int, experts: int, block_m: int) -> int:
+    """Rows of the expert-sorted buffer: every pair, plus at most block_m - 1 padding per used expert."""
+    return pairs + min(pairs, experts) * (block_m - 1)
+
+
+def sort_by_expert(topk_ids: torch.Tensor, experts: int, block_m: int):
+    """(sorted_pairs [R], tile_expert [R / block_m], num_padded [1]) for R = padded_rows(...).
+
+    sorted_pairs lists the flat pair indices (t * k + j) expert by expert, each expert's run padded
+    with the sentinel T * k to a multiple of block_m; tile_expert names each tile's expert (E for
+    tiles past num_padded, which the kernels skip). Device ops only: no host sync.
+    """
+    flat = topk_ids.reshape(-1)
+    pairs = flat.numel()
+    rows = padded_rows(pairs, experts, block_m)
+    device = flat.device
+    counts = torch.zeros(experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat.long(), torch.ones_like(flat, dtype=torch.int64))
+    padded = (counts + block_m - 1) // block_m * block_m                     # [E]
+    padded_end = padded.cumsum(0)                                             # [E] end of each expert's run
+    run_start = padded_end - padded
+    sorted_experts, order = torch.sort(flat.long(), stable=True)              # [P] each
+    count_start = counts.cumsum(0) - counts                                   # first sorted index per expert
+    dest = run_start[sorted_experts] + torch.arange(pairs, device=device) - count_start[sorted_experts]
+    sorted_pairs = torch.full((rows,), pairs, dtype=torch.int64, device=device)
+    sorted_pairs.scatter_(0, dest, order)
+    tile_starts = torch.arange(0, rows, block_m, device=device)
+    tile_expert = torch.searchsorted(padded_end, tile_starts, right=True)    # E past the last run
+    return sorted_pairs, tile_expert, padded_end[-1:]
+
+
+def _tiles(tokens: int, inter: int, hidden: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K): small row tiles for decode-sized batches (most of an expert's
+    tile would be padding otherwise), larger ones when each expert gets many rows."""
+    if tokens <= 32:
+        return 16, 64, 128
+    return 64, 64, 64
+
+
+def fused_moe(x, w13, w2, topk_ids, topk_weights, activation="silu", b13=None, b2=None, alpha=1.702, limit=7.0,
+              *, tiles: tuple[int, int, int] | None = None, num_warps: int = 4, num_stages: int = 3):
+    """See reference.fused_moe; `tiles` = (BLOCK_M, BLOCK_N, BLOCK_K) overrides the choice (tests)."""
+    tokens, hidden, experts, inter, k = _checks.check_fused_moe(x, w13, w2, topk_ids, topk_weights, activation,
+                                                                b13, b2)
+    check_triton_device(x)
+    if tokens == 0:
+        return torch.empty_like(x)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    w13, w2 = w13.contiguous(), w2.contiguous()  # no-ops for loaded weights
+    block_m, block_n, block_k = tiles or _tiles(tokens, inter, hidden)
+    sorted_pairs, tile_expert, num_padded = sort_by_expert(topk_ids, experts, block_m)
+    rows, pairs = sorted_pairs.numel(), tokens * k
+    act = torch.empty((rows, inter), dtype=x.dtype, device=x.device)
+    per_pair = torch.empty((pairs, hidden), dtype=x.dtype, device=x.device)
+    weights = topk_weights.reshape(-1)
+    prec = dot_precision(x.dtype)
+    m_tiles = rows // block_m
+    _gate_up_kernel[(m_tiles, triton.cdiv(inter, block_n))](
+        x, w13, b13 if b13 is not None else w13, act, sorted_pairs, tile_expert, num_padded,
+        hidden, inter, k, pairs, x.stride(0), w13.stride(0), w13.stride(1),
+        b13.stride(0) if b13 is not None else 0, float(alpha), float(limit),
+        HAS_BIAS=b13 is not None, ACTIVATION=_ACTIVATIONS[activation], DOT_PREC=prec,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
+    )
+    _down_kernel[(m_tiles, triton.cdiv(hidden, block_n))](
+        act, w2, b2 if b2 is not None else w2, weights, per_pair, sorted_pairs, tile_expert, num_padded,
+        hidden, inter, pairs, w2.stride(0), w2.stride(1), b2.stride(0) if b2 is not None else 0,
+        HAS_BIAS=b2 is not None, DOT_PREC=prec,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
+    )
+    return per_pair.view(tokens, k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype, copy=False)

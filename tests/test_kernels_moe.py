@@ -1,0 +1,86 @@
+"""The Triton fused_moe (kernels/moe.py) against the torch reference, run on CPU by the Triton
+interpreter (see interpreted.py: in a normal run this file's one test runs it again in a child
+process). bf16 and the decode/prefill sizes of real models are GPU-tested (test_kernels_gpu.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from interpreted import INTERPRETED, TOL, in_child, kernel_modules
+
+if not INTERPRETED:
+    test_triton_kernels_under_interpreter = in_child(__file__)
+
+pytest.importorskip("triton")
+
+from tierkv.kernels import reference as ref  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tk():
+    return kernel_modules("moe")
+
+
+def moe_case(t, h, e, inter, k, dtype, bias=False, seed=0, skew=False):
+    """Random inputs of one fused_moe call; `skew` routes most tokens to expert 0 (long runs)."""
+    g = torch.Generator().manual_seed(seed)
+    x = (2 * torch.randn(t, h, generator=g)).to(dtype)
+    w13 = (0.3 * torch.randn(e, 2 * inter, h, generator=g)).to(dtype)
+    w2 = (0.3 * torch.randn(e, h, inter, generator=g)).to(dtype)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    if skew:
+        ids[: t * 3 // 4, 0] = 0
+        ids[: t * 3 // 4, 1:] = torch.arange(1, k).expand(t * 3 // 4, -1)
+    weights = torch.rand(t, k, generator=g).to(dtype)
+    b13 = (0.3 * torch.randn(e, 2 * inter, generator=g)).to(dtype) if bias else None
+    b2 = (0.3 * torch.randn(e, h, generator=g)).to(dtype) if bias else None
+    return x, w13, w2, ids, weights, b13, b2
+
+
+def _check(tk, case, activation="silu", tiles=None):
+    x, w13, w2, ids, weights, b13, b2 = case
+    got = tk.moe.fused_moe(x, w13, w2, ids, weights, activation, b13, b2, tiles=tiles)
+    assert got.dtype == x.dtype and got.shape == x.shape
+    if x.dtype == torch.float32:
+        want = ref.fused_moe(x, w13, w2, ids, weights, activation, b13, b2)
+        torch.testing.assert_close(got, want, **TOL[x.dtype])
+        return
+    # fp16: both round at every step (the kernel sums the k experts in fp32, the reference in fp16),
+    # so each is held to the fp32 reference of the same inputs: the kernel must be as close as the
+    # fp16 reference is (within fp16's own tolerance on top)
+    as32 = [t if t is None or t.dtype == ids.dtype else t.float() for t in case]
+    exact = ref.fused_moe(*as32[:5], activation, *as32[5:])
+    in_dtype = ref.fused_moe(x, w13, w2, ids, weights, activation, b13, b2).float()
+    err, err_ref = (got.float() - exact).abs().max(), (in_dtype - exact).abs().max()
+    assert err <= 2 * err_ref + TOL[x.dtype]["atol"], f"kernel error {err:.3g}, the fp16 reference's {err_ref:.3g}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("tiles", [(16, 16, 16), (32, 32, 16)])
+def test_silu_matches_the_reference(tk, dtype, tiles):
+    # hidden and intermediate sizes that are not multiples of the tiles; 9 experts, some unused
+    _check(tk, moe_case(11, 40, 9, 24, 3, dtype), tiles=tiles)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_swigluoai_with_biases_matches_the_reference(tk, dtype):
+    _check(tk, moe_case(7, 32, 4, 16, 2, dtype, bias=True), "swigluoai", tiles=(16, 16, 16))
+
+
+def test_one_token_and_runs_longer_than_a_tile(tk):
+    _check(tk, moe_case(1, 32, 8, 16, 4, torch.float32), tiles=(16, 16, 16))
+    _check(tk, moe_case(40, 32, 6, 16, 2, torch.float32, skew=True), tiles=(16, 16, 32))
+
+
+def test_routing_weights_in_fp32_and_the_default_tiles(tk):
+    x, w13, w2, ids, weights, b13, b2 = moe_case(37, 48, 5, 32, 2, torch.float16)
+    _check(tk, (x, w13, w2, ids, weights.float(), b13, b2))
+
+
+def test_sorting_pads_each_experts_run_to_whole_tiles(tk):
+    ids = torch.tensor([[2, 0], [2, 1], [2, 0]])  # expert 0: pairs 1, 5; expert 1: 3; expert 2: 0, 2, 4
+    pairs, tile_expert, total = tk.moe.sort_by_expert(ids, 4, 4)
+    assert int(total) == 12 and pairs.numel() == tk.moe.padded_rows(6, 4, 4)
+    assert pairs[:12].tolist() == [1, 5, 6, 6, 3, 6, 6, 6, 0, 2, 4, 6]
+    assert tile_expert[:3].tolist() == [0, 1, 2] and (tile_expert[3:] == 4).all()
