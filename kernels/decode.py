@@ -2,8 +2,10 @@
 
 One query token per sequence reads its K/V through a block table. Each program owns one
 (sequence, kv head, split) and loads every K/V tile once for all the query heads of that kv head
-(GQA). A second small kernel merges the splits. This file must never read a block-table entry past
-a sequence's length, and never syncs the host (the split count comes from tensor shapes only).
+(GQA). A second small kernel merges the splits. Attention sinks (gpt-oss), where given, join each
+head's softmax once: in the kernel when it runs unsplit, else at the merge. This file must never
+read a block-table entry past a sequence's length, and never syncs the host (the split count
+comes from tensor shapes only).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import triton.language as tl
 
 from . import _checks
 from ._launch import check_triton_device, dot_precision, pow2, sm_count
-from .merge import merge_splits_kernel
+from .merge import add_sink, merge_splits_kernel
 
 _LOG2E = 1.4426950408889634
 
@@ -26,7 +28,7 @@ _LOG2E = 1.4426950408889634
 @triton.jit(do_not_specialize=["stride_btb", "window", "num_splits", "stride_pb", "stride_ph",
                                "stride_lb", "stride_lh"])
 def _decode_split_kernel(
-    Q, KV, BT, SL, Out, Part, Lse,
+    Q, KV, BT, SL, Sinks, Out, Part, Lse,
     stride_qb, stride_qh, stride_qd,
     stride_kvb, stride_kvs, stride_kvt, stride_kvh, stride_kvd,
     stride_btb, stride_btn,
@@ -36,7 +38,7 @@ def _decode_split_kernel(
     qk_scale, window, num_splits,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, DIRECT: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    HAS_SINKS: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     # kv head varies fastest across the grid: the programs running side by side read the
     # neighbouring head slices of the same pages ([bs, Hkv, D] rows), not far-apart sequences
@@ -88,6 +90,8 @@ def _decode_split_kernel(
     out_mask = g_mask[:, None] & d_mask[None, :]
     if DIRECT:
         # one split: normalise here; an empty range (seq_len 0) gives zeros, as the reference does
+        if HAS_SINKS:
+            l_i = add_sink(l_i, m_i, Sinks, heads, g_mask)
         l_safe = tl.where(l_i > 0, l_i, 1.0)
         o_ptr = Out + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :] * stride_od
         tl.store(o_ptr, (acc / l_safe[:, None]).to(Out.dtype.element_ty), mask=out_mask)
@@ -134,11 +138,11 @@ def decode_launch(batch: int, kv_heads: int, max_tokens: int, head_dim: int, dev
     return max(1, min(splits, triton.cdiv(max(max_tokens, 1), block_n))), block_n
 
 
-def _paged_decode(q, kv, block_tables, seq_lens, scale, sliding_window=None, *,
+def _paged_decode(q, kv, block_tables, seq_lens, scale, sliding_window=None, sinks=None, *,
                   num_splits=None, block_n=None, num_warps=None, num_stages=None):
     """paged_decode with its launch choices exposed (tests and benchmarks sweep them)."""
-    hq, hkv, d = _checks.check_decode(q, kv, block_tables, seq_lens, sliding_window)
-    check_triton_device(q, kv, block_tables, seq_lens)
+    hq, hkv, d = _checks.check_decode(q, kv, block_tables, seq_lens, sliding_window, sinks)
+    check_triton_device(q, kv, block_tables, seq_lens)  # sinks: checked to be on q's device
     batch, page = q.shape[0], kv.shape[2]
     group = hq // hkv
     if batch > 65535:
@@ -157,19 +161,21 @@ def _paged_decode(q, kv, block_tables, seq_lens, scale, sliding_window=None, *,
         lse = torch.empty(batch, hq, splits, dtype=torch.float32, device=q.device)
         part_strides, lse_strides = part.stride()[:3], lse.stride()[:2]
     block_d = pow2(d, 16)
+    has_sinks = sinks is not None
+    sinks = sinks if has_sinks else seq_lens  # an unused placeholder pointer
     _decode_split_kernel[(hkv, splits, batch)](
-        q, kv, block_tables, seq_lens, out, part, lse,
+        q, kv, block_tables, seq_lens, sinks, out, part, lse,
         *q.stride(), *kv.stride(), *block_tables.stride(), *out.stride(),
         *part_strides, *lse_strides,
         scale * _LOG2E, sliding_window or 0, splits,
         GROUP=group, BLOCK_G=pow2(group, 16), HEAD_D=d, BLOCK_D=block_d, PAGE=page, BLOCK_N=block_n,
-        HAS_WINDOW=sliding_window is not None, DIRECT=direct, DOT_PREC=dot_precision(q.dtype),
-        num_warps=num_warps or 4, num_stages=num_stages or 3,
+        HAS_WINDOW=sliding_window is not None, DIRECT=direct, HAS_SINKS=has_sinks,
+        DOT_PREC=dot_precision(q.dtype), num_warps=num_warps or 4, num_stages=num_stages or 3,
     )
     if not direct:
         merge_splits_kernel[(batch, hq)](
-            part, lse, out, *part.stride()[:3], *lse.stride()[:2], *out.stride(), splits,
-            HEAD_D=d, BLOCK_D=block_d, BLOCK_S=pow2(splits), num_warps=4,
+            part, lse, out, sinks, *part.stride()[:3], *lse.stride()[:2], *out.stride(), splits,
+            HEAD_D=d, BLOCK_D=block_d, BLOCK_S=pow2(splits), HAS_SINKS=has_sinks, num_warps=4,
         )
     return out
 
@@ -181,10 +187,11 @@ def paged_decode(
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, Hq, D] attends to its sequence in kv [num_blocks, 2, bs, Hkv, D]; see reference.paged_decode.
 
     seq_lens[b] must not exceed block_tables.shape[1] * block_size; that is not checked here, as
     checking would read seq_lens on the host (a sync per layer).
     """
-    return _paged_decode(q, kv, block_tables, seq_lens, scale, sliding_window)
+    return _paged_decode(q, kv, block_tables, seq_lens, scale, sliding_window, sinks)

@@ -6,7 +6,8 @@ chunk is computed as two attentions merged by log-sum-exp:
     self:   the n new queries over the n new keys, causal (top-left and bottom-right agree here);
     prefix: the n new queries over the ctx cached keys, no mask.
 Both read K/V gathered from the paged pool into one contiguous [ctx + n, Hkv, D] buffer per layer
-(one copy, ~3% of the attention time at 100K tokens on the H200). Measured there (8192 new tokens,
+(one copy, ~3% of the attention time at 100K tokens on the H200). Attention sinks (gpt-oss) scale
+the merged output by each head's share of the softmax, sigmoid(lse - sink). Measured there (8192 new tokens,
 Llama-8B layer, bf16): cuDNN runs 590-660 TFLOP/s where the paged Triton kernel runs 410-445.
 
 cuDNN builds an execution plan for each new shape, 40-70 ms on the H200 (measured there; its
@@ -58,9 +59,10 @@ def _attend(q4: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, ca
 
 
 def prefill_one(q: torch.Tensor, kv: torch.Tensor, block_table: torch.Tensor, context: int,
-                scale: float) -> torch.Tensor:
+                scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [n, Hq, D] of one sequence whose K/V (this chunk's included) are in the pool kv
-    [num_blocks, 2, bs, Hkv, D] at block_table [>= ceil((context + n) / bs)] -> out [n, Hq, D]."""
+    [num_blocks, 2, bs, Hkv, D] at block_table [>= ceil((context + n) / bs)] -> out [n, Hq, D].
+    sinks: None or [Hq] fp32 attention-sink logits."""
     n, page = q.shape[0], kv.shape[2]
     padded = -(-n // ALIGN) * ALIGN
     total = context + n
@@ -79,10 +81,18 @@ def prefill_one(q: torch.Tensor, kv: torch.Tensor, block_table: torch.Tensor, co
     q4 = q.transpose(0, 1).unsqueeze(0)                                     # [1, Hq, padded, D] view
     end = context + padded
     out_self, lse_self = _attend(q4, k[context:end], v[context:end], scale, causal=True)
-    if context == 0:
+    if context == 0 and sinks is None:
         return out_self[:n].contiguous()
-    out_prefix, lse_prefix = _attend(q4, k[:context], v[:context], scale, causal=False)
-    # softmax over both key sets = the parts weighted by their shares of the total exp-sum:
-    # the self part's share is sigmoid(lse_self - lse_prefix) (cuDNN's lse is a natural log)
-    weight = torch.sigmoid(lse_self[:n] - lse_prefix[:n])                   # [n, Hq, 1] fp32
-    return torch.lerp(out_prefix[:n].float(), out_self[:n].float(), weight).to(q.dtype)
+    if context == 0:
+        out, lse = out_self[:n].float(), lse_self[:n]
+    else:
+        out_prefix, lse_prefix = _attend(q4, k[:context], v[:context], scale, causal=False)
+        # softmax over both key sets = the parts weighted by their shares of the total exp-sum:
+        # the self part's share is sigmoid(lse_self - lse_prefix) (cuDNN's lse is a natural log)
+        weight = torch.sigmoid(lse_self[:n] - lse_prefix[:n])               # [n, Hq, 1] fp32
+        out = torch.lerp(out_prefix[:n].float(), out_self[:n].float(), weight)
+        lse = torch.logaddexp(lse_self[:n], lse_prefix[:n])
+    if sinks is not None:
+        # the keys' share of a softmax whose sum also holds e^sink
+        out = out * torch.sigmoid(lse - sinks[None, :, None])
+    return out.to(q.dtype)

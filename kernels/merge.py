@@ -4,6 +4,10 @@ Decode (one query per sequence) and prefill (short extends over long prefixes) b
 keys among programs; each split writes its normalised partial output [rows, Hq, S, D] and its
 log2-sum-exp [rows, Hq, S]. One program per (row, head) weighs the splits and writes the result.
 A split that saw no key has lse = -inf and weight 0. Never launched on its own by users.
+
+Attention sinks (gpt-oss: a logit per query head that joins the softmax's denominator and adds
+no value) join here once, at the merge, never in a split: a split's partial is normalised over its
+own keys only. An unsplit launch joins them with `add_sink` instead.
 """
 
 from __future__ import annotations
@@ -12,16 +16,28 @@ import triton
 import triton.language as tl
 
 
+LOG2E = tl.constexpr(1.4426950408889634)  # sinks are natural-log logits; the kernels work in log2
+
+
+@triton.jit
+def add_sink(l_i, m_i, Sinks, heads, mask):
+    """The exp-sum l_i of rows whose running max is m_i (log2 units), with each row's sink
+    Sinks[heads] joined: l_i + exp2(sink - m_i). A row that saw no key (m_i = -inf, l_i = 0)
+    stays 0, its output the zeros of an empty attention."""
+    sink = tl.load(Sinks + heads, mask=mask, other=0.0) * LOG2E
+    return l_i + tl.where(m_i == float("-inf"), 0.0, tl.exp2(sink - m_i))
+
+
 # integers that change from step to step are not specialised on (1, multiples of 16):
 # each new combination would compile another copy of the kernel in the middle of serving
 @triton.jit(do_not_specialize=["num_splits", "stride_pb", "stride_ph", "stride_lb", "stride_lh"])
 def merge_splits_kernel(
-    Part, Lse, Out,
+    Part, Lse, Out, Sinks,
     stride_pb, stride_ph, stride_ps,
     stride_lb, stride_lh,
     stride_ob, stride_oh, stride_od,
     num_splits,
-    HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -30,9 +46,14 @@ def merge_splits_kernel(
     s_mask = offs_s < num_splits
     lse = tl.load(Lse + b * stride_lb + h * stride_lh + offs_s, mask=s_mask, other=float("-inf"))  # [BLOCK_S]
     m = tl.max(lse, 0)
+    if HAS_SINKS:
+        sink = tl.load(Sinks + h) * LOG2E              # the head's sink, one more term of the sum
+        m = tl.maximum(m, sink)
     m = tl.where(m == float("-inf"), 0.0, m)           # every split empty: weights 0, output 0
     w = tl.exp2(lse - m)                               # [BLOCK_S]
     total = tl.sum(w, 0)
+    if HAS_SINKS:
+        total += tl.exp2(sink - m)
     w = w / tl.where(total > 0, total, 1.0)
     part = tl.load(
         Part + b * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :],

@@ -6,9 +6,10 @@ are one kernel. Each program owns (query tile of one sequence, query heads, spli
 over a long prefix (a cache hit) would give too few programs to fill the GPU, so its tiles pack the
 query heads of one kv head into rows (each K/V tile is loaded once for the group), and each
 sequence's fully visible keys are divided among splits (flash-decoding); the last split also takes
-the causal part, and a second small kernel merges the splits by log-sum-exp. Splits and tiles are
-chosen from shapes only. This file must never read a block-table entry past a sequence's length,
-and never syncs the host.
+the causal part, and a second small kernel merges the splits by log-sum-exp. Attention sinks
+(gpt-oss), where given, join each head's softmax once: in the kernel when it runs unsplit, else at
+the merge. Splits and tiles are chosen from shapes only. This file must never read a block-table
+entry past a sequence's length, and never syncs the host.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import triton.language as tl
 
 from . import _checks, dense
 from ._launch import INTERPRETING, check_triton_device, dot_precision, pow2, sm_count
-from .merge import merge_splits_kernel
+from .merge import add_sink, merge_splits_kernel
 
 _LOG2E = 1.4426950408889634
 
@@ -56,7 +57,7 @@ def _split_range(lo, mid, split, num_splits, BLOCK_N: tl.constexpr):
 @triton.jit(do_not_specialize=["stride_btb", "window", "num_seqs", "num_splits", "stride_pt", "stride_ph",
                              "stride_lt", "stride_lh"])
 def _prefill_kernel(
-    Q, KV, BT, CU, SL, TileSeq, TileIdx, Out, Part, Lse,
+    Q, KV, BT, CU, SL, TileSeq, TileIdx, Sinks, Out, Part, Lse,
     stride_qt, stride_qh, stride_qd,
     stride_kvb, stride_kvs, stride_kvt, stride_kvh, stride_kvd,
     stride_btb, stride_btn,
@@ -66,7 +67,7 @@ def _prefill_kernel(
     qk_scale, window, num_seqs, num_splits,
     GROUP: tl.constexpr, PACK: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    DIRECT: tl.constexpr, DOT_PREC: tl.constexpr,
+    DIRECT: tl.constexpr, HAS_SINKS: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     # heads vary fastest: the programs sharing a kv head (one, when packed) run side by side and
     # read the same K/V tiles (hits in L2), rather than each streaming them at different times
@@ -160,6 +161,9 @@ def _prefill_kernel(
             acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
             m_i = m_new
 
+    if DIRECT:
+        if HAS_SINKS:  # unsplit: the sink joins here (a split launch joins it at the merge)
+            l_i = add_sink(l_i, m_i, Sinks, heads, m_mask)
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out_mask = m_mask[:, None] & d_mask[None, :]
     if DIRECT:
@@ -276,11 +280,11 @@ def choose_launch(num_tokens: int, num_seqs: int, num_heads: int, kv_heads: int,
     return Launch(bm, bn, warps, heads, splits)
 
 
-def _paged_prefill(q, kv, block_tables, cu_seqlens_q, seq_lens, scale, sliding_window=None, *,
+def _paged_prefill(q, kv, block_tables, cu_seqlens_q, seq_lens, scale, sliding_window=None, sinks=None, *,
                    block_m=None, block_n=None, num_warps=None, num_stages=None, num_splits=None,
                    pack=None):
     """paged_prefill with its launch choices exposed (tests and benchmarks sweep them)."""
-    hq, hkv, d = _checks.check_prefill(q, kv, block_tables, cu_seqlens_q, seq_lens, sliding_window)
+    hq, hkv, d = _checks.check_prefill(q, kv, block_tables, cu_seqlens_q, seq_lens, sliding_window, sinks)
     check_triton_device(q, kv, block_tables, cu_seqlens_q, seq_lens)
     out = torch.empty_like(q)
     num_tokens, num_seqs, page = q.shape[0], seq_lens.shape[0], kv.shape[2]
@@ -301,19 +305,21 @@ def _paged_prefill(q, kv, block_tables, cu_seqlens_q, seq_lens, scale, sliding_w
         part_strides, lse_strides = part.stride()[:3], lse.stride()[:2]
     seq_of_tile, tile_in_seq, grid = _tile_map(cu_seqlens_q, num_tokens, launch.tokens_per_tile)
     block_d = pow2(d, 16)
+    has_sinks = sinks is not None
+    sinks = sinks if has_sinks else seq_lens  # an unused placeholder pointer
     _prefill_kernel[(hq // launch.pack, grid, launch.num_splits)](
-        q, kv, block_tables, cu_seqlens_q, seq_lens, seq_of_tile, tile_in_seq, out, part, lse,
+        q, kv, block_tables, cu_seqlens_q, seq_lens, seq_of_tile, tile_in_seq, sinks, out, part, lse,
         *q.stride(), *kv.stride(), *block_tables.stride(), *out.stride(), *part_strides, *lse_strides,
         scale * _LOG2E, sliding_window or 0, num_seqs, launch.num_splits,
         GROUP=hq // hkv, PACK=launch.pack, HEAD_D=d, BLOCK_D=block_d, PAGE=page, BLOCK_M=launch.block_m,
-        BLOCK_N=launch.block_n, HAS_WINDOW=sliding_window is not None, DIRECT=direct,
+        BLOCK_N=launch.block_n, HAS_WINDOW=sliding_window is not None, DIRECT=direct, HAS_SINKS=has_sinks,
         DOT_PREC=dot_precision(q.dtype), num_warps=launch.num_warps, num_stages=num_stages or 3,
     )
     if not direct:
         # one row per new token: [T, Hq, S, D] partials
         merge_splits_kernel[(num_tokens, hq)](
-            part, lse, out, *part_strides, *lse_strides, *out.stride(), launch.num_splits,
-            HEAD_D=d, BLOCK_D=block_d, BLOCK_S=pow2(launch.num_splits), num_warps=4,
+            part, lse, out, sinks, *part_strides, *lse_strides, *out.stride(), launch.num_splits,
+            HEAD_D=d, BLOCK_D=block_d, BLOCK_S=pow2(launch.num_splits), HAS_SINKS=has_sinks, num_warps=4,
         )
     return out
 
@@ -327,6 +333,7 @@ def paged_prefill(
     scale: float,
     sliding_window: int | None = None,
     context: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Flat varlen q [T, Hq, D] over the paged kv, causal; see reference.paged_prefill.
 
@@ -336,10 +343,10 @@ def paged_prefill(
     long chunk then runs through cuDNN (dense.py) when `dense.applies`.
     """
     if dense.applies(q, kv, seq_lens.shape[0], context, sliding_window):
-        _checks.check_prefill(q, kv, block_tables, cu_seqlens_q, seq_lens, sliding_window)
+        _checks.check_prefill(q, kv, block_tables, cu_seqlens_q, seq_lens, sliding_window, sinks)
         _checks.check_context(context, q.shape[0], block_tables, kv.shape[2])
-        return dense.prefill_one(q, kv, block_tables[0], context, scale)
-    return _paged_prefill(q, kv, block_tables, cu_seqlens_q, seq_lens, scale, sliding_window)
+        return dense.prefill_one(q, kv, block_tables[0], context, scale, sinks)
+    return _paged_prefill(q, kv, block_tables, cu_seqlens_q, seq_lens, scale, sliding_window, sinks)
 
 
 def launch_variants(num_heads: int, kv_heads: int, head_dim: int, device: torch.device) -> list[Launch]:
@@ -358,22 +365,24 @@ def launch_variants(num_heads: int, kv_heads: int, head_dim: int, device: torch.
     return list(seen.values())
 
 
-def compile_variants(kv: torch.Tensor, num_heads: int, scale: float, windows=(None,)) -> int:
+def compile_variants(kv: torch.Tensor, num_heads: int, scale: float, windows=(None,), sinks: bool = False) -> int:
     """Compile now every kernel variant paged_prefill may choose on this pool, for each sliding
     window in `windows`, so a server never stalls mid-run (~1 s a variant, once per machine:
-    Triton keeps them on disk). kv: one layer's pool [blocks, 2, page, Hkv, D]; only read.
-    Returns the number of variants."""
+    Triton keeps them on disk); with `sinks`, the variants with attention sinks (a model whose
+    layers all have them, gpt-oss) instead of those without. kv: one layer's pool
+    [blocks, 2, page, Hkv, D]; only read. Returns the number of variants."""
     _, _, page, hkv, d = kv.shape
     variants = launch_variants(num_heads, hkv, d, kv.device)
     width = max(triton.cdiv(2 * 128, page), 2)              # room for two key tiles of any size
     tables = torch.zeros(1, width, dtype=torch.int32, device=kv.device)  # every entry block 0: read only
     lens = torch.tensor([width * page], dtype=torch.int32, device=kv.device)
+    sink_logits = torch.zeros(num_heads, dtype=torch.float32, device=kv.device) if sinks else None
     for launch in variants:
         rows = max(1, launch.tokens_per_tile)
         q = torch.zeros(rows, num_heads, d, dtype=kv.dtype, device=kv.device)
         cu = torch.tensor([0, rows], dtype=torch.int32, device=kv.device)
         for window in windows:
-            _paged_prefill(q, kv, tables, cu, lens, scale, window, block_m=launch.block_m,
+            _paged_prefill(q, kv, tables, cu, lens, scale, window, sink_logits, block_m=launch.block_m,
                            block_n=launch.block_n, num_warps=launch.num_warps, pack=launch.pack > 1,
                            num_splits=launch.num_splits)
     return len(variants)
