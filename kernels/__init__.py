@@ -191,12 +191,13 @@ def dequantize_scatter_fp8(q: torch.Tensor, scales: torch.Tensor, pool: torch.Te
     return _impl("dequantize_scatter_fp8", pool)(q, scales, pool, slots)
 
 
-def compile_variants(kv: torch.Tensor, num_heads: int, scale: float, windows=(None,)) -> int:
+def compile_variants(kv: torch.Tensor, num_heads: int, scale: float, windows=(None,), sinks: bool = False) -> int:
     """Compile every attention kernel variant a run may choose on this layer pool `kv`, now rather
-    than at the first request that needs it (Triton only; a no-op returning 0 for the reference)."""
+    than at the first request that needs it (Triton only; a no-op returning 0 for the reference).
+    sinks: the model's layers have attention sinks (gpt-oss): compile those variants instead."""
     if backend_for(kv) == "reference":
         return 0
-    return importlib.import_module(".prefill", __name__).compile_variants(kv, num_heads, scale, windows)
+    return importlib.import_module(".prefill", __name__).compile_variants(kv, num_heads, scale, windows, sinks)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
