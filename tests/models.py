@@ -37,6 +37,11 @@ def tiny_config(kind: str):
         return Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=False)
     if kind == "mistral":  # a sliding window much shorter than the test prompts
         return MistralConfig(**TINY, sliding_window=8)
+    if kind == "qwen3_moe":  # 3 layers, the first dense (mlp_only_layers): 8 experts, top-2, renormalised
+        from transformers import Qwen3MoeConfig
+
+        return Qwen3MoeConfig(**dict(TINY, num_hidden_layers=3), head_dim=32, num_experts=8, num_experts_per_tok=2,
+                              moe_intermediate_size=48, norm_topk_prob=True, mlp_only_layers=[0])
     raise ValueError(kind)
 
 

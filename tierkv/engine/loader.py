@@ -27,7 +27,9 @@ from tierkv.layout import KVLayout
 
 from . import hub
 from .config import check_device, dtype_name
+from .expert_weights import ExpertWeights
 from .model import SUPPORTED_MODEL_TYPES, CausalLM, ModelConfig
+from .moe import check_moe_parallel
 from .parallel import TensorParallel, check_tensor_parallel
 from .tokenizer import Tokenizer
 
@@ -376,11 +378,15 @@ def load_weights(model: CausalLM, files: list[Path], device: torch.device, dtype
     expected = model.state_dict()
     state: dict[str, torch.Tensor] = {}
     pending: dict[str, list[torch.Tensor | None]] = {}
+    experts = ExpertWeights(cfg.moe, cfg.model_type, tp, device, dtype) if cfg.moe is not None else None
     for path in files:
         with safe_open(str(path), framework="pt", device=str(device)) as f:
             for name in f.keys():
                 tied_head = name == "lm_head.weight" and model.config.tie_word_embeddings
                 if name.endswith("rotary_emb.inv_freq") or tied_head:
+                    continue
+                if experts is not None and experts.claims(name):  # MoE router and experts: expert_weights.py
+                    experts.add(name, f.get_tensor(name))
                     continue
                 shard = _shard(name, cfg, tp)
                 if shard is None:
@@ -403,6 +409,8 @@ def load_weights(model: CausalLM, files: list[Path], device: torch.device, dtype
                 if all(p is not None for p in parts):
                     state[key] = torch.cat(parts, dim=0)  # [sum of out features, in features]
                     del pending[key]
+    if experts is not None:
+        state.update(experts.finish())
     if model.config.tie_word_embeddings and "model.embed_tokens.weight" in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     missing = sorted(set(expected) - set(state))
@@ -428,6 +436,8 @@ def model_config(model_dir: Path, tp_size: int = 1) -> ModelConfig:
     try:
         config = ModelConfig.from_hf(read_config(model_dir))
         check_tensor_parallel(tp_size, config.num_heads, config.num_kv_heads, config.intermediate_size)
+        if config.moe is not None:
+            check_moe_parallel(config.moe, tp_size)
     except ConfigError as e:
         raise ModelLoadError(f"{model_dir}: {e}") from None
     except KeyError as e:

@@ -22,10 +22,11 @@ from tierkv import kernels
 from tierkv.errors import ConfigError
 
 from .attention import AttentionMetadata, paged_attention
+from .moe import ROUTER_OF, MoESpec, SparseMoE, moe_layers
 from .parallel import TensorParallel, check_tensor_parallel
 
 # config.json "model_type" values this decoder implements.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -51,6 +52,9 @@ class ModelConfig:
     mlp_bias: bool = False
     qk_norm: bool = False
     layer_windows: list[int | None] = field(default_factory=list)  # sliding window per layer
+    # mixture of experts (moe.py): the sparse block's spec, and which layers hold it (the others a dense MLP)
+    moe: MoESpec | None = None
+    moe_layers: list[bool] = field(default_factory=list)
 
     @classmethod
     def from_hf(cls, hf: dict) -> ModelConfig:
@@ -61,7 +65,7 @@ class ModelConfig:
             raise ConfigError(
                 f"model_type {model_type!r} (architectures {archs}) is not supported by the tierkv "
                 f"engine; supported model types: {', '.join(SUPPORTED_MODEL_TYPES)} "
-                "(Llama 2/3/3.1, Mistral, Qwen2/2.5, Qwen3, SmolLM2)"
+                "(Llama 2/3/3.1, Mistral, Qwen2/2.5, Qwen3, Qwen3-MoE, SmolLM2)"
             )
         hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
         num_layers = hf["num_hidden_layers"]
@@ -81,7 +85,7 @@ class ModelConfig:
         if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
             raise ConfigError("partial_rotary_factor != 1 is not supported by the tierkv engine")
         rope["rope_type"] = rope_type
-        is_qwen = model_type in ("qwen2", "qwen3")
+        is_qwen = model_type in ("qwen2", "qwen3", "qwen3_moe")
         return cls(
             model_type=model_type,
             vocab_size=hf["vocab_size"],
@@ -99,10 +103,12 @@ class ModelConfig:
             # Qwen2 always has q/k/v bias and never o bias; Llama/Qwen3 "attention_bias" covers
             # all four projections; Mistral has none.
             qkv_bias=True if model_type == "qwen2" else bool(hf.get("attention_bias", False)),
-            o_bias=model_type in ("llama", "qwen3") and bool(hf.get("attention_bias", False)),
+            o_bias=model_type in ("llama", "qwen3", "qwen3_moe") and bool(hf.get("attention_bias", False)),
             mlp_bias=model_type == "llama" and bool(hf.get("mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             layer_windows=_layer_windows(hf, num_layers, is_qwen),
+            moe=MoESpec.from_hf(hf) if model_type in ROUTER_OF else None,
+            moe_layers=moe_layers(hf, num_layers),
         )
 
 
@@ -249,7 +255,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, tp: TensorParallel) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, layer, tp)
-        self.mlp = MLP(cfg, tp)
+        self.mlp = SparseMoE(cfg.moe, tp) if cfg.moe_layers and cfg.moe_layers[layer] else MLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
