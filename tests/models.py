@@ -18,6 +18,14 @@ from tierkv.engine.model import CausalLM
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
 
+# mscale differs from mscale_all_dim so that YaRN scales cos/sin as well as the softmax
+DEEPSEEK_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
+                 "mscale": 0.707, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}
+
+# gpt-oss's YaRN (truncate false) over a short original context, so the ramp covers a few dims
+GPT_OSS_YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "truncate": False, "original_max_position_embeddings": 128}
+
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
 
@@ -37,11 +45,29 @@ def tiny_config(kind: str):
         return Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=False)
     if kind == "mistral":  # a sliding window much shorter than the test prompts
         return MistralConfig(**TINY, sliding_window=8)
+    if kind == "gemma3":  # 6 layers: five sliding (window 8) to one global with linear RoPE scaling
+        from transformers import Gemma3TextConfig
+
+        return Gemma3TextConfig(**dict(TINY, num_hidden_layers=6), head_dim=32, query_pre_attn_scalar=24,
+                                sliding_window=8, rope_scaling={"rope_type": "linear", "factor": 8.0})
     if kind == "qwen3_moe":  # 3 layers, the first dense (mlp_only_layers): 8 experts, top-2, renormalised
         from transformers import Qwen3MoeConfig
 
         return Qwen3MoeConfig(**dict(TINY, num_hidden_layers=3), head_dim=32, num_experts=8, num_experts_per_tok=2,
                               moe_intermediate_size=48, norm_topk_prob=True, mlp_only_layers=[0])
+    if kind == "deepseek_v3":  # DeepSeek-V2-Lite's structure scaled down: MLA without q LoRA, YaRN, 3 layers
+        from transformers import DeepseekV3Config  # (the first dense), 8 routed experts in 2 groups + 1 shared
+
+        return DeepseekV3Config(**dict(TINY, num_hidden_layers=3, num_key_value_heads=4), q_lora_rank=None,
+                                kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                                first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
+                                topk_group=1, n_shared_experts=1, moe_intermediate_size=32,
+                                rope_parameters=dict(DEEPSEEK_YARN))
+    if kind == "gpt_oss":  # 4 layers alternating sliding (window 8) / full, sinks, 4 experts top-2, YaRN
+        from transformers import GptOssConfig
+
+        return GptOssConfig(**dict(TINY, num_hidden_layers=4), head_dim=32, sliding_window=8, num_local_experts=4,
+                            num_experts_per_tok=2, rope_parameters=dict(GPT_OSS_YARN))
     raise ValueError(kind)
 
 
@@ -58,6 +84,18 @@ def randomize_(model: torch.nn.Module, seed: int, std: float = 0.3) -> None:
                 p.copy_(0.1 * noise)
             else:
                 p.copy_(std * noise)
+
+
+def save_word_tokenizer(path: Path, vocab: int) -> Path:
+    """A word-level tokenizer in model directory `path`: token i <-> the word "w{i}", so that a
+    served text names its token ids."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(path)
+    return path
 
 
 def save_tiny_checkpoint(kind: str, path: Path, seed: int = 0, **overrides) -> Path:
@@ -144,6 +182,23 @@ def paged_greedy(
                 outputs[b].append(int(logits[row].argmax()))
                 row += 1
     return outputs, prompt_logits
+
+
+@torch.inference_mode()
+def every_position_logits(model: CausalLM, prompt: list[int], block_size: int = 4) -> torch.Tensor:
+    """Logits [T, vocab] of every position of `prompt`, prefilled in one step into pool blocks
+    that are deliberately out of order."""
+    t = len(prompt)
+    blocks = math.ceil(t / block_size)
+    table = torch.randperm(blocks, generator=torch.Generator().manual_seed(0)).to(torch.int32)[None]  # [1, blocks]
+    pos = torch.arange(t)
+    device = model.model.embed_tokens.weight.device
+    slots = table[0, pos // block_size].long() * block_size + pos % block_size
+    meta = AttentionMetadata(slot_mapping=slots.to(device), block_tables=table.to(device),
+                             seq_lens=torch.tensor([t], dtype=torch.int32, device=device),
+                             cu_seqlens_q=torch.tensor([0, t], dtype=torch.int32, device=device),
+                             logits_indices=torch.arange(t, device=device), is_decode=False)
+    return model(torch.tensor(prompt, device=device), pos.to(device), make_pool(model, blocks, block_size), meta)
 
 
 def truncate_at_eos(tokens: list[int], eos: int | None) -> list[int]:

@@ -77,11 +77,12 @@ class StreamedAttention:
     stream: LayerStream
 
 
-def _attend(q: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None):
+def _attend(q: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None,
+            sinks: torch.Tensor | None = None):
     if meta.is_decode:  # one query per sequence: [B, Hq, D] with B == T
-        return kernels.paged_decode(q, kv, meta.block_tables, meta.seq_lens, scale, window)
+        return kernels.paged_decode(q, kv, meta.block_tables, meta.seq_lens, scale, window, sinks)
     return kernels.paged_prefill(q, kv, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens, scale, window,
-                                 meta.context)
+                                 meta.context, sinks)
 
 
 def paged_attention(
@@ -91,6 +92,8 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     layer: int = 0,
+    attend: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor] | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attend each new query over its whole sequence, whose K/V (this step's included) the
     caller has already written into the pool (`kernels.rope_kv_write`): the kernels read every
@@ -98,13 +101,19 @@ def paged_attention(
 
     q: [T, Hq, D] (rotated); kv: layer `layer`'s pool [num_blocks, 2, block_size, Hkv, D].
     Returns [T, Hq, D] in q's dtype.
+    attend: an attention of its own, attend(q, kv, meta) -> [T, Hq, Dv], that reads another pool
+    layout (mla.py's latents); streamed sequences go through it the same way.
+    sinks: None, or this rank's [Hq] fp32 attention-sink logits (gpt-oss; see kernels.paged_decode).
     """
+    if attend is None:
+        def attend(q, kv, meta):
+            return _attend(q, kv, meta, scale, sliding_window, sinks)
     s = meta.streamed
     if s is None:
-        return _attend(q, kv, meta, scale, sliding_window)
+        return attend(q, kv, meta)
     staged = s.stream.layer_kv(layer, kv)  # [rows, 2, bs, Hkv, D]: this layer's KV of the streamed sequences
-    out_tail = _attend(q[s.first_token :], staged, s.tail, scale, sliding_window)
+    out_tail = attend(q[s.first_token :], staged, s.tail)
     s.stream.release(layer)
     if s.head is None:
         return out_tail
-    return torch.cat([_attend(q[: s.first_token], kv, s.head, scale, sliding_window), out_tail])
+    return torch.cat([attend(q[: s.first_token], kv, s.head), out_tail])

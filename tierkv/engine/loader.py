@@ -25,9 +25,10 @@ import xxhash
 from tierkv.errors import ConfigError, ModelLoadError, TierKVError
 from tierkv.layout import KVLayout
 
-from . import hub
+from . import hub, mla
 from .config import check_device, dtype_name
 from .expert_weights import ExpertWeights
+from .mxfp4 import Mxfp4Pairs
 from .model import SUPPORTED_MODEL_TYPES, CausalLM, ModelConfig
 from .moe import check_moe_parallel
 from .parallel import TensorParallel, check_tensor_parallel
@@ -61,7 +62,7 @@ class LoadedModel:
         cfg = self.config
         heads = cfg.num_kv_heads if all_heads else self.model.num_local_kv_heads
         return KVLayout(num_layers=cfg.num_layers, num_kv_heads=heads, head_dim=cfg.head_dim,
-                        dtype=self.dtype, block_size=block_size)
+                        dtype=self.dtype, block_size=block_size, windows=tuple(cfg.layer_windows))
 
 
 def default_cache_dir() -> Path:
@@ -334,6 +335,23 @@ def _fused_target(name: str) -> tuple[str, int, int] | None:
 
 _VOCAB_ROWS = ("model.embed_tokens.weight", "lm_head.weight")
 
+# A multimodal checkpoint (Gemma3ForConditionalGeneration) holds its text model under other names:
+# transformers writes (and the hub's google/gemma-3-*-it hold) language_model.model.*; its modules
+# are named model.language_model.* in memory. The vision tower and projector are not loaded.
+_TEXT_MODEL_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+                        ("model.language_model.", "model."))
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def _text_model_name(name: str) -> str | None:
+    """The decoder's name for checkpoint tensor `name`; None for a vision tensor (not loaded)."""
+    if name.startswith(_VISION_PREFIXES):
+        return None
+    for prefix, ours in _TEXT_MODEL_PREFIXES:
+        if name.startswith(prefix):
+            return ours + name[len(prefix):]
+    return name
+
 
 def _shard(name: str, cfg: ModelConfig, tp: TensorParallel) -> tuple[int, slice] | None:
     """(dim, indices) of the part of checkpoint tensor `name` that this rank holds; None: all of it
@@ -345,6 +363,8 @@ def _shard(name: str, cfg: ModelConfig, tp: TensorParallel) -> tuple[int, slice]
         return 0, slice(min(rows.start, cfg.vocab_size), min(rows.stop, cfg.vocab_size))
     parts = name.split(".")
     module, suffix = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", "")
+    if cfg.mla is not None and ".self_attn." in name:  # DeepSeek's latent attention: mla.py says
+        return mla.shard(module, suffix, cfg.mla, tp.part(cfg.num_heads))
     d = cfg.head_dim
     if module in ("q_proj", "k_proj", "v_proj"):  # output rows (weight and bias) of this rank's heads
         heads = tp.part(cfg.num_heads) if module == "q_proj" else tp.kv_heads(cfg.num_kv_heads)
@@ -352,11 +372,22 @@ def _shard(name: str, cfg: ModelConfig, tp: TensorParallel) -> tuple[int, slice]
     if module == "o_proj" and suffix == "weight":  # input columns of this rank's q heads
         heads = tp.part(cfg.num_heads)
         return 1, slice(heads.start * d, heads.stop * d)
+    if module == "self_attn" and suffix == "sinks":  # gpt-oss: one logit per q head
+        heads = tp.part(cfg.num_heads)
+        return 0, slice(heads.start, heads.stop)
     if module in ("gate_proj", "up_proj"):
         return 0, tp.part(cfg.intermediate_size)
     if module == "down_proj" and suffix == "weight":
         return 1, tp.part(cfg.intermediate_size)
     return None
+
+
+def _mtp_layer(name: str, cfg: ModelConfig) -> bool:
+    """A tensor of DeepSeek's multi-token-prediction layers (num_nextn_predict_layers of them, numbered
+    from num_hidden_layers on in real V3/R1 checkpoints): the engine does not speculate, so they are
+    not loaded."""
+    parts = name.split(".")
+    return cfg.model_type == "deepseek_v3" and name.startswith("model.layers.") and int(parts[2]) >= cfg.num_layers
 
 
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -378,29 +409,45 @@ def load_weights(model: CausalLM, files: list[Path], device: torch.device, dtype
     expected = model.state_dict()
     state: dict[str, torch.Tensor] = {}
     pending: dict[str, list[torch.Tensor | None]] = {}
+    vision = 0  # tensors of a multimodal checkpoint's vision tower, skipped
+    mtp = 0  # tensors of DeepSeek's multi-token-prediction layers, skipped
     experts = ExpertWeights(cfg.moe, cfg.model_type, tp, device, dtype) if cfg.moe is not None else None
+    packed = Mxfp4Pairs(dtype)  # gpt-oss hub experts in MXFP4, dequantised as they are read
     for path in files:
         with safe_open(str(path), framework="pt", device=str(device)) as f:
-            for name in f.keys():
+            for stored in f.keys():
+                name = _text_model_name(stored)
+                if name is None:
+                    vision += 1
+                    continue
                 tied_head = name == "lm_head.weight" and model.config.tie_word_embeddings
                 if name.endswith("rotary_emb.inv_freq") or tied_head:
                     continue
+                if _mtp_layer(name, cfg):
+                    mtp += 1
+                    continue
+                if experts is not None and packed.claims(name):
+                    if (whole := packed.add(name, f.get_tensor(stored))) is not None:
+                        experts.add(*whole)
+                    continue
                 if experts is not None and experts.claims(name):  # MoE router and experts: expert_weights.py
-                    experts.add(name, f.get_tensor(name))
+                    experts.add(name, f.get_tensor(stored))
                     continue
                 shard = _shard(name, cfg, tp)
                 if shard is None:
-                    tensor = f.get_tensor(name).to(dtype)
+                    tensor = f.get_tensor(stored).to(dtype)
                 else:
                     dim, index = shard
-                    part = f.get_slice(name)  # reads only the bytes of the slice taken below
+                    part = f.get_slice(stored)  # reads only the bytes of the slice taken below
                     tensor = part[index] if dim == 0 else part[:, index]
                     # a column slice comes back strided; the GEMMs want dense weights
                     tensor = tensor.to(device, dtype).contiguous()
                 if tp.enabled and name in _VOCAB_ROWS:
                     tensor = _pad_rows(tensor, tp.vocab_per_rank(cfg.vocab_size))
+                if name.endswith(".self_attn.sinks"):  # in the model dtype as transformers has them, read in fp32
+                    tensor = tensor.float()
                 fused = _fused_target(name)
-                if fused is None:
+                if fused is None or fused[0] not in expected:  # a model that keeps it apart (MLA's q_proj)
                     state[name] = tensor
                     continue
                 key, index, count = fused
@@ -409,8 +456,15 @@ def load_weights(model: CausalLM, files: list[Path], device: torch.device, dtype
                 if all(p is not None for p in parts):
                     state[key] = torch.cat(parts, dim=0)  # [sum of out features, in features]
                     del pending[key]
+    packed.finish()
     if experts is not None:
         state.update(experts.finish())
+    if mtp:
+        log.info("skipped the %d tensors of the checkpoint's multi-token-prediction layers (layers %d and up): "
+                 "the engine does not use them", mtp, cfg.num_layers)
+    if vision:
+        log.info("skipped the %d vision tower tensors of this %s checkpoint: the engine runs its text model only",
+                 vision, cfg.model_type)
     if model.config.tie_word_embeddings and "model.embed_tokens.weight" in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     missing = sorted(set(expected) - set(state))
