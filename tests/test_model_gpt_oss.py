@@ -1,0 +1,219 @@
+"""gpt-oss (model_type gpt_oss) in the engine equals transformers' GptOssForCausalLM on the same weights.
+
+A tiny random checkpoint of the real architecture (tests/models.py "gpt_oss": 4 layers alternating
+an 8-token sliding window and full attention, attention sinks, q/k/v/o biases, 4 experts top-2 with
+the biased router and clamped SwiGLU, YaRN RoPE): logits and greedy tokens against `generate` on
+CPU in fp32, with prompts longer than the window, whole and chunked prefill. The hub's MXFP4
+expert format (openai/gpt-oss-20b) is dequantised at load: the dequantiser is held to
+transformers' own conversion, and an MXFP4 checkpoint loads to the model transformers runs on the
+dequantised weights.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from models import paged_greedy, save_tiny_checkpoint
+
+from tierkv.engine import mxfp4
+from tierkv.engine.loader import load_model
+from tierkv.engine.model import ModelConfig, rope_attention_factor, rope_inv_freq
+from tierkv.errors import ConfigError, ModelLoadError
+
+transformers = pytest.importorskip("transformers")
+
+NEW_TOKENS = 10
+
+
+def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                      eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def assert_logits_close(mine: torch.Tensor, ref: torch.Tensor) -> None:
+    torch.testing.assert_close(mine, ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
+
+
+def random_prompts(vocab: int, lengths=(5, 23, 40)) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1234)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = save_tiny_checkpoint("gpt_oss", tmp_path_factory.mktemp("gpt_oss"))
+    loaded = load_model(path, device="cpu")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return path, loaded, hf
+
+
+def test_config_reads_the_gpt_oss_switches(tiny):
+    _, loaded, _ = tiny
+    cfg = loaded.config
+    assert cfg.model_type == "gpt_oss" and cfg.attention_sinks
+    assert cfg.layer_windows == [8, None, 8, None]
+    assert cfg.qkv_bias and cfg.o_bias and cfg.head_dim == 32
+    assert cfg.moe.num_experts == 4 and cfg.moe.num_experts_per_tok == 2 and cfg.moe.activation == "swigluoai"
+    assert cfg.rope_scaling["rope_type"] == "yarn" and cfg.rope_scaling["truncate"] is False
+    layout = loaded.kv_layout()
+    assert layout.windows == (8, None, 8, None) and layout.head_dim == 32
+
+
+@torch.inference_mode()
+def test_tiny_gpt_oss_matches_transformers(tiny):
+    _, loaded, hf = tiny
+    prompts = random_prompts(loaded.config.vocab_size)
+    ours, prompt_logits = paged_greedy(loaded.model, prompts, NEW_TOKENS, block_size=4)
+    for prompt, tokens, logits in zip(prompts, ours, prompt_logits):
+        assert_logits_close(logits, hf(torch.tensor([prompt])).logits[0, -1])
+        assert tokens == hf_greedy(hf, prompt, NEW_TOKENS)
+    # chunks of 7 over blocks of 4: chunk edges inside blocks and inside the 8-token window, and
+    # decodes mixed with prefill chunks
+    chunked, _ = paged_greedy(loaded.model, prompts, NEW_TOKENS, chunk=7, block_size=4)
+    assert chunked == ours
+
+
+@torch.inference_mode()
+def test_every_position_matches_transformers(tiny):
+    # every prompt position's logits: the sliding layers past their window, the sinks at each length
+    _, loaded, hf = tiny
+    prompt = random_prompts(loaded.config.vocab_size, lengths=(30,))[0]
+    from tierkv.engine.attention import AttentionMetadata
+
+    t, bs = len(prompt), 4
+    model = loaded.model
+    pool = torch.zeros(model.config.num_layers, 8, 2, bs, model.config.num_kv_heads, model.config.head_dim)
+    table = torch.tensor([[7, 2, 5, 0, 1, 3, 6, 4]], dtype=torch.int32)
+    pos = torch.arange(t)
+    meta = AttentionMetadata(slot_mapping=table[0, pos // bs].long() * bs + pos % bs, block_tables=table,
+                             seq_lens=torch.tensor([t], dtype=torch.int32),
+                             cu_seqlens_q=torch.tensor([0, t], dtype=torch.int32),
+                             logits_indices=torch.arange(t), is_decode=False)
+    assert_logits_close(model(torch.tensor(prompt), pos, pool, meta), hf(torch.tensor([prompt])).logits[0])
+
+
+def test_yarn_rope_matches_transformers(tiny):
+    _, loaded, hf = tiny
+    rotary = hf.model.rotary_emb
+    torch.testing.assert_close(rope_inv_freq(loaded.config), rotary.inv_freq.float(), rtol=0, atol=0)
+    assert rope_attention_factor(loaded.config) == rotary.attention_scaling != 1.0
+    positions = torch.tensor([0, 1, 7, 100, 511])
+    cos, sin = loaded.model.rope(positions, torch.float32)
+    ref_cos, ref_sin = rotary(torch.zeros(1, dtype=torch.float32), positions[None])
+    half = cos.shape[-1] // 2  # gpt-oss's cos/sin are [D/2]; ours repeat them for rotate-half
+    torch.testing.assert_close(cos[:, :half], ref_cos[0], rtol=0, atol=0)
+    torch.testing.assert_close(sin[:, half:], ref_sin[0], rtol=0, atol=0)
+
+
+def test_yarn_truncate_and_defaults_match_transformers():
+    # truncate (default true) rounds the ramp's ends outwards; a missing original context defaults
+    # to max_position_embeddings, as transformers' standardize_rope_params does
+    from transformers import GptOssConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    for rope in ({"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                  "original_max_position_embeddings": 4096},
+                 {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "attention_factor": 1.25}):
+        hf_config = GptOssConfig(hidden_size=64, num_attention_heads=4, head_dim=64, num_hidden_layers=2,
+                                 max_position_embeddings=4096, rope_parameters=dict(rope))
+        written = hf_config.to_dict()
+        written["rope_parameters"] = dict(rope)  # as a hand-written config.json: no key filled in
+        cfg = ModelConfig.from_hf(written)
+        want, factor = ROPE_INIT_FUNCTIONS["yarn"](hf_config)
+        torch.testing.assert_close(rope_inv_freq(cfg), want, rtol=0, atol=0)
+        assert rope_attention_factor(cfg) == pytest.approx(factor, rel=1e-12)
+
+
+# ---- MXFP4 (the hub's gpt-oss expert format)
+
+
+def _packed(g: torch.Generator, *shape: int, low: int = 0, high: int = 256):
+    return torch.randint(low, high, shape, generator=g, dtype=torch.int64).to(torch.uint8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mxfp4_dequantiser_matches_transformers(dtype):
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    g = torch.Generator().manual_seed(0)
+    # every nibble and every exponent transformers' conversion keeps finite in bf16 and fp32
+    blocks, scales = _packed(g, 3, 10, 4, 16), _packed(g, 3, 10, 4, low=1, high=255)
+    ours = mxfp4.dequantize(blocks, scales, dtype)                         # [E, rows, 4 * 32]
+    theirs = convert_moe_packed_tensors(blocks.clone(), scales.clone(), dtype=dtype)   # [E, 4 * 32, rows]
+    assert ours.dtype == dtype and ours.shape == (3, 10, 128)
+    assert torch.equal(ours.transpose(1, 2), theirs)
+
+
+def test_mxfp4_dequantiser_refuses_mismatched_shapes():
+    with pytest.raises(ModelLoadError, match="scales"):
+        mxfp4.dequantize(torch.zeros(2, 4, 3, 16, dtype=torch.uint8), torch.zeros(2, 4, 2, dtype=torch.uint8),
+                         torch.float32)
+    with pytest.raises(ModelLoadError, match="uint8"):
+        mxfp4.dequantize(torch.zeros(2, 4, 3, 16), torch.zeros(2, 4, 3, dtype=torch.uint8), torch.float32)
+
+
+def _to_mxfp4_checkpoint(src, dst, seed: int = 1):
+    """dst: src with every layer's experts replaced by random MXFP4 blocks and scales, laid out as
+    openai/gpt-oss-20b holds them; src's experts become those blocks dequantised by transformers
+    (what a model loading dst must compute with). Returns the dequantised copy's path."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    shutil.copytree(src, dst)
+    tensors = load_file(str(src / "model.safetensors"))
+    g = torch.Generator().manual_seed(seed)
+    packed, plain = {}, {}
+    for name, t in tensors.items():
+        if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            packed[name] = plain[name] = t
+            continue
+        e, rows_in, rows_out = t.shape                          # transformers' [E, in, out]
+        # exponents 2^-5 .. 2^-2: weights of the randomize_ scale, so the logits stay peaked
+        blocks, scales = _packed(g, e, rows_out, rows_in // 32, 16), _packed(g, e, rows_out, rows_in // 32,
+                                                                             low=122, high=126)
+        packed[name + "_blocks"], packed[name + "_scales"] = blocks, scales
+        plain[name] = convert_moe_packed_tensors(blocks.clone(), scales.clone(), dtype=torch.float32)
+    save_file(packed, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (dst / "config.json").write_text(json.dumps(config))
+    save_file(plain, str(src / "model.safetensors"), metadata={"format": "pt"})
+    return src
+
+
+@torch.inference_mode()
+def test_mxfp4_checkpoint_loads_dequantised(tiny, tmp_path):
+    src, _, _ = tiny
+    plain = _to_mxfp4_checkpoint(shutil.copytree(src, tmp_path / "plain"), tmp_path / "mxfp4")
+    loaded = load_model(tmp_path / "mxfp4", device="cpu")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32).eval()
+    prompts = random_prompts(loaded.config.vocab_size, lengths=(6, 19))
+    ours, prompt_logits = paged_greedy(loaded.model, prompts, 6, block_size=4)
+    for prompt, tokens, logits in zip(prompts, ours, prompt_logits):
+        assert_logits_close(logits, hf(torch.tensor([prompt])).logits[0, -1])
+        assert tokens == hf_greedy(hf, prompt, 6)
+
+
+def test_mxfp4_checkpoint_missing_scales_is_refused(tiny, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    src, _, _ = tiny
+    _to_mxfp4_checkpoint(shutil.copytree(src, tmp_path / "plain"), tmp_path / "mxfp4")
+    tensors = load_file(str(tmp_path / "mxfp4" / "model.safetensors"))
+    del tensors["model.layers.2.mlp.experts.down_proj_scales"]
+    save_file(tensors, str(tmp_path / "mxfp4" / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match="model.layers.2.mlp.experts.down_proj_scales"):
+        load_model(tmp_path / "mxfp4", device="cpu")
+
+
+def test_other_quantisations_are_refused():
+    hf = transformers.GptOssConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=2).to_dict()
+    hf["quantization_config"] = {"quant_method": "fp8"}
+    with pytest.raises(ConfigError, match="mxfp4"):
+        ModelConfig.from_hf(hf)
