@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from models import save_tiny_checkpoint
+from models import save_tiny_checkpoint, save_word_tokenizer
 from server_helpers import ServerProcess, metric
 
 MODEL = "tiny"
@@ -38,14 +38,7 @@ SERVER_ENV = {"OMP_NUM_THREADS": "1"}
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
     """A random-weight tiny Llama with a word-level tokenizer: token i <-> the word "w{i}"."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    path = save_tiny_checkpoint("llama", tmp_path_factory.mktemp("tiny-soak"), seed=1)
-    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(path)
-    return path
+    return save_word_tokenizer(save_tiny_checkpoint("llama", tmp_path_factory.mktemp("tiny-soak"), seed=1), VOCAB)
 
 
 def start_server(model: Path, log: Path, l1: int, l2: int, l3: str) -> ServerProcess:

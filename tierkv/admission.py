@@ -363,23 +363,30 @@ class Admission:
         if short > 0:
             raise CacheFullError(f"a sequence of {reserved} tokens needs {short} more L1 blocks than can be freed")
         self.index.hold_l2(offloaded)  # they stay in L2 for as long as the sequence runs
+        # L2 hits before `window` are read by full-attention layers only (every sliding window
+        # has left them behind): those layers alone are loaded, into slots the sequence keeps
+        # private, since their other layers are not there for another request to share.
+        window = self.layout.window_start(len(blocks) * self.block_size) if self.tiers.loads_layers else 0
         l1_hits = [e for e in cached if e.l1 >= 0]
-        l2_hits = [e for e in cached if e.l1 < 0]
+        l2_hits = [e for i, e in enumerate(cached, start=k) if e.l1 < 0 and i >= window]
+        behind = [e for i, e in enumerate(cached, start=k) if e.l1 < 0 and i < window]
         for e in l1_hits:
             self.index.pin(e)
-        self.index.hold_l2(l2_hits)  # the evictions below must not drop what we are about to load
+        self.index.hold_l2(l2_hits + behind)  # the evictions below must not drop what we are about to load
         fresh = self.tiers.take_l1(self.blocks_needed(reserved) - k - len(l1_hits))
         self.tiers.load_pinned(l2_hits, fresh[: len(l2_hits)])
-        self.index.release_l2(l2_hits)
-        by_tier = self._count_hits(m.query_tokens, l1_hits, [*offloaded, *l2_hits])
-        pending = in_flight(e.loading for e in cached)
+        private = dict(zip(map(id, behind), fresh[len(l2_hits) : len(l2_hits) + len(behind)]))
+        partial = self.tiers.load_l2(behind, list(private.values()), full_layers_only=True)
+        self.index.release_l2(l2_hits + behind)
+        by_tier = self._count_hits(m.query_tokens, l1_hits, [*offloaded, *l2_hits, *behind])
+        pending = in_flight([*(e.loading for e in cached), partial])
         self.tiers.used(blocks, priority)
-        rest = fresh[len(l2_hits) :]
+        rest = fresh[len(l2_hits) + len(behind) :]
         seq = SequenceBlocks(
             ns=m.ns,
             priority=priority,
-            slots=[-1] * k + [e.l1 for e in cached] + rest,
-            entries=[*blocks, *([None] * len(rest))],
+            slots=[-1] * k + [private.get(id(e), e.l1) for e in cached] + rest,
+            entries=[*offloaded, *(None if id(e) in private else e for e in cached), *([None] * len(rest))],
             hashes=list(m.hashes),
             committed=len(blocks),
             num_tokens=reserved,

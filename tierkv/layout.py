@@ -4,6 +4,12 @@ A block is `block_size` tokens of K and V for all layers. In L2/L3 a block is st
 its layers contiguous: `[num_layers, 2, block_size, num_kv_heads, head_dim]`. This file only
 describes shapes; it never allocates memory.
 
+Layers fall into groups by what attention reads of them (`KVLayout.groups`): full-attention
+layers read every token before the query, a sliding-window layer only its last `window` tokens.
+A hit therefore needs the window layers of its last blocks only (`KVLayout.window_start`), and
+the cache loads the older blocks' full-attention layers alone. A multi-head latent attention
+model (DeepSeek) keeps one latent per token instead of per-head K and V (`latent=True`).
+
 With `CacheConfig.kv_offload_dtype` set, L2 and L3 hold blocks in another format than L1's:
 `OffloadLayout` describes it (fp8 values plus per-head scales, packed into one run of bytes).
 """
@@ -29,12 +35,35 @@ _DTYPE_NAMES = {
 
 
 @dataclass(frozen=True, slots=True)
+class LayerGroup:
+    """Layers whose attention reads the same part of the prefix: with `window` W, a query at
+    position p reads the keys at positions > p - W (its last W tokens, itself included); with
+    None, every key up to p."""
+
+    layers: tuple[int, ...]
+    window: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class KVLayout:
+    """The shape of one KV block.
+
+    windows: each layer's sliding window in tokens, None for full attention; () means every
+        layer attends fully. Windows change what a hit must load, never the block's bytes, so
+        they are not part of the fingerprint.
+    latent: each token holds one multi-head latent attention (MLA) vector of 2 * head_dim values
+        (kv_lora_rank + rope dims) rather than K and V: its first half in the K plane, its second
+        in the V plane, with num_kv_heads 1. The latent is the same on every tensor-parallel rank,
+        so its blocks are too.
+    """
+
     num_layers: int
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype = torch.bfloat16
     block_size: int = 16
+    windows: tuple[int | None, ...] = ()
+    latent: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
@@ -49,6 +78,40 @@ class KVLayout:
         if self.dtype not in _DTYPE_NAMES:
             accepted = ", ".join(f"torch.{n}" for n in _DTYPE_NAMES.values())
             raise ConfigError(f"KVLayout.dtype {self.dtype!r} is not supported; use one of {accepted}")
+        windows = tuple(self.windows)
+        if windows and (len(windows) != self.num_layers
+                        or any(w is not None and (isinstance(w, bool) or not isinstance(w, int) or w <= 0)
+                               for w in windows)):
+            raise ConfigError(f"KVLayout.windows must give each of the {self.num_layers} layers a window "
+                              f"(an int > 0) or None for full attention, got {self.windows!r}")
+        # all-full is stored as (): equal layouts compare equal however they were written
+        object.__setattr__(self, "windows", windows if any(w is not None for w in windows) else ())
+        if self.latent and self.num_kv_heads != 1:
+            raise ConfigError(f"KVLayout(latent=True) holds one latent per token: num_kv_heads must be 1, "
+                              f"got {self.num_kv_heads}")
+
+    @property
+    def groups(self) -> tuple[LayerGroup, ...]:
+        """The layers grouped by window: full attention first, then windows from small to large."""
+        windows = self.windows or (None,) * self.num_layers
+        keys = sorted(set(windows), key=lambda w: -1 if w is None else w)
+        return tuple(LayerGroup(tuple(i for i, w in enumerate(windows) if w == k), k) for k in keys)
+
+    @property
+    def full_layers(self) -> tuple[int, ...]:
+        """The layers that attend to the whole prefix (all of them without windows)."""
+        return tuple(range(self.num_layers)) if not self.windows else \
+            tuple(i for i, w in enumerate(self.windows) if w is None)
+
+    def window_start(self, first_query: int) -> int:
+        """The first block that some window layer still reads once queries start at position
+        `first_query` (later queries read later keys): blocks before it need only `full_layers`.
+        0 without windows (every layer reads every block)."""
+        if not self.windows:
+            return 0
+        widest = max(w for w in self.windows if w is not None)
+        # the query at first_query reads keys > first_query - widest
+        return max(0, first_query - widest + 1) // self.block_size
 
     @property
     def block_shape(self) -> tuple[int, int, int, int, int]:
@@ -77,7 +140,7 @@ class KVLayout:
         """A stable string naming this layout; equal layouts give equal strings on any machine."""
         return (
             f"kv1-L{self.num_layers}-H{self.num_kv_heads}-D{self.head_dim}"
-            f"-{self.dtype_name}-B{self.block_size}"
+            f"-{self.dtype_name}-B{self.block_size}{'-mla' if self.latent else ''}"
         )
 
     def kv_shape(self, num_tokens: int) -> tuple[int, int, int, int, int]:

@@ -18,7 +18,10 @@ from .transfer import DONE, BlockMover, Transfer
 # The kinds of L1/L2 byte moves an EngineMover records (and Tiering.moves, for tensor parallel
 # ranks): source and destination slot lists. L3_LANDED marks where rank 0 took in an L3 read
 # (src = [its number]): past it, the other ranks' slots must hold their heads of its blocks.
-L1_TO_L2, L2_TO_L1, COPY_L1, FENCE, L3_LANDED = 0, 1, 2, 3, 4
+# L2_TO_L1_FULL loads the full-attention layers of blocks alone (KVLayout.full_layers): blocks
+# of a hit that every sliding window has left behind.
+L1_TO_L2, L2_TO_L1, COPY_L1, FENCE, L3_LANDED, L2_TO_L1_FULL = 0, 1, 2, 3, 4, 5
+COPIES = (L1_TO_L2, L2_TO_L1, L2_TO_L1_FULL)  # the kinds that move bytes between L1 and L2
 
 
 class Reported(Transfer):
@@ -70,7 +73,9 @@ class EngineMover:
         assert layers is None, "an engine-owned L1 is saved whole blocks at a time"
         return self._record(L1_TO_L2, l1_slots, l2_slots)
 
-    def l2_to_l1(self, l2_slots: list[int], l1_slots: list[int]) -> Transfer:
+    loads_layers = False  # the engine loads whole blocks
+
+    def l2_to_l1(self, l2_slots: list[int], l1_slots: list[int], layers=None) -> Transfer:
         return self._record(L2_TO_L1, l2_slots, l1_slots)
 
     def fence(self) -> None:
@@ -110,15 +115,17 @@ class EngineMover:
 
 
 def copy(mover: BlockMover | EngineMover, kind: int, src: list[int], dst: list[int]) -> Transfer:
-    """One recorded L1<->L2 copy (L1_TO_L2 or L2_TO_L1) on `mover`'s pools."""
+    """One recorded L1<->L2 copy (one of COPIES) on `mover`'s pools."""
     if kind == L1_TO_L2:
         return mover.l1_to_l2(src, dst)
     if kind == L2_TO_L1:
         return mover.l2_to_l1(src, dst)
+    if kind == L2_TO_L1_FULL:
+        return mover.l2_to_l1(src, dst, mover.l1.layout.full_layers)
     raise ValueError(f"move kind {kind} is not an L1/L2 copy")
 
 
-def run_moves(mover: BlockMover, moves: list[tuple[int, list[int], list[int]]], kinds=(L1_TO_L2, L2_TO_L1)) -> Transfer:
+def run_moves(mover: BlockMover, moves: list[tuple[int, list[int], list[int]]], kinds=COPIES) -> Transfer:
     """Run a batch of recorded moves of `kinds` (in order) on `mover`'s pools: the engine side of
     an EngineMover. Returns the last move's Transfer (all are complete when it is)."""
     last = DONE

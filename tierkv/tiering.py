@@ -39,7 +39,7 @@ from .tiers.engine_blocks import EngineBlocks
 from .tiers.codec import BlockId
 from .tiers.open import open_store
 from .tiers.pool import blocks_for
-from .recorded_moves import COPY_L1, FENCE, L1_TO_L2, L2_TO_L1, L3_LANDED, EngineMover, copy
+from .recorded_moves import COPIES, COPY_L1, FENCE, L1_TO_L2, L2_TO_L1, L2_TO_L1_FULL, L3_LANDED, EngineMover, copy
 from .transfer import DONE, BlockMover, Transfer, in_flight
 
 log = logging.getLogger(__name__)
@@ -147,7 +147,7 @@ class Tiering:
         return self._apply(kind, src, dst)
 
     def _apply(self, kind: int, src: list[int], dst: list[int]) -> Transfer:
-        if kind in (L1_TO_L2, L2_TO_L1):
+        if kind in COPIES:
             return copy(self.mover, kind, src, dst)
         if kind == COPY_L1:
             self._copy_l1(src, dst)
@@ -160,9 +160,10 @@ class Tiering:
         their bytes, and order the current stream after them (the step that follows reads them)."""
         for kind, src, dst in moves:
             self._apply(kind, src, dst)
-            if kind in (L1_TO_L2, L2_TO_L1):
-                self.count("l2", len(src), into=kind == L1_TO_L2)
-                self.count("l1", len(src), into=kind == L2_TO_L1)
+            if kind in COPIES:
+                layers = self.layout.full_layers if kind == L2_TO_L1_FULL else None
+                self.count("l2", len(src), into=kind == L1_TO_L2, layers=layers)
+                self.count("l1", len(src), into=kind != L1_TO_L2, layers=layers)
         if moves and self.mover is not None:
             self.mover.fence()
 
@@ -323,13 +324,21 @@ class Tiering:
             self.l2.free.give(slots["l2"])
         return True
 
-    def load_l2(self, entries: list[BlockEntry], l1_slots: list[int]) -> Transfer:
-        """Start copying L2 blocks into L1 slots; the caller places the entries."""
+    @property
+    def loads_layers(self) -> bool:
+        """Whether a load can move some layers of a block alone (see BlockMover.loads_layers)."""
+        return self.mover is not None and self.mover.loads_layers
+
+    def load_l2(self, entries: list[BlockEntry], l1_slots: list[int], full_layers_only: bool = False) -> Transfer:
+        """Start copying L2 blocks into L1 slots; the caller places the entries. `full_layers_only`:
+        only the layout's full-attention layers (blocks that no sliding window reads any more;
+        the caller keeps such blocks private, since their other layers are not there)."""
         if not entries:
             return DONE
-        self.count("l2", len(entries), into=False)
-        self.count("l1", len(entries), into=True)
-        return self._move(L2_TO_L1, [e.l2 for e in entries], l1_slots)
+        kind, layers = (L2_TO_L1_FULL, self.layout.full_layers) if full_layers_only else (L2_TO_L1, None)
+        self.count("l2", len(entries), into=False, layers=layers)
+        self.count("l1", len(entries), into=True, layers=layers)
+        return self._move(kind, [e.l2 for e in entries], l1_slots)
 
     # ------------------------------------------------------------------ L3
 
@@ -557,11 +566,14 @@ class Tiering:
             return l2_time
         return l2_time + self.l3.estimate_seconds(num_blocks)
 
-    def count(self, tier: str, n: int, *, into: bool) -> None:
-        """Count `n` blocks into or out of `tier`, in the bytes that tier holds them in."""
+    def count(self, tier: str, n: int, *, into: bool, layers: tuple[int, ...] | None = None) -> None:
+        """Count `n` blocks into or out of `tier`, in the bytes that tier holds them in; `layers`:
+        only those layers of each block moved."""
         c = self.counters.tiers[tier]
         layout = self.layout if tier == "l1" else self.offload if tier == "l2" else self.l3_layout
         nbytes = n * layout.bytes_per_block
+        if layers is not None:
+            nbytes = nbytes * len(layers) // self.layout.num_layers
         if into:
             c.blocks_in += n
             c.bytes_in += nbytes

@@ -31,7 +31,7 @@ import functools
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
@@ -252,35 +252,47 @@ class BlockMover:
             self._sample(len(l1_slots) * self.l1.layout.bytes_per_block, time.perf_counter() - t)
             return DONE
         if self.l2_planes is not None and not self._dma_pays(l2_slots, layers):
-            return self._on_stream(len(l1_slots), [lambda: kernels.copy_planes(
+            return self._on_stream(self._bytes(l1_slots, layers), [lambda: kernels.copy_planes(
                 self.l1.planes, self._index(l1_slots), self.l2_planes, self._index(l2_slots), _planes(layers))])
         assert layers is None or self.fmt is None, "L2 in another format than L1 is written whole blocks at a time"
         cap, index = self.chunk, self._index(l1_slots)
-        return self._on_stream(len(l1_slots), [
+        return self._on_stream(self._bytes(l1_slots, layers), [
             lambda i=i: self._d2h(l1_slots[i : i + cap], l2_slots[i : i + cap], index[i : i + cap], layers)
             for i in range(0, len(l1_slots), cap)])
 
-    def l2_to_l1(self, l2_slots: list[int], l1_slots: list[int]) -> Transfer:
+    @property
+    def loads_layers(self) -> bool:
+        """Whether `l2_to_l1(layers=)` moves only those layers' bytes: where L2 holds L1's format
+        (the GPU's plane copies, or staged DMA by layer). Elsewhere it loads whole blocks."""
+        return self.fmt is None and (self.l2_planes is not None or self.dma)
+
+    def l2_to_l1(self, l2_slots: list[int], l1_slots: list[int], layers: Sequence[int] | None = None) -> Transfer:
         """Copy L2 blocks `l2_slots` into L1 slots `l1_slots` (same length). Where L2 holds L1's
-        format, the copy goes in LAYER_GROUPS groups of layers, each with its own event."""
+        format, the copy goes in LAYER_GROUPS groups of layers, each with its own event; `layers`
+        (sorted): only these layers of each block (where `loads_layers`; whole blocks otherwise)."""
         assert len(l1_slots) == len(l2_slots)
         if not l1_slots:
+            return DONE
+        bounds = [*layer_groups(self.layers), self.layers]
+        groups = _layer_runs(bounds, layers if self.loads_layers else None)
+        nbytes = sum(map(len, groups)) * len(l1_slots) * self.l1.layout.bytes_per_block // self.layers
+        if not groups:  # no layer of these blocks is needed
             return DONE
         if not self.cuda:
             t = time.perf_counter()
             if self.l2_planes is not None:
-                kernels.copy_planes(self.l2_planes, self._index(l2_slots), self.l1.planes, self._index(l1_slots))
+                for g in groups:
+                    kernels.copy_planes(self.l2_planes, self._index(l2_slots), self.l1.planes, self._index(l1_slots),
+                                        _planes(g))
             else:
                 self.l1.write(l1_slots, self._decode(self.l2.kv[torch.tensor(l2_slots)]))
-            self._sample(len(l1_slots) * self.l1.layout.bytes_per_block, time.perf_counter() - t)
+            self._sample(nbytes, time.perf_counter() - t)
             return DONE
-        bounds = [*layer_groups(self.layers), self.layers]
-        groups = [range(a, b) for a, b in zip(bounds, bounds[1:])]
         if self.l2_planes is not None and not self._dma_pays(l2_slots, groups[0]):
             src, dst = self._index(l2_slots), self._index(l1_slots)
-            return self._on_stream(len(l1_slots), [
+            return self._on_stream(nbytes, [
                 lambda g=g: kernels.copy_planes(self.l2_planes, src, self.l1.planes, dst, _planes(g))
-                for g in groups], starts=bounds[:-1])
+                for g in groups], starts=[g.start for g in groups])
         if not self.dma:
             groups = [None]  # whole blocks: packed rows (fp8), or torch's copies of a pageable L2
         cap, index = self.chunk, self._index(l1_slots)
@@ -289,7 +301,7 @@ class BlockMover:
         # Group by group, so that layer l's attention waits only for its group's DMAs and scatters
         launches = [lambda c=c, g=g: self._h2d(*chunks[c], g) for g in groups for c in range(len(chunks))]
         starts = [0 if g is None else g.start for g in groups for _ in chunks]
-        return self._on_stream(len(l1_slots), launches, starts=starts if groups[0] is not None else None)
+        return self._on_stream(nbytes, launches, starts=starts if groups[0] is not None else None)
 
     def read_l2(self, l2_slots: list[int]) -> torch.Tensor:
         """L2 blocks copied to the L1 device: [n, layers, 2, bs, h, d]. Ordered after earlier moves."""
@@ -350,7 +362,12 @@ class BlockMover:
         """Make the current stream wait for every move issued so far (before reusing an evicted L1 slot)."""
         self.last.wait()
 
-    def _on_stream(self, num_blocks: int, launches: list, starts: list[int] | None = None) -> Transfer:
+    def _bytes(self, slots: list[int], layers: range | None) -> int:
+        """Bytes of `layers` (None: all) of as many blocks as `slots`, in L1's format."""
+        whole = len(slots) * self.l1.layout.bytes_per_block
+        return whole if layers is None else whole * len(layers) // self.layers
+
+    def _on_stream(self, nbytes: int, launches: list, starts: list[int] | None = None) -> Transfer:
         """Run `launches` in order on the copy stream, each followed by an event on the stream it
         ended on (a staged chunk returns it: see _staged); `starts`: they copy consecutive groups
         of layers beginning there (a load), which Transfer.wait_layer tells apart. The move ends
@@ -372,7 +389,7 @@ class BlockMover:
         self.stream.wait_stream(self.kernels)
         end = torch.cuda.Event(enable_timing=True)
         end.record(self.stream)
-        self._timings.append((start, end, num_blocks * self.l1.layout.bytes_per_block))
+        self._timings.append((start, end, nbytes))
         self.last = Transfer(end, events, starts) if starts is not None else Transfer(end)
         return self.last
 
@@ -477,6 +494,22 @@ def layer_groups(num_layers: int) -> list[int]:
     (LAYER_GROUPS, as even as can be)."""
     groups = min(num_layers, LAYER_GROUPS)
     return [g * num_layers // groups for g in range(groups)]
+
+
+def _layer_runs(bounds: list[int], layers: Sequence[int] | None) -> list[range]:
+    """The ranges of layers a load copies one after the other: the groups between `bounds` (a
+    load's layer groups, then the layer count), cut down to the runs of consecutive `layers`
+    within each (None: all layers)."""
+    groups = [range(a, b) for a, b in zip(bounds, bounds[1:])]
+    if layers is None:
+        return groups
+    wanted = set(layers)
+    out = []
+    for g in groups:
+        run = [layer for layer in g if layer in wanted]
+        for _, first, n in runs(run):
+            out.append(range(first, first + n))
+    return out
 
 
 def _planes(layers: range | None) -> tuple[int, int] | None:

@@ -124,6 +124,13 @@ class DevicePool:
         self.planes = PlaneTable(planes)  # [2 * layers] x [N, bs, H, D]
         self.num_blocks = self.planes.num_blocks
         self._claim([kv] if kv is not None else layers)
+        if layout.windows:
+            # A hit loads the window layers of its last blocks only (Admission.allocate): the
+            # older blocks' window layers keep what the slot held, which attention reads masked
+            # (a tile straddling the window's start). Zeros, then other sequences' KV, are finite
+            # there; the bytes of a fresh allocation may be NaN, and 0 * NaN is not 0.
+            for t in [kv] if kv is not None else layers:
+                t.zero_()
         self.free = FreeSlots(self.num_blocks)
 
     def _claim(self, tensors: list[torch.Tensor]) -> None:
