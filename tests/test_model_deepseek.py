@@ -5,7 +5,8 @@ Tiny checkpoints of the real architecture, DeepSeek-V2-Lite's structure scaled d
 "deepseek_v3": kv_lora_rank 32, rope 8, nope 16, v 16, 4 heads, YaRN with mscale != mscale_all_dim;
 3 layers, the first dense, then 8 routed experts top-2 in 2 groups of which 1 is chosen, 1 shared
 expert, a random e_score_correction_bias): one without q LoRA (V2-Lite), one with it (V3) that also
-carries a multi-token-prediction layer as real V3 checkpoints do. Logits and greedy tokens against
+carries a multi-token-prediction layer as real V3 checkpoints do, and covers rope_interleave false
+and attention_bias true (biases on q_a_proj, kv_a_proj_with_mqa and o_proj). Logits and greedy tokens against
 `generate`, prefill in one go and in chunks (chunked steps mix prefill and decode; decode steps take
 the absorbed kernel, prefill the up-projected one). The pool holds exactly transformers' cached
 latent, one head of half the latent, c_kv in the K plane and the rest in the V plane.
@@ -70,7 +71,7 @@ def deepseek(request, tmp_path_factory):
     if request.param == "v2_lite":
         save_deepseek(path, seed=0)
     else:
-        save_deepseek(path, seed=1, q_lora_rank=24)
+        save_deepseek(path, seed=1, q_lora_rank=24, rope_interleave=False, attention_bias=True)
         add_mtp_layer(path, 3)
     loaded = load_model(path, device="cpu")
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

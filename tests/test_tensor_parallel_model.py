@@ -1,10 +1,13 @@
 """Tensor-parallel shards give the whole model's logits and greedy tokens (CPU, fp32, gloo).
 
 Real ranks in spawned processes load their shard of tiny Llama, Qwen2 (tied embeddings, qkv
-bias), Qwen3 (q/k norm, head_dim != hidden / heads) and Llama 3 (o/MLP bias, added after the
-all-reduce) checkpoints and of one whose vocab (509) no size divides; 2 ranks split the 2 KV
-heads, 4 ranks replicate each on two. A failing rank fails the test with its traceback, and the
-other ranks (which would wait on it in a collective) are terminated.
+bias), Qwen3 (q/k norm, head_dim != hidden / heads), Llama 3 (o/MLP bias, added after the
+all-reduce), Gemma 3 (sandwich norms, scaled embedding, sliding and global layers with their
+own RoPE), DeepSeek-V3 (latent attention: q heads and kv_b_proj rows split, the latent and its
+one-head pool replicated; each expert's features split) and gpt-oss (each rank its q heads'
+attention sinks; expert biases) checkpoints and of one whose vocab (509) no size divides; 2 ranks
+split the 2 KV heads, 4 ranks replicate each on two. A failing rank fails the test with its
+traceback, and the other ranks (which would wait on it in a collective) are terminated.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from tierkv.errors import ConfigError
 if importlib.util.find_spec("transformers") is None:  # not imported: every spawned rank imports this file
     pytest.skip("the tiny checkpoints are built with transformers", allow_module_level=True)
 
-KINDS = ["llama", "qwen2", "qwen3", "llama3", "odd-vocab"]
+KINDS = ["llama", "qwen2", "qwen3", "llama3", "gemma3", "deepseek_v3", "gpt_oss", "odd-vocab"]
 ODD_VOCAB = 509  # prime: padded to 510 rows on 2 ranks, 512 on 4
 NEW_TOKENS = 6
 BLOCK_SIZE = 4
