@@ -17,31 +17,17 @@ import shutil
 import pytest
 import torch
 from models import paged_greedy, save_tiny_checkpoint
+from test_model import assert_logits_close, hf_greedy, random_prompts
 
 from tierkv.engine import mxfp4
 from tierkv.engine.loader import load_model
 from tierkv.engine.model import ModelConfig, rope_attention_factor, rope_inv_freq
+from tierkv.engine.parallel import TensorParallel
 from tierkv.errors import ConfigError, ModelLoadError
 
 transformers = pytest.importorskip("transformers")
 
 NEW_TOKENS = 10
-
-
-def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                      eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
-
-def assert_logits_close(mine: torch.Tensor, ref: torch.Tensor) -> None:
-    torch.testing.assert_close(mine, ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
-
-
-def random_prompts(vocab: int, lengths=(5, 23, 40)) -> list[list[int]]:
-    g = torch.Generator().manual_seed(1234)
-    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +81,15 @@ def test_every_position_matches_transformers(tiny):
                              cu_seqlens_q=torch.tensor([0, t], dtype=torch.int32),
                              logits_indices=torch.arange(t), is_decode=False)
     assert_logits_close(model(torch.tensor(prompt), pos, pool, meta), hf(torch.tensor([prompt])).logits[0])
+
+
+def test_a_rank_holds_its_heads_sinks(tiny):
+    # 2 ranks running the model: tests/test_tensor_parallel_model.py ("gpt_oss")
+    path, loaded, _ = tiny
+    for rank in (0, 1):
+        sinks = load_model(path, device="cpu", tp=TensorParallel(rank, 2)).model.model.layers[3].self_attn.sinks
+        assert sinks.dtype == torch.float32
+        assert torch.equal(sinks, loaded.model.model.layers[3].self_attn.sinks[2 * rank: 2 * rank + 2])
 
 
 def test_yarn_rope_matches_transformers(tiny):
