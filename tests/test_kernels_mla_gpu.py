@@ -40,3 +40,12 @@ def test_mla_decode_bf16(lens, heads):
     torch.testing.assert_close(got.float(), want, rtol=1.6e-2, atol=1e-2)
     rel = ((got.float() - want).norm() / want.norm()).item()
     assert rel < 1e-2, f"relative error {rel:.2e}"
+
+
+def test_prefill_variants_of_the_up_projected_heads_compile():
+    from tierkv.engine.mla import MLASpec, compile_variants
+
+    spec = MLASpec(q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                   rope_interleave=True, attention_bias=False, scale=192**-0.5)
+    latent_pool = torch.zeros(8, 2, 16, 1, spec.pool_head_dim, dtype=torch.bfloat16, device="cuda")
+    assert compile_variants(spec, latent_pool, 16) > 0

@@ -14,7 +14,6 @@ latent, one head of half the latent, c_kv in the K plane and the rest in the V p
 
 from __future__ import annotations
 
-import json
 import logging
 
 import pytest
@@ -126,8 +125,15 @@ def test_multi_token_prediction_layer_is_skipped_with_a_log_line(tmp_path, caplo
                for r in caplog.records)
 
 
-def test_an_odd_latent_is_refused_clearly(tmp_path):
+def test_an_odd_latent_is_refused_clearly():
     hf = tiny_config("deepseek_v3").to_dict()
     hf["kv_lora_rank"] = 31
     with pytest.raises(ConfigError, match="kv_lora_rank 31 \\+ qk_rope_head_dim 8 must be even"):
-        ModelConfig.from_hf(json.loads(json.dumps(hf)))
+        ModelConfig.from_hf(hf)
+
+
+def test_fp8_hub_weights_are_refused_clearly():
+    hf = tiny_config("deepseek_v3").to_dict()
+    hf["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    with pytest.raises(ConfigError, match="quantised with 'fp8' are not supported.*bf16 copy"):
+        ModelConfig.from_hf(hf)

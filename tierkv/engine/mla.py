@@ -71,6 +71,14 @@ class MLASpec:
 
     @classmethod
     def from_hf(cls, hf: dict) -> MLASpec:
+        """The spec of a deepseek_v3 config.json; ConfigError for what the engine cannot run."""
+        method = (hf.get("quantization_config") or {}).get("quant_method")
+        if method is not None:
+            # DeepSeek-V3/R1's and Kimi K2's hub weights are fp8 with a scale per 128 x 128 block
+            raise ConfigError(
+                f"deepseek_v3 checkpoints quantised with {method!r} are not supported by the tierkv engine; "
+                "use a bf16 copy (DeepSeek's inference/fp8_cast_bf16.py converts the hub's fp8 weights)"
+            )
         lat, rope = int(hf["kv_lora_rank"]), int(hf["qk_rope_head_dim"])
         if (lat + rope) % 2 or rope % 2:
             raise ConfigError(
@@ -99,6 +107,16 @@ def shard(module: str, suffix: str, spec: MLASpec, heads: slice) -> tuple[int, s
     if module == "o_proj" and suffix == "weight":  # input columns of this rank's heads' values
         return 1, slice(heads.start * spec.v_head_dim, heads.stop * spec.v_head_dim)
     return None
+
+
+def compile_variants(spec: MLASpec, kv: torch.Tensor, num_heads: int) -> int:
+    """kernels.compile_variants for a model with MLA: its prefill runs paged_prefill over the
+    up-projected heads ([blocks, 2, bs, num_heads, max(qk_head_dim, v_head_dim)]), never over the
+    latent pool kv itself, so the variants to compile are those of that shape (the decode kernel
+    compiles when the decode CUDA graphs are captured). Returns the number of variants."""
+    width = max(spec.qk_head_dim, spec.v_head_dim)
+    up = kv.new_zeros(1, 2, kv.shape[2], num_heads, width)  # one block: compile_variants reads block 0 only
+    return kernels.compile_variants(up, num_heads, spec.scale)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
