@@ -83,6 +83,41 @@ def test_every_position_matches_transformers(tiny):
     assert_logits_close(model(torch.tensor(prompt), pos, pool, meta), hf(torch.tensor([prompt])).logits[0])
 
 
+# openai/gpt-oss-20b's config.json as the hub has it (transformers 4 style: rope_scaling, rope_theta)
+HUB_20B = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "attention_bias": True,
+           "attention_dropout": 0.0, "eos_token_id": 200002, "experts_per_token": 4, "head_dim": 64,
+           "hidden_act": "silu", "hidden_size": 2880, "initial_context_length": 4096, "initializer_range": 0.02,
+           "intermediate_size": 2880, "layer_types": ["sliding_attention", "full_attention"] * 12,
+           "max_position_embeddings": 131072, "num_attention_heads": 64, "num_experts_per_tok": 4,
+           "num_hidden_layers": 24, "num_key_value_heads": 8, "num_local_experts": 32, "output_router_logits": False,
+           "pad_token_id": 199999, "quantization_config": {"modules_to_not_convert": [
+               "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"],
+               "quant_method": "mxfp4"},
+           "rms_norm_eps": 1e-05, "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                                                   "original_max_position_embeddings": 4096, "rope_type": "yarn",
+                                                   "truncate": False},
+           "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0,
+           "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True, "vocab_size": 201088}
+
+
+def test_hub_config_reads_as_transformers_reads_it():
+    from transformers import GptOssConfig
+
+    cfg = ModelConfig.from_hf(HUB_20B)
+    assert cfg.layer_windows == [128, None] * 12 and cfg.attention_sinks
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps) == (64, 8, 64, 1e-5)
+    assert (cfg.moe.num_experts, cfg.moe.num_experts_per_tok, cfg.moe.moe_intermediate_size) == (32, 4, 2880)
+    assert cfg.rope_theta == 150000.0 and cfg.rope_scaling["factor"] == 32.0
+    hf = GptOssConfig(**{k: v for k, v in HUB_20B.items() if k != "quantization_config"})
+    torch.testing.assert_close(rope_inv_freq(cfg), transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS["yarn"](hf)[0],
+                               rtol=0, atol=0)
+    # keys left out take transformers' defaults: alternating layers (the first slides), YaRN x32, theta 150000
+    minimal = {k: HUB_20B[k] for k in ("model_type", "hidden_size", "intermediate_size", "num_attention_heads",
+                                       "num_key_value_heads", "num_hidden_layers", "vocab_size", "num_local_experts")}
+    assert ModelConfig.from_hf(minimal) == ModelConfig.from_hf(GptOssConfig(**minimal).to_dict())
+    assert ModelConfig.from_hf(minimal) == cfg
+
+
 def test_a_rank_holds_its_heads_sinks(tiny):
     # 2 ranks running the model: tests/test_tensor_parallel_model.py ("gpt_oss")
     path, loaded, _ = tiny
@@ -212,3 +247,36 @@ def test_other_quantisations_are_refused():
     hf["quantization_config"] = {"quant_method": "fp8"}
     with pytest.raises(ConfigError, match="mxfp4"):
         ModelConfig.from_hf(hf)
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run through the device tool)")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@torch.inference_mode()
+def test_bf16_tiny_gpt_oss_on_gpu_agrees_with_transformers(tmp_path):
+    """test_model's GPU criterion: the first 32 greedy tokens equal transformers bf16 for >= 90% of
+    64 prompts, each 3 windows long (Triton kernels with sinks, fused_moe's swigluoai)."""
+    from test_model import agreement
+
+    path = save_tiny_checkpoint("gpt_oss", tmp_path / "gpt_oss")
+    loaded = load_model(path, device="cuda", dtype=torch.bfloat16)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    g = torch.Generator().manual_seed(7)
+    prompts = torch.randint(0, loaded.config.vocab_size, (64, 24), generator=g)
+    ours, _ = paged_greedy(loaded.model, prompts.tolist(), 32)
+    ids = prompts.cuda()
+    ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
+                      eos_token_id=None, pad_token_id=0)[:, 24:].tolist()
+    assert agreement(ours, ref) >= 0.9 * len(prompts), f"{agreement(ours, ref)}/64 agree"
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_mxfp4_dequantiser_on_gpu_equals_cpu():
+    g = torch.Generator().manual_seed(3)
+    blocks, scales = _packed(g, 4, 64, 8, 16), _packed(g, 4, 64, 8, low=100, high=140)
+    want = mxfp4.dequantize(blocks, scales, torch.bfloat16)
+    got = mxfp4.dequantize(blocks.cuda(), scales.cuda(), torch.bfloat16)
+    assert torch.equal(got.cpu(), want)
