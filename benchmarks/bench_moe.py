@@ -3,12 +3,14 @@
 For the MoE layer shapes of Qwen3-30B-A3B (hidden 2048, 128 experts, top-8, expert intermediate 768)
 and gpt-oss-20b (hidden 2880, 32 experts, top-4, intermediate 2880, clamped SwiGLU with biases), bf16,
 random weights and random routing, batch 1 and batch 256: the time of one fused_moe call, replayed in
-a CUDA graph (as the engine's decode runs it) and eagerly, and the bytes of the expert weights it must
-read (every expert some token routes to, read once) per second, against a d2d torch copy of 2 GiB
+a CUDA graph (as the engine's decode runs it) and eagerly, over LAYERS layers of their own weights, and
+the bytes of the expert weights it must read (every expert some token routes to, read once) per second, against a d2d torch copy of 2 GiB
 (bytes read + written per second: the HBM ceiling of this run). A decode step of a MoE model is bound
 by those weight reads, so this fraction is the MoE part of the batch-1 roofline target.
-Writes benchmarks/results/bench_moe-<machine>.json (or --out DIR). Prints a table.
-Usage: python benchmarks/bench_moe.py [--out DIR] [--reps N]
+With --sweep, each case is also timed (in a graph) at every launch of SWEEP (path, tiles, warps), to
+pick kernels/moe.py's defaults from. Writes benchmarks/results/bench_moe-<machine>.json (or --out DIR).
+Prints a table.
+Usage: python benchmarks/bench_moe.py [--out DIR] [--reps N] [--sweep]
        python benchmarks/bench_moe.py --smoke   (CPU: tiny shapes through the reference, checks the script)
 """
 
@@ -30,6 +32,13 @@ from tierkv import kernels  # noqa: E402
 SHAPES = {"qwen3-30b-a3b": (2048, 128, 8, 768, False), "gpt-oss-20b": (2880, 32, 4, 2880, True)}
 SMOKE_SHAPES = {"qwen3-like": (64, 8, 2, 32, False), "gpt-oss-like": (64, 4, 2, 32, True)}
 BATCHES = (1, 256)
+# (path, (BLOCK_M, BLOCK_N, BLOCK_K), num_warps) tried by --sweep
+SWEEP = ([("gemv", (1, n, k), w) for n in (16, 32, 64) for k in (128, 256) for w in (2, 4)]
+         + [("grouped", (m, n, k), w) for m in (16, 32, 64) for n in (64, 128) for k in (64, 128) for w in (4, 8)])
+# each timed call runs this many layers, each with its own weights, as a decode step does: the
+# expert weights a call reads (75 MB at Qwen3-30B's batch 1) then never sit in the 50 MB L2 from
+# the previous replay
+LAYERS = 4
 GB = 1e9
 
 
@@ -56,7 +65,26 @@ def weight_bytes(w: dict, ids: torch.Tensor) -> int:
     return used * per_expert
 
 
-def run(shapes: dict, reps: int, smoke: bool) -> dict:
+def sweep(call_with, batch: int, reps: int) -> list[dict]:
+    """Graph-replayed milliseconds of every SWEEP launch that applies (the per-pair path only for
+    small batches: it reads an expert once per pair)."""
+    from triton.testing import do_bench_cudagraph
+
+    timings = []
+    for method, tiles, warps in SWEEP:
+        if method == "gemv" and batch > 16:
+            continue
+        try:
+            t = do_bench_cudagraph(lambda: call_with(method=method, tiles=tiles, num_warps=warps), rep=reps,
+                                   return_mode="median")
+        except Exception as e:  # a launch that does not fit (shared memory) is reported, not fatal
+            timings.append(dict(method=method, tiles=tiles, num_warps=warps, error=str(e)[:200]))
+            continue
+        timings.append(dict(method=method, tiles=tiles, num_warps=warps, graph_ms=t))
+    return timings
+
+
+def run(shapes: dict, reps: int, smoke: bool, do_sweep: bool = False) -> dict:
     device = "cpu" if smoke else "cuda"
     dtype = torch.float32 if smoke else torch.bfloat16
     gen = torch.Generator(device=device).manual_seed(0)
@@ -67,19 +95,29 @@ def run(shapes: dict, reps: int, smoke: bool) -> dict:
         copy_gbps = copy_bandwidth()
     rows = []
     for name, shape in shapes.items():
-        w = layer(shape, device, dtype, gen)
+        layers = [layer(shape, device, dtype, gen) for _ in range(LAYERS)]
+        w = layers[0]
         for batch in BATCHES:
             ids, weights = routing(batch, shape[1], shape[2], device, dtype, gen)
             x = torch.randn(batch, shape[0], generator=gen, device=device).to(dtype)
 
             def call():
-                return kernels.fused_moe(x, w["w13"], w["w2"], ids, weights, w["activation"], w["b13"], w["b2"])
+                for w in layers:
+                    out = kernels.fused_moe(x, w["w13"], w["w2"], ids, weights, w["activation"], w["b13"], w["b2"])
+                return out
+
+            def call_with(**launch):
+                from tierkv.kernels import moe
+
+                for w in layers:
+                    out = moe.fused_moe(x, w["w13"], w["w2"], ids, weights, w["activation"], w["b13"], w["b2"], **launch)
+                return out
 
             out = call()
             assert torch.isfinite(out.float()).all()
             row = dict(shape=name, batch=batch, hidden=shape[0], experts=shape[1], top_k=shape[2],
                        intermediate=shape[3], experts_used=int(torch.unique(ids).numel()),
-                       weight_bytes=weight_bytes(w, ids))
+                       layers=LAYERS, weight_bytes=LAYERS * weight_bytes(w, ids))
             if smoke:
                 row["backend"] = kernels.backend_for(x)
             else:
@@ -91,6 +129,10 @@ def run(shapes: dict, reps: int, smoke: bool) -> dict:
                 row["eager_gbps"] = row["weight_bytes"] / (row["eager_ms"] * 1e-3) / GB
                 row["graph_of_hbm"] = row["graph_gbps"] / copy_gbps
                 row["eager_of_hbm"] = row["eager_gbps"] / copy_gbps
+                if do_sweep:
+                    row["sweep"] = sweep(call_with, batch, reps)
+                    best = min((s for s in row["sweep"] if "graph_ms" in s), key=lambda s: s["graph_ms"])
+                    row["best"] = dict(best, of_hbm=row["weight_bytes"] / (best["graph_ms"] * 1e-3) / GB / copy_gbps)
             rows.append(row)
     return dict(copy_gbps=copy_gbps, dtype=str(dtype), rows=rows)
 
@@ -99,17 +141,22 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
     p.add_argument("--reps", type=int, default=200, help="milliseconds of timing per case (triton do_bench rep)")
+    p.add_argument("--sweep", action="store_true", help="also time every launch in SWEEP per case (GPU)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU through the reference: checks the script")
     args = p.parse_args(argv)
     if not args.smoke and not torch.cuda.is_available():
         p.error("needs a CUDA GPU (or --smoke on CPU)")
-    figures = run(SMOKE_SHAPES if args.smoke else SHAPES, args.reps, args.smoke)
+    figures = run(SMOKE_SHAPES if args.smoke else SHAPES, args.reps, args.smoke, args.sweep and not args.smoke)
     print(f"d2d copy: {figures['copy_gbps'] or 0:.0f} GB/s")
     print(f"{'shape':>14} {'batch':>5} {'used':>5} {'MB':>8} {'graph ms':>9} {'GB/s':>7} {'of HBM':>7} {'eager ms':>9}")
     for r in figures["rows"]:
         print(f"{r['shape']:>14} {r['batch']:>5} {r['experts_used']:>5} {r['weight_bytes'] / 1e6:>8.1f} "
               f"{r.get('graph_ms', 0):>9.4f} {r.get('graph_gbps', 0):>7.0f} {r.get('graph_of_hbm', 0):>7.1%} "
               f"{r.get('eager_ms', 0):>9.4f}")
+        if "best" in r:
+            b = r["best"]
+            print(f"{'':>14} best of the sweep: {b['method']} tiles {b['tiles']} warps {b['num_warps']}: "
+                  f"{b['graph_ms']:.4f} ms, {b['of_hbm']:.1%} of HBM")
     out = args.out or (Path(tempfile.mkdtemp(prefix="bench_moe-")) if args.smoke else None)
     print("wrote", write_results("bench_moe", figures, out))
 

@@ -1,6 +1,6 @@
 """Triton fused_moe: a sparse MoE layer's routed experts as two grouped GEMMs over tokens sorted by expert.
 
-Steps (see reference.fused_moe for the maths and the weight layout):
+The grouped path (see reference.fused_moe for the maths and the weight layout):
 1. sort: the T * k (token, expert) pairs are grouped by expert, each expert's run padded to a multiple
    of BLOCK_M, so a tile of BLOCK_M rows never mixes experts. Done with torch ops on the device (a
    stable sort, cumulative sums, a searchsorted): no host sync, and every buffer has a size fixed by
@@ -12,6 +12,10 @@ Steps (see reference.fused_moe for the maths and the weight layout):
 3. down: act @ w2 of the tile's expert (+ b2), times the pair's routing weight, rounded to x's dtype,
    written to the pair's row of a [T * k, H] buffer (padding rows write nothing).
 4. the k rows of each token are summed in fp32 and rounded once -> [T, H].
+The per-pair path, for a few tokens (decode at batch 1): the sort's dozen small launches would cost
+more than reading the experts, and the k experts of a token are distinct anyway, so each (token,
+expert) pair reads its expert's weights directly (matrix-vector products) in two launches: gate_up
+with the activation, then down with the weighted sum over the k pairs of each token.
 Rounding follows transformers where it matters (the GEMM outputs are rounded to the dtype before
 the activation, the weighted expert output before the sum); the sum over k is in fp32, so bf16 results
 can differ from the reference by an ulp. This file never reads tensor contents on the host.
@@ -27,6 +31,26 @@ from . import _checks
 from ._launch import check_triton_device, dot_precision
 
 _ACTIVATIONS = {"silu": 0, "swigluoai": 1}
+GEMV_MAX_TOKENS = 4  # up to this many tokens, the per-pair path (no sort; see fused_moe)
+
+
+@triton.jit
+def _activate(acc_gate, acc_up, B13, expert, stride_be, cols, col_ok, inter, alpha, limit, dtype,
+              HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr):
+    """The fp32 gate and up accumulators (+ bias) -> the activation, rounded to dtype like transformers."""
+    if HAS_BIAS:
+        b = B13 + expert * stride_be
+        acc_gate += tl.load(b + cols, mask=col_ok, other=0.0).to(tl.float32)
+        acc_up += tl.load(b + inter + cols, mask=col_ok, other=0.0).to(tl.float32)
+    gate = acc_gate.to(dtype).to(tl.float32)                  # the GEMM's output in the model's dtype
+    up = acc_up.to(dtype).to(tl.float32)
+    if ACTIVATION == 0:   # silu(gate) * up
+        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up
+    else:                 # gpt-oss: clamp, gate * sigmoid(alpha * gate), times (up + 1)
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        act = (up + 1.0) * (gate / (1.0 + tl.exp(-alpha * gate)))
+    return act.to(dtype)
 
 
 @triton.jit
@@ -59,20 +83,9 @@ def _gate_up_kernel(X, W13, B13, Act, SortedPairs, TileExpert, NumPadded,
         wu = tl.load(w_up + ks[:, None], mask=w_mask, other=0.0)
         acc_gate = tl.dot(a, wg, acc_gate, input_precision=DOT_PREC)
         acc_up = tl.dot(a, wu, acc_up, input_precision=DOT_PREC)
-    dtype = Act.dtype.element_ty
-    if HAS_BIAS:
-        b = B13 + expert * stride_be
-        acc_gate += tl.load(b + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        acc_up += tl.load(b + inter + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    gate = acc_gate.to(dtype).to(tl.float32)                  # the GEMM's output in the model's dtype
-    up = acc_up.to(dtype).to(tl.float32)
-    if ACTIVATION == 0:   # silu(gate) * up
-        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up
-    else:                 # gpt-oss: clamp, gate * sigmoid(alpha * gate), times (up + 1)
-        gate = tl.minimum(gate, limit)
-        up = tl.minimum(tl.maximum(up, -limit), limit)
-        act = (up + 1.0) * (gate / (1.0 + tl.exp(-alpha * gate)))
-    tl.store(Act + rows[:, None].to(tl.int64) * inter + cols[None, :], act.to(dtype), mask=col_ok[None, :])
+    act = _activate(acc_gate, acc_up, B13, expert, stride_be, cols[None, :], col_ok[None, :], inter, alpha, limit,
+                    Act.dtype.element_ty, HAS_BIAS, ACTIVATION)
+    tl.store(Act + rows[:, None].to(tl.int64) * inter + cols[None, :], act, mask=col_ok[None, :])
 
 
 @triton.jit
@@ -107,6 +120,59 @@ def _down_kernel(Act, W2, B2, Weights, Out, SortedPairs, TileExpert, NumPadded,
     tl.store(Out + pairs[:, None].to(tl.int64) * hidden + cols[None, :], out, mask=real[:, None] & col_ok[None, :])
 
 
+@triton.jit
+def _gate_up_gemv_kernel(X, W13, B13, Act, Ids, hidden, inter, top_k, stride_xt, stride_we, stride_wn, stride_be,
+                         alpha, limit, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # program (p, n): pair p (token p // k, its expert Ids[p]), act columns [n * BLOCK_N, +BLOCK_N)
+    pair, pid_n = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    expert = tl.load(Ids + pair).to(tl.int64)
+    x_row = X + (pair // top_k) * stride_xt
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < inter
+    w_gate = W13 + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn          # [1, BLOCK_N]
+    w_up = w_gate + inter * stride_wn
+    acc_gate = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < hidden
+        x = tl.load(x_row + ks, mask=k_ok, other=0.0).to(tl.float32)[:, None]           # [BLOCK_K, 1]
+        w_mask = k_ok[:, None] & col_ok[None, :]
+        acc_gate += tl.sum(tl.load(w_gate + ks[:, None], mask=w_mask, other=0.0).to(tl.float32) * x, axis=0)
+        acc_up += tl.sum(tl.load(w_up + ks[:, None], mask=w_mask, other=0.0).to(tl.float32) * x, axis=0)
+    act = _activate(acc_gate, acc_up, B13, expert, stride_be, cols, col_ok, inter, alpha, limit,
+                    Act.dtype.element_ty, HAS_BIAS, ACTIVATION)
+    tl.store(Act + pair * inter + cols, act, mask=col_ok)
+
+
+@triton.jit
+def _down_gemv_kernel(Act, W2, B2, Weights, Ids, Out, hidden, inter, top_k, stride_we, stride_wn, stride_be,
+                      HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # program (t, n): token t's output columns [n * BLOCK_N, +BLOCK_N), summed over its k pairs
+    token, pid_n = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < hidden
+    dtype = Out.dtype.element_ty
+    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for j in range(top_k):
+        pair = token * top_k + j
+        expert = tl.load(Ids + pair).to(tl.int64)
+        w = W2 + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn               # [1, BLOCK_N]
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for k0 in range(0, inter, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < inter
+            a = tl.load(Act + pair * inter + ks, mask=k_ok, other=0.0).to(tl.float32)[:, None]
+            acc += tl.sum(tl.load(w + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32) * a,
+                          axis=0)
+        if HAS_BIAS:
+            acc += tl.load(B2 + expert * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)
+        weight = tl.load(Weights + pair).to(tl.float32)
+        total += (acc.to(dtype).to(tl.float32) * weight).to(dtype).to(tl.float32)   # as the grouped path rounds
+    tl.store(Out + token * hidden + cols, total.to(dtype), mask=col_ok)
+
+
 def padded_rows(pairs: int, experts: int, block_m: int) -> int:
     """Rows of the expert-sorted buffer: every pair, plus at most block_m - 1 padding per used expert."""
     return pairs + min(pairs, experts) * (block_m - 1)
@@ -139,16 +205,22 @@ def sort_by_expert(topk_ids: torch.Tensor, experts: int, block_m: int):
 
 
 def _tiles(tokens: int, inter: int, hidden: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K): small row tiles for decode-sized batches (most of an expert's
-    tile would be padding otherwise), larger ones when each expert gets many rows."""
+    """(BLOCK_M, BLOCK_N, BLOCK_K) of the grouped path: small row tiles for small batches (most of an
+    expert's tile would be padding otherwise), larger ones when each expert gets many rows."""
     if tokens <= 32:
         return 16, 64, 128
     return 64, 64, 64
 
 
 def fused_moe(x, w13, w2, topk_ids, topk_weights, activation="silu", b13=None, b2=None, alpha=1.702, limit=7.0,
-              *, tiles: tuple[int, int, int] | None = None, num_warps: int = 4, num_stages: int = 3):
-    """See reference.fused_moe; `tiles` = (BLOCK_M, BLOCK_N, BLOCK_K) overrides the choice (tests)."""
+              *, method: str | None = None, tiles: tuple[int, int, int] | None = None, num_warps: int = 4,
+              num_stages: int = 3):
+    """See reference.fused_moe. Two paths, chosen by the token count (or `method`):
+    "gemv" (at most GEMV_MAX_TOKENS tokens, decode): one program per (pair, column tile) reads its
+    expert's weight tile, with no sort: two launches, each used expert read about once;
+    "grouped": the expert-sorted grouped GEMMs (module docstring), which read each expert once per
+    tile of BLOCK_M rows. `tiles` = (BLOCK_M, BLOCK_N, BLOCK_K) overrides the tile choice (BLOCK_M
+    is unused by "gemv")."""
     tokens, hidden, experts, inter, k = _checks.check_fused_moe(x, w13, w2, topk_ids, topk_weights, activation,
                                                                 b13, b2)
     check_triton_device(x)
@@ -156,7 +228,37 @@ def fused_moe(x, w13, w2, topk_ids, topk_weights, activation="silu", b13=None, b
         return torch.empty_like(x)
     x = x if x.stride(1) == 1 else x.contiguous()
     w13, w2 = w13.contiguous(), w2.contiguous()  # no-ops for loaded weights
-    block_m, block_n, block_k = tiles or _tiles(tokens, inter, hidden)
+    method = method or ("gemv" if tokens <= GEMV_MAX_TOKENS else "grouped")
+    if method == "gemv":
+        return _gemv(x, w13, w2, topk_ids, topk_weights, activation, b13, b2, alpha, limit, tiles or (1, 32, 128),
+                     num_warps)
+    return _grouped(x, w13, w2, topk_ids, topk_weights, activation, b13, b2, alpha, limit,
+                    tiles or _tiles(tokens, inter, hidden), num_warps, num_stages)
+
+
+def _gemv(x, w13, w2, topk_ids, topk_weights, activation, b13, b2, alpha, limit, tiles, num_warps):
+    (tokens, hidden), (_, two_inter, _), k = x.shape, w13.shape, topk_ids.shape[1]
+    inter, (_, block_n, block_k) = two_inter // 2, tiles
+    ids, weights = topk_ids.reshape(-1), topk_weights.reshape(-1)
+    act = torch.empty((tokens * k, inter), dtype=x.dtype, device=x.device)
+    out = torch.empty_like(x)
+    _gate_up_gemv_kernel[(tokens * k, triton.cdiv(inter, block_n))](
+        x, w13, b13 if b13 is not None else w13, act, ids, hidden, inter, k, x.stride(0), w13.stride(0),
+        w13.stride(1), b13.stride(0) if b13 is not None else 0, float(alpha), float(limit),
+        HAS_BIAS=b13 is not None, ACTIVATION=_ACTIVATIONS[activation], BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=num_warps,
+    )
+    _down_gemv_kernel[(tokens, triton.cdiv(hidden, block_n))](
+        act, w2, b2 if b2 is not None else w2, weights, ids, out, hidden, inter, k, w2.stride(0), w2.stride(1),
+        b2.stride(0) if b2 is not None else 0, HAS_BIAS=b2 is not None, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=num_warps,
+    )
+    return out
+
+
+def _grouped(x, w13, w2, topk_ids, topk_weights, activation, b13, b2, alpha, limit, tiles, num_warps, num_stages):
+    (tokens, hidden), (experts, two_inter, _), k = x.shape, w13.shape, topk_ids.shape[1]
+    inter, (block_m, block_n, block_k) = two_inter // 2, tiles
     sorted_pairs, tile_expert, num_padded = sort_by_expert(topk_ids, experts, block_m)
     rows, pairs = sorted_pairs.numel(), tokens * k
     act = torch.empty((rows, inter), dtype=x.dtype, device=x.device)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from interpreted import INTERPRETED, TOL, in_child, kernel_modules
+from interpreted import INTERPRETED, TOL, in_child, kernel_modules, leave_only_the_child_run
 
 if not INTERPRETED:
     test_triton_kernels_under_interpreter = in_child(__file__)
@@ -38,9 +38,9 @@ def moe_case(t, h, e, inter, k, dtype, bias=False, seed=0, skew=False):
     return x, w13, w2, ids, weights, b13, b2
 
 
-def _check(tk, case, activation="silu", tiles=None):
+def _check(tk, case, activation="silu", tiles=None, method=None):
     x, w13, w2, ids, weights, b13, b2 = case
-    got = tk.moe.fused_moe(x, w13, w2, ids, weights, activation, b13, b2, tiles=tiles)
+    got = tk.moe.fused_moe(x, w13, w2, ids, weights, activation, b13, b2, tiles=tiles, method=method)
     assert got.dtype == x.dtype and got.shape == x.shape
     if x.dtype == torch.float32:
         want = ref.fused_moe(x, w13, w2, ids, weights, activation, b13, b2)
@@ -56,25 +56,31 @@ def _check(tk, case, activation="silu", tiles=None):
     assert err <= 2 * err_ref + TOL[x.dtype]["atol"], f"kernel error {err:.3g}, the fp16 reference's {err_ref:.3g}"
 
 
+METHODS = ["grouped", "gemv"]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("tiles", [(16, 16, 16), (32, 32, 16)])
-def test_silu_matches_the_reference(tk, dtype, tiles):
+@pytest.mark.parametrize("method,tiles", [("grouped", (16, 16, 16)), ("grouped", (32, 32, 16)), ("gemv", (1, 16, 16))])
+def test_silu_matches_the_reference(tk, method, dtype, tiles):
     # hidden and intermediate sizes that are not multiples of the tiles; 9 experts, some unused
-    _check(tk, moe_case(11, 40, 9, 24, 3, dtype), tiles=tiles)
+    _check(tk, moe_case(11, 40, 9, 24, 3, dtype), tiles=tiles, method=method)
 
 
+@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_swigluoai_with_biases_matches_the_reference(tk, dtype):
-    _check(tk, moe_case(7, 32, 4, 16, 2, dtype, bias=True), "swigluoai", tiles=(16, 16, 16))
+def test_swigluoai_with_biases_matches_the_reference(tk, method, dtype):
+    _check(tk, moe_case(7, 32, 4, 16, 2, dtype, bias=True), "swigluoai", tiles=(16, 16, 16), method=method)
 
 
-def test_one_token_and_runs_longer_than_a_tile(tk):
-    _check(tk, moe_case(1, 32, 8, 16, 4, torch.float32), tiles=(16, 16, 16))
-    _check(tk, moe_case(40, 32, 6, 16, 2, torch.float32, skew=True), tiles=(16, 16, 32))
+@pytest.mark.parametrize("method", METHODS)
+def test_one_token_and_runs_longer_than_a_tile(tk, method):
+    _check(tk, moe_case(1, 32, 8, 16, 4, torch.float32), tiles=(16, 16, 16), method=method)
+    _check(tk, moe_case(40, 32, 6, 16, 2, torch.float32, skew=True), tiles=(16, 16, 32), method=method)
 
 
-def test_routing_weights_in_fp32_and_the_default_tiles(tk):
-    x, w13, w2, ids, weights, b13, b2 = moe_case(37, 48, 5, 32, 2, torch.float16)
+@pytest.mark.parametrize("tokens", [3, 37])  # the default path and tiles: per-pair for 3 tokens, grouped for 37
+def test_routing_weights_in_fp32_and_the_default_choices(tk, tokens):
+    x, w13, w2, ids, weights, b13, b2 = moe_case(tokens, 48, 5, 32, 2, torch.float16)
     _check(tk, (x, w13, w2, ids, weights.float(), b13, b2))
 
 
@@ -84,3 +90,6 @@ def test_sorting_pads_each_experts_run_to_whole_tiles(tk):
     assert int(total) == 12 and pairs.numel() == tk.moe.padded_rows(6, 4, 4)
     assert pairs[:12].tolist() == [1, 5, 6, 6, 3, 6, 6, 6, 0, 2, 4, 6]
     assert tile_expert[:3].tolist() == [0, 1, 2] and (tile_expert[3:] == 4).all()
+
+
+leave_only_the_child_run(globals())

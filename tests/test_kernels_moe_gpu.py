@@ -37,12 +37,13 @@ def _rel(got, want):
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize("tokens", [1, 7, 256, 2048])
-def test_bf16_matches_the_fp32_reference(shape, tokens):
+@pytest.mark.parametrize("tokens,method", [(1, None), (3, "grouped"), (7, "gemv"), (7, None), (256, None),
+                                           (2048, None)])
+def test_bf16_matches_the_fp32_reference(shape, tokens, method):
     from tierkv.kernels import moe
 
     x, w13, w2, ids, weights, act, b13, b2 = _case(shape, tokens)
-    got = moe.fused_moe(x, w13, w2, ids, weights, act, b13, b2)
+    got = moe.fused_moe(x, w13, w2, ids, weights, act, b13, b2, method=method)
     f32 = lambda t: None if t is None else t.float()  # noqa: E731
     want = ref.fused_moe(x.float(), w13.float(), w2.float(), ids, weights.float(), act, f32(b13), f32(b2))
     in_bf16 = ref.fused_moe(x, w13, w2, ids, weights, act, b13, b2)
@@ -54,17 +55,18 @@ def test_bf16_matches_the_fp32_reference(shape, tokens):
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_runs_in_a_cuda_graph(shape):
+@pytest.mark.parametrize("tokens", [1, 64])  # the per-pair path and the sorted, grouped one
+def test_runs_in_a_cuda_graph(shape, tokens):
     from tierkv.kernels import moe
 
-    x, w13, w2, ids, weights, act, b13, b2 = _case(shape, 64)
+    x, w13, w2, ids, weights, act, b13, b2 = _case(shape, tokens)
     static = [x.clone(), ids.clone(), weights.clone()]
     moe.fused_moe(static[0], w13, w2, static[1], static[2], act, b13, b2)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = moe.fused_moe(static[0], w13, w2, static[1], static[2], act, b13, b2)
-    x2, _, _, ids2, weights2, *_ = _case(shape, 64, seed=1)
+    x2, _, _, ids2, weights2, *_ = _case(shape, tokens, seed=1)
     for buf, new in zip(static, (x2, ids2, weights2)):
         buf.copy_(new)
     graph.replay()
