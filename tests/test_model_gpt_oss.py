@@ -18,6 +18,7 @@ import pytest
 import torch
 from models import paged_greedy, save_tiny_checkpoint
 from test_model import assert_logits_close, hf_greedy, random_prompts
+from test_model import test_bf16_tiny_models_on_gpu_agree_with_transformers as bf16_agreement
 
 from tierkv.engine import mxfp4
 from tierkv.engine.loader import load_model
@@ -254,22 +255,10 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @pytest.mark.gpu
 @needs_cuda
-@torch.inference_mode()
 def test_bf16_tiny_gpt_oss_on_gpu_agrees_with_transformers(tmp_path):
-    """test_model's GPU criterion: the first 32 greedy tokens equal transformers bf16 for >= 90% of
-    64 prompts, each 3 windows long (Triton kernels with sinks, fused_moe's swigluoai)."""
-    from test_model import agreement
-
-    path = save_tiny_checkpoint("gpt_oss", tmp_path / "gpt_oss")
-    loaded = load_model(path, device="cuda", dtype=torch.bfloat16)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
-    g = torch.Generator().manual_seed(7)
-    prompts = torch.randint(0, loaded.config.vocab_size, (64, 24), generator=g)
-    ours, _ = paged_greedy(loaded.model, prompts.tolist(), 32)
-    ids = prompts.cuda()
-    ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
-                      eos_token_id=None, pad_token_id=0)[:, 24:].tolist()
-    assert agreement(ours, ref) >= 0.9 * len(prompts), f"{agreement(ours, ref)}/64 agree"
+    """test_model.py's bf16 criterion (>= 90% of 64 prompts of 3 windows give transformers' 32
+    greedy tokens): the Triton kernels with sinks and windows, fused_moe's swigluoai."""
+    bf16_agreement("gpt_oss", tmp_path)
 
 
 @pytest.mark.gpu
