@@ -8,8 +8,10 @@ compares it with the roofline: the latent bytes the step must read at the d2d co
 measured in this run (bytes read + written by a 2 GiB torch copy). The latents are read once per
 sequence (all heads at once), so the roofline is the latent cache size over the bandwidth.
 Writes benchmarks/results/bench_mla_decode-<machine>.json (or --out DIR) and prints a table.
+Each row also checks the first sequence's output against the fp32 reference (max_abs_err_seq0) and
+names the launch chosen; --sweep times the launch choices around it (splits, tile, warps, stages).
 --smoke runs tiny sizes on the CPU (the reference kernel; checks the script, measures nothing).
-Usage: python benchmarks/bench_mla_decode.py [--out DIR] [--smoke]
+Usage: python benchmarks/bench_mla_decode.py [--out DIR] [--smoke] [--sweep]
 """
 
 from __future__ import annotations
@@ -73,7 +75,26 @@ def latent_batch(batch: int, ctx: int, device: torch.device, gen: torch.Generato
     return q_latent, q_pe, kv, tables, seq_lens
 
 
-def bench(shapes, device: torch.device, bandwidth: float) -> list[dict]:
+def sweep(args, auto_splits: int, floor_ms: float) -> list[dict]:
+    """The Triton kernel's launch choices around the automatic one, each timed in a CUDA graph."""
+    from tierkv.kernels import mla
+
+    rows = []
+    for splits in sorted({max(1, auto_splits // 2), auto_splits, min(mla.MAX_SPLITS, 2 * auto_splits)}):
+        for block_n in (16, 32, 64):
+            for warps in (4, 8):
+                for stages in (2, 3):
+                    launch = dict(num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages)
+                    try:
+                        t = gpu_ms(lambda launch=launch: mla._mla_decode(*args, **launch))
+                    except Exception as e:  # a launch that does not fit (shared memory, registers) is a row too
+                        rows.append(dict(**launch, error=repr(e)[:200]))
+                        continue
+                    rows.append(dict(**launch, ms=t, of_roofline=floor_ms / t))
+    return rows
+
+
+def bench(shapes, device: torch.device, bandwidth: float, with_sweep: bool = False) -> list[dict]:
     gen = torch.Generator(device=device).manual_seed(0)
     scale = (NOPE + ROPE) ** -0.5
     rows = []
@@ -84,12 +105,27 @@ def bench(shapes, device: torch.device, bandwidth: float) -> list[dict]:
             return kernels.mla_decode(q_latent, q_pe, kv, tables, seq_lens, scale)
 
         t = gpu_ms(step) if device.type == "cuda" else cpu_ms(step)
+        # the first sequence against the fp32 reference: a fast kernel that is wrong counts for nothing
+        want = kernels.reference.mla_decode(q_latent[:1].float(), q_pe[:1].float(), kv.float(), tables[:1],
+                                            seq_lens[:1], scale)
+        err = float((step()[:1].float() - want).abs().max())
         latent_bytes = batch * ctx * (LATENT + ROPE) * kv.element_size()
         floor_ms = latent_bytes / (bandwidth * GB) * 1e3
-        rows.append(dict(batch=batch, context=ctx, ms=t, latent_bytes=latent_bytes, roofline_ms=floor_ms,
-                         of_roofline=floor_ms / t, latent_gbps=latent_bytes / (t * 1e-3) / GB))
+        row = dict(batch=batch, context=ctx, ms=t, latent_bytes=latent_bytes, roofline_ms=floor_ms,
+                   of_roofline=floor_ms / t, latent_gbps=latent_bytes / (t * 1e-3) / GB, max_abs_err_seq0=err)
+        if device.type == "cuda":
+            from tierkv.kernels import mla
+
+            heads_per_program, splits, block_n = mla.choose_launch(batch, HEADS, tables.shape[1] * PAGE, device)
+            row["launch"] = dict(heads_per_program=heads_per_program, num_splits=splits, block_n=block_n)
+            if with_sweep:
+                row["sweep"] = sweep((q_latent, q_pe, kv, tables, seq_lens, scale), splits, floor_ms)
+                best = max((r for r in row["sweep"] if "ms" in r), key=lambda r: r["of_roofline"], default=None)
+                print(f"  sweep best: {best}", flush=True)
+        rows.append(row)
         print(f"B={batch:4d} ctx={ctx:6d}  {t:8.3f} ms  roofline {floor_ms:8.3f} ms  "
-              f"{100 * floor_ms / t:5.1f}% of it  ({latent_bytes / (t * 1e-3) / GB:6.0f} GB/s of latent)", flush=True)
+              f"{100 * floor_ms / t:5.1f}% of it  ({latent_bytes / (t * 1e-3) / GB:6.0f} GB/s of latent)  "
+              f"max |err| {err:.1e}", flush=True)
         del q_latent, q_pe, kv, tables, seq_lens
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -100,6 +136,7 @@ def main(argv: list[str] | None = None) -> Path:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None, help="folder of the JSON (default benchmarks/results)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU: checks the script runs")
+    ap.add_argument("--sweep", action="store_true", help="also time launch choices around the automatic one")
     args = ap.parse_args(argv)
     if args.smoke:
         device, shapes, copy_size = torch.device("cpu"), SMOKE_SHAPES, 1 << 24
@@ -116,7 +153,7 @@ def main(argv: list[str] | None = None) -> Path:
                    dtype=str(DT if device.type == "cuda" else torch.float32)),
         copy_gbps=bandwidth,
         roofline="latent bytes of the batch / copy_gbps (a copy's read + written bytes per second)",
-        decode=bench(shapes, device, bandwidth),
+        decode=bench(shapes, device, bandwidth, args.sweep),
     )
     path = write_results("bench_mla_decode" + ("-smoke" if args.smoke else ""), figures, args.out)
     print(f"wrote {path}")
