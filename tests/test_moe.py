@@ -62,12 +62,12 @@ def _state(kind: str, block) -> dict[str, torch.Tensor]:
     return spec, hf["model_type"], {f"model.layers.0.mlp.{k}": v for k, v in block.state_dict().items()}
 
 
-def _ours(kind: str, block, tp: TensorParallel | None = None) -> SparseMoE:
+def _ours(kind: str, block, tp: TensorParallel | None = None, fused: bool = False) -> SparseMoE:
     spec, model_type, checkpoint = _state(kind, block)
     tp = tp or TensorParallel()
     weights = ExpertWeights(spec, model_type, tp, torch.device("cpu"), torch.float32)
     for name, tensor in checkpoint.items():
-        if name.endswith("experts.gate_up_proj") and model_type != "gpt_oss":
+        if name.endswith("experts.gate_up_proj") and model_type != "gpt_oss" and not fused:
             # transformers keeps experts fused in memory; save_pretrained splits them per expert
             # (as hub checkpoints hold them): feed that form, the one real checkpoints have
             for e, w in enumerate(tensor):
@@ -75,7 +75,7 @@ def _ours(kind: str, block, tp: TensorParallel | None = None) -> SparseMoE:
                 weights.add(name.replace("gate_up_proj", f"{e}.gate_proj.weight"), gate)
                 weights.add(name.replace("gate_up_proj", f"{e}.up_proj.weight"), up)
             continue
-        if name.endswith("experts.down_proj") and model_type != "gpt_oss":
+        if name.endswith("experts.down_proj") and model_type != "gpt_oss" and not fused:
             for e, w in enumerate(tensor):
                 weights.add(name.replace("down_proj", f"{e}.down_proj.weight"), w)
             continue
@@ -128,16 +128,18 @@ def test_deepseek_groups_limit_the_choice():
     torch.testing.assert_close(weights.sum(-1), torch.full((64,), 2.5))
 
 
-@pytest.mark.parametrize("kind", ["qwen3_moe", "gpt_oss", "deepseek_v3"])
-def test_tensor_parallel_partials_sum_to_the_whole(kind):
-    # each rank holds every expert's slice of intermediate features; their partial outputs (before
-    # the one all-reduce) sum to the unsplit block's, the down bias counted once (rank 0)
+@pytest.mark.parametrize("kind,fused", [("qwen3_moe", False), ("qwen3_moe", True), ("gpt_oss", True),
+                                        ("deepseek_v3", False)])
+def test_tensor_parallel_partials_sum_to_the_whole(kind, fused):
+    # each rank holds every expert's slice of intermediate features (read from per-expert or fused
+    # checkpoint tensors); their partial outputs (before the one all-reduce) sum to the unsplit
+    # block's, the down bias counted once (rank 0)
     _, block = _hf_block(kind)
     whole = _ours(kind, block)
     x = torch.randn(21, TINY["hidden_size"])
     with torch.no_grad():
         want = whole(x)
-        parts = [_ours(kind, block, _RankOnly(r, 2))(x) for r in range(2)]
+        parts = [_ours(kind, block, _RankOnly(r, 2), fused)(x) for r in range(2)]
     torch.testing.assert_close(parts[0] + parts[1], want, rtol=1e-5, atol=1e-5)
 
 

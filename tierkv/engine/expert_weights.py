@@ -14,8 +14,9 @@ What checkpoints hold (per layer L, prefix `model.layers.L.mlp.`):
 - the router `gate.weight` [E, H] (+ DeepSeek's `gate.e_score_correction_bias` [E]) and DeepSeek's
   `shared_experts.{gate,up,down}_proj.weight`.
 All become moe.py's parameters (its docstring lists them), each rank keeping its slice of every
-expert's intermediate features. DeepSeek's router stays fp32, as transformers keeps it. This file
-only reads tensors it is handed; it never opens files.
+expert's intermediate features: it is handed each tensor as something to index (a safetensors slice,
+or a tensor) and reads only that slice. DeepSeek's router stays fp32, as transformers keeps it. This
+file only reads tensors it is handed; it never opens files.
 """
 
 from __future__ import annotations
@@ -53,8 +54,9 @@ def gpt_oss_down(w: torch.Tensor) -> torch.Tensor:
 class ExpertWeights:
     """Collects the MoE tensors of a checkpoint, as the loader reads them, into fused parameters.
 
-    claims(name) says whether a checkpoint tensor is one of these; add(name, tensor) takes it whole
-    (any device); finish() returns {parameter name: tensor} and fails on anything incomplete.
+    claims(name) says whether a checkpoint tensor is one of these; add(name, part) takes it as a
+    tensor or a safetensors slice (`f.get_slice(name)`: only this rank's part is read), on any
+    device; finish() returns {parameter name: tensor} and fails on anything incomplete.
     """
 
     def __init__(self, spec: MoESpec, model_type: str, tp: TensorParallel, device: torch.device,
@@ -70,25 +72,25 @@ class ExpertWeights:
     def claims(self, name: str) -> bool:
         return any(p.match(name) for p in (_PER_EXPERT, _FUSED, _ROUTER, _SHARED))
 
-    def add(self, name: str, tensor: torch.Tensor) -> None:
+    def add(self, name: str, part) -> None:
         if m := _ROUTER.match(name):
             prefix, what = m.groups()
             # DeepSeek's router decides in fp32 (transformers keeps gate.weight and the bias fp32)
             fp32 = self.spec.router == "grouped_sigmoid"
-            self.ready[f"{prefix}gate.{what}"] = tensor.to(self.device, torch.float32 if fp32 else self.dtype)
+            self.ready[f"{prefix}gate.{what}"] = part[:].to(self.device, torch.float32 if fp32 else self.dtype)
         elif m := _PER_EXPERT.match(name):
-            self._add_expert(m.group(1), int(m.group(2)), m.group(3), tensor)
+            self._add_expert(m.group(1), int(m.group(2)), m.group(3), part)
         elif m := _FUSED.match(name):
-            self._add_fused(m.group(1), m.group(2), tensor)
+            self._add_fused(m.group(1), m.group(2), part)
         elif m := _SHARED.match(name):
-            self._add_shared(m.group(1), m.group(2), tensor)
+            self._add_shared(m.group(1), m.group(2), part)
         else:
             raise ModelLoadError(f"{name} is not a mixture-of-experts tensor")
 
     def _cast(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.device, self.dtype).contiguous()
 
-    def _add_expert(self, prefix: str, expert: int, part: str, w: torch.Tensor) -> None:
+    def _add_expert(self, prefix: str, expert: int, part: str, w) -> None:
         e, inter = self.spec.num_experts, self.inter.stop - self.inter.start
         if expert >= e:
             raise ModelLoadError(f"{prefix}experts.{expert} is past the config's {e} experts")
@@ -108,18 +110,24 @@ class ExpertWeights:
             self.ready[f"{prefix}experts.down_proj"] = w2
             del self._experts[prefix]
 
-    def _add_fused(self, prefix: str, what: str, t: torch.Tensor) -> None:
-        full = self.spec.moe_intermediate_size
-        if self.interleaved:
-            t = {"gate_up_proj": gpt_oss_gate_up, "gate_up_proj_bias": gpt_oss_gate_up_bias,
-                 "down_proj": gpt_oss_down, "down_proj_bias": lambda b: b}[what](t)
-        if what.startswith("gate_up_proj"):  # [E, 2I(, H)]: this rank's gate rows, then its up rows
-            t = torch.cat([t[:, self.inter], t[:, full + self.inter.start: full + self.inter.stop]], dim=1)
+    def _add_fused(self, prefix: str, what: str, part) -> None:
+        full, (first, end) = self.spec.moe_intermediate_size, (self.inter.start, self.inter.stop)
+        if what == "down_proj_bias":
+            t = part[:]
+        elif self.interleaved:  # gpt-oss: this rank's (gate, up) column pairs, then our layout
+            if what == "gate_up_proj":
+                t = gpt_oss_gate_up(part[:, :, 2 * first: 2 * end])
+            elif what == "gate_up_proj_bias":
+                t = gpt_oss_gate_up_bias(part[:, 2 * first: 2 * end])
+            else:
+                t = gpt_oss_down(part[:, first:end])
         elif what == "down_proj":  # [E, H, I]: this rank's input columns
-            t = t[:, :, self.inter]
+            t = part[:, :, first:end]
+        else:  # [E, 2I, H]: this rank's gate rows, then its up rows
+            t = torch.cat([part[:, first:end], part[:, full + first: full + end]], dim=1)
         self.ready[f"{prefix}experts.{what}"] = self._cast(t)
 
-    def _add_shared(self, prefix: str, part: str, w: torch.Tensor) -> None:
+    def _add_shared(self, prefix: str, part: str, w) -> None:
         parts = self._shared.setdefault(prefix, {})
         parts[part] = w[:, self.shared] if part == "down_proj" else w[self.shared]
         if len(parts) == 3:
