@@ -431,7 +431,7 @@ def load_weights(model: CausalLM, files: list[Path], device: torch.device, dtype
                         experts.add(*whole)
                     continue
                 if experts is not None and experts.claims(name):  # MoE router and experts: expert_weights.py
-                    experts.add(name, f.get_tensor(stored))
+                    experts.add(name, f.get_slice(stored))  # reads only this rank's part
                     continue
                 shard = _shard(name, cfg, tp)
                 if shard is None:
