@@ -59,8 +59,10 @@ if INTERPRETED:
         want = ref.mla_decode(ql, qp, pb.kv, pb.block_tables, pb.seq_lens, 0.1)
         torch.testing.assert_close(got.float(), want.float(), **TOL[torch.float16])
 
-    def test_triton_mla_decode_automatic_launch(tk):
+    def test_triton_mla_decode_automatic_launch_and_a_strided_query(tk):
         pb, ql, qp = latent_case([300, 5, 64], 16, 64, 16, 16, torch.float32, seed=2)
+        # q_pe as the model hands it over: the rope part of each head's [nope + rope] query row
+        qp = torch.cat([torch.zeros(3, 16, 24), qp], dim=-1)[..., 24:]
         got = tk.mla.mla_decode(ql, qp, pb.kv, pb.block_tables, pb.seq_lens, 0.2)
         want = ref.mla_decode(ql, qp, pb.kv, pb.block_tables, pb.seq_lens, 0.2)
         torch.testing.assert_close(got, want, **TOL[torch.float32])

@@ -20,6 +20,7 @@ import pytest
 import torch
 from models import paged_greedy, randomize_, tiny_config
 from test_model import assert_logits_close, hf_greedy, random_prompts
+from test_model import test_bf16_tiny_models_on_gpu_agree_with_transformers as bf16_agreement
 
 from tierkv.engine.loader import load_model
 from tierkv.engine.model import ModelConfig
@@ -137,3 +138,11 @@ def test_fp8_hub_weights_are_refused_clearly():
     hf["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
     with pytest.raises(ConfigError, match="quantised with 'fp8' are not supported.*bf16 copy"):
         ModelConfig.from_hf(hf)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run through the device tool)")
+def test_bf16_on_gpu_agrees_with_transformers(tmp_path):
+    """test_model.py's bf16 criterion (>= 90% of 64 prompts give transformers' 32 greedy tokens), with
+    the Triton MLA decode kernel and the prefill kernel over up-projected heads."""
+    bf16_agreement("deepseek_v3", tmp_path)
