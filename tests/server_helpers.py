@@ -130,6 +130,24 @@ def metric(text: str, name: str, labels: str = "") -> float:
     return 0.0
 
 
+def scrape(server) -> str:
+    return httpx.get(server.url + "/metrics", timeout=30).text
+
+
+def settled(server) -> str:
+    """/metrics once nothing runs and the engine thread's stats snapshot (refreshed every quarter
+    second) has caught up: two scrapes a little apart agree."""
+    end, last = time.monotonic() + 10, None
+    while time.monotonic() < end:
+        m = scrape(server)
+        key = [line for line in m.splitlines() if line.startswith(("tierkv_prefix_cache", "tierkv_requests_running"))]
+        if key == last and not metric(m, "tierkv_requests_running"):
+            return m
+        last = key
+        time.sleep(0.4)
+    raise TimeoutError("the metrics did not settle")
+
+
 def l3_objects_all_decode(root: Path) -> int:
     """Check every chunk object in a disk L3 directory the way a reader would; return how many."""
     import torch

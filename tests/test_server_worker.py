@@ -24,7 +24,7 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 from load_helpers import tiny_model  # noqa: E402,F401  (module fixture: a tiny Llama with a tokenizer)
-from server_helpers import free_port, metric, serving  # noqa: E402
+from server_helpers import free_port, metric, scrape, serving, settled  # noqa: E402
 
 from tierkv.server.protocol import FOREIGN_FIELDS  # noqa: E402
 
@@ -62,24 +62,6 @@ def get(server, path: str, **kw) -> httpx.Response:
 
 def post(server, path: str, body=None, headers=AUTH) -> httpx.Response:
     return httpx.post(server.url + path, json=body, headers=headers, timeout=120)
-
-
-def scrape(server) -> str:
-    return httpx.get(server.url + "/metrics", timeout=30).text
-
-
-def settled(server) -> str:
-    """/metrics once nothing runs and the engine thread's stats snapshot (refreshed every quarter
-    second) has caught up: two scrapes a little apart agree."""
-    end, last = time.monotonic() + 10, None
-    while time.monotonic() < end:
-        m = scrape(server)
-        key = [line for line in m.splitlines() if line.startswith(("tierkv_prefix_cache", "tierkv_requests_running"))]
-        if key == last and not metric(m, "tierkv_requests_running"):
-            return m
-        last = key
-        time.sleep(0.4)
-    raise TimeoutError("the metrics did not settle")
 
 
 def long_prefix() -> str:

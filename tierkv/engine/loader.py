@@ -62,7 +62,8 @@ class LoadedModel:
         cfg = self.config
         heads = cfg.num_kv_heads if all_heads else self.model.num_local_kv_heads
         return KVLayout(num_layers=cfg.num_layers, num_kv_heads=heads, head_dim=cfg.head_dim,
-                        dtype=self.dtype, block_size=block_size, windows=tuple(cfg.layer_windows))
+                        dtype=self.dtype, block_size=block_size, windows=tuple(cfg.layer_windows),
+                        latent=cfg.mla is not None)
 
 
 def default_cache_dir() -> Path:
@@ -444,8 +445,6 @@ def load_weights(model: CausalLM, files: list[Path], device: torch.device, dtype
                     tensor = tensor.to(device, dtype).contiguous()
                 if tp.enabled and name in _VOCAB_ROWS:
                     tensor = _pad_rows(tensor, tp.vocab_per_rank(cfg.vocab_size))
-                if name.endswith(".self_attn.sinks"):  # in the model dtype as transformers has them, read in fp32
-                    tensor = tensor.float()
                 fused = _fused_target(name)
                 if fused is None or fused[0] not in expected:  # a model that keeps it apart (MLA's q_proj)
                     state[name] = tensor
