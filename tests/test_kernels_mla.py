@@ -112,3 +112,4 @@ def test_benchmark_script_runs_on_cpu(tmp_path):
     result = json.loads(main(["--smoke", "--out", str(tmp_path)]).read_text())
     assert [(r["batch"], r["context"]) for r in result["decode"]] == SMOKE_SHAPES
     assert all(r["ms"] > 0 and r["latent_bytes"] == r["batch"] * r["context"] * 576 * 4 for r in result["decode"])
+    assert all(r["max_abs_err_seq0"] < 1e-5 for r in result["decode"])
