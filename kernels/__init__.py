@@ -105,7 +105,8 @@ def kv_write(k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, slot_mapping: t
 
 def paged_decode(q, kv, block_tables, seq_lens, scale: float, sliding_window: int | None = None, sinks=None):
     """q [B, Hq, D] over the paged kv through block_tables [B, max_blocks]; see reference.paged_decode.
-    sinks: None, or [Hq] fp32 attention-sink logits (gpt-oss), one more softmax column per head."""
+    sinks: None, or [Hq] attention-sink logits (gpt-oss; any float dtype, read in fp32), one more
+    softmax column per head."""
     return _impl("paged_decode", q)(q, kv, block_tables, seq_lens, scale, sliding_window, sinks)
 
 
@@ -126,7 +127,8 @@ def paged_prefill(q, kv, block_tables, cu_seqlens_q, seq_lens, scale: float, sli
 
     context: when the batch is one sequence, its cached token count as the host knows it; a long
     chunk may then take a faster path on the GPU (kernels/dense.py). The result is the same.
-    sinks: None, or [Hq] fp32 attention-sink logits (gpt-oss), one more softmax column per head.
+    sinks: None, or [Hq] attention-sink logits (gpt-oss; any float dtype, read in fp32), one more
+    softmax column per head.
     """
     if backend_for(q) == "reference":
         return _reference().paged_prefill(q, kv, block_tables, cu_seqlens_q, seq_lens, scale, sliding_window, sinks)

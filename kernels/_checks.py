@@ -89,10 +89,11 @@ def check_window(sliding_window) -> None:
 
 
 def check_sinks(sinks, q) -> None:
-    """sinks: None, or one fp32 logit per query head [Hq] on q's device (gpt-oss's attention sinks)."""
+    """sinks: None, or one logit per query head [Hq] on q's device (gpt-oss's attention sinks), in
+    any float dtype: the kernels read it in fp32 (a model holds it in its own dtype, as transformers)."""
     if sinks is None:
         return
-    check_tensor("sinks", sinks, 1, (torch.float32,))
+    check_tensor("sinks", sinks, 1, ATTN_DTYPES)
     if sinks.shape[0] != q.shape[1]:
         _fail(f"sinks must hold one logit per query head: [{q.shape[1]}], got {tuple(sinks.shape)}")
     check_same_device(q=q, sinks=sinks)

@@ -62,7 +62,7 @@ def prefill_one(q: torch.Tensor, kv: torch.Tensor, block_table: torch.Tensor, co
                 scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [n, Hq, D] of one sequence whose K/V (this chunk's included) are in the pool kv
     [num_blocks, 2, bs, Hkv, D] at block_table [>= ceil((context + n) / bs)] -> out [n, Hq, D].
-    sinks: None or [Hq] fp32 attention-sink logits."""
+    sinks: None or [Hq] attention-sink logits (any float dtype)."""
     n, page = q.shape[0], kv.shape[2]
     padded = -(-n // ALIGN) * ALIGN
     total = context + n
@@ -94,5 +94,5 @@ def prefill_one(q: torch.Tensor, kv: torch.Tensor, block_table: torch.Tensor, co
         lse = torch.logaddexp(lse_self[:n], lse_prefix[:n])
     if sinks is not None:
         # the keys' share of a softmax whose sum also holds e^sink
-        out = out * torch.sigmoid(lse - sinks[None, :, None])
+        out = out * torch.sigmoid(lse - sinks.float()[None, :, None])
     return out.to(q.dtype)

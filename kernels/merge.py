@@ -24,7 +24,7 @@ def add_sink(l_i, m_i, Sinks, heads, mask):
     """The exp-sum l_i of rows whose running max is m_i (log2 units), with each row's sink
     Sinks[heads] joined: l_i + exp2(sink - m_i). A row that saw no key (m_i = -inf, l_i = 0)
     stays 0, its output the zeros of an empty attention."""
-    sink = tl.load(Sinks + heads, mask=mask, other=0.0) * LOG2E
+    sink = tl.load(Sinks + heads, mask=mask, other=0.0).to(tl.float32) * LOG2E
     return l_i + tl.where(m_i == float("-inf"), 0.0, tl.exp2(sink - m_i))
 
 
@@ -47,7 +47,7 @@ def merge_splits_kernel(
     lse = tl.load(Lse + b * stride_lb + h * stride_lh + offs_s, mask=s_mask, other=float("-inf"))  # [BLOCK_S]
     m = tl.max(lse, 0)
     if HAS_SINKS:
-        sink = tl.load(Sinks + h) * LOG2E              # the head's sink, one more term of the sum
+        sink = tl.load(Sinks + h).to(tl.float32) * LOG2E  # the head's sink, one more term of the sum
         m = tl.maximum(m, sink)
     m = tl.where(m == float("-inf"), 0.0, m)           # every split empty: weights 0, output 0
     w = tl.exp2(lse - m)                               # [BLOCK_S]

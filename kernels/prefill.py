@@ -368,15 +368,15 @@ def launch_variants(num_heads: int, kv_heads: int, head_dim: int, device: torch.
 def compile_variants(kv: torch.Tensor, num_heads: int, scale: float, windows=(None,), sinks: bool = False) -> int:
     """Compile now every kernel variant paged_prefill may choose on this pool, for each sliding
     window in `windows`, so a server never stalls mid-run (~1 s a variant, once per machine:
-    Triton keeps them on disk); with `sinks`, the variants with attention sinks (a model whose
-    layers all have them, gpt-oss) instead of those without. kv: one layer's pool
+    Triton keeps them on disk); with `sinks`, the variants with attention sinks in the pool's dtype
+    (a model whose layers all have them, gpt-oss) instead of those without. kv: one layer's pool
     [blocks, 2, page, Hkv, D]; only read. Returns the number of variants."""
     _, _, page, hkv, d = kv.shape
     variants = launch_variants(num_heads, hkv, d, kv.device)
     width = max(triton.cdiv(2 * 128, page), 2)              # room for two key tiles of any size
     tables = torch.zeros(1, width, dtype=torch.int32, device=kv.device)  # every entry block 0: read only
     lens = torch.tensor([width * page], dtype=torch.int32, device=kv.device)
-    sink_logits = torch.zeros(num_heads, dtype=torch.float32, device=kv.device) if sinks else None
+    sink_logits = torch.zeros(num_heads, dtype=kv.dtype, device=kv.device) if sinks else None
     for launch in variants:
         rows = max(1, launch.tokens_per_tile)
         q = torch.zeros(rows, num_heads, d, dtype=kv.dtype, device=kv.device)

@@ -93,7 +93,7 @@ def paged_decode(
     kv:           [num_blocks, 2, block_size, Hkv, D]
     block_tables: [B, max_blocks] int; entries past a sequence's length are never read
     seq_lens:     [B] int, tokens in the pool per sequence (the query's own K/V included)
-    sinks:        None or [Hq] fp32, attention-sink logits (see _attend)
+    sinks:        None or [Hq], attention-sink logits in any float dtype (see _attend)
     returns       [B, Hq, D] in q's dtype
     """
     _checks.check_decode(q, kv, block_tables, seq_lens, sliding_window, sinks)
@@ -125,7 +125,7 @@ def paged_prefill(
     cu_seqlens_q: [B+1] int
     seq_lens:     [B] int, cached prefix + new tokens per sequence
     New token j of sequence b sits at position seq_lens[b] - q_len_b + j.
-    sinks:        None or [Hq] fp32, attention-sink logits (see _attend)
+    sinks:        None or [Hq], attention-sink logits in any float dtype (see _attend)
     returns       [T, Hq, D] in q's dtype
     """
     _checks.check_prefill(q, kv, block_tables, cu_seqlens_q, seq_lens, sliding_window, sinks)

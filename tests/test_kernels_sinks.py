@@ -90,9 +90,19 @@ def test_package_passes_sinks_through():
                                ref.paged_prefill(qp, pb.kv, pb.block_tables, cu, pb.seq_lens, 0.2, 3, sinks))
 
 
+def test_sinks_in_the_model_dtype_read_as_fp32():
+    # a bf16 model holds bf16 sinks (as transformers does): the same logits as their fp32 values
+    g = torch.Generator().manual_seed(7)
+    pb = make_paged([9, 4], 2, 16, 4, generator=g)
+    q = torch.randn(2, 4, 16, generator=g)
+    sinks = _sinks(4, 8).to(torch.bfloat16)
+    assert torch.equal(ref.paged_decode(q, pb.kv, pb.block_tables, pb.seq_lens, 0.2, None, sinks),
+                       ref.paged_decode(q, pb.kv, pb.block_tables, pb.seq_lens, 0.2, None, sinks.float()))
+
+
 @pytest.mark.parametrize("sinks, words", [
     (torch.zeros(3), "sinks"),                          # not one per query head
-    (torch.zeros(4, dtype=torch.float16), "float32"),  # the kernels read sinks in fp32
+    (torch.zeros(4, dtype=torch.int32), "dtype"),       # logits are floats
     (torch.zeros(2, 2), "sinks"),
     ([0.0] * 4, "torch.Tensor"),
 ])

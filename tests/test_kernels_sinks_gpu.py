@@ -88,7 +88,7 @@ def test_compile_variants_cover_the_sink_kernels():
         return sum(len(c[0]) for c in prefill._prefill_kernel.device_caches.values())
 
     before = compiled()
-    sinks = _sinks(6)
+    sinks = _sinks(6).to(torch.bfloat16)  # a bf16 model's sinks: the variants compiled above
     for q_lens, ctx, window in (([1, 7, 300], 40, None), ([3], 5000, 128), ([65] * 16, 0, 128)):
         lens = [n + ctx for n in q_lens]
         pb = make_paged(lens, HKV, D, 16, dtype=torch.bfloat16, device="cuda")

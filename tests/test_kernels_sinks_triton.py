@@ -39,7 +39,7 @@ def test_decode_with_sinks(tk, splits, window, dtype):
     lens, hkv, group, d = [0, 1, 20, 77], 2, 4, 16
     pb = make_paged(lens, hkv, d, 16, dtype=dtype, generator=g)
     q = torch.randn(len(lens), hkv * group, d, generator=g).to(dtype)
-    sinks = _sinks(hkv * group, 1)
+    sinks = _sinks(hkv * group, 1).to(dtype)  # in the model's dtype, as a model holds them
     got = tk.decode._paged_decode(q, pb.kv, pb.block_tables, pb.seq_lens, d**-0.5, window, sinks,
                                   num_splits=splits, block_n=16)
     want = ref.paged_decode(q, pb.kv, pb.block_tables, pb.seq_lens, d**-0.5, window, sinks)
@@ -72,7 +72,7 @@ def test_prefill_with_sinks(tk, splits, pack, window, dtype):
     pb = make_paged(lens, hkv, d, 16, dtype=dtype, generator=g)
     q = torch.randn(sum(q_lens), hkv * group, d, generator=g).to(dtype)
     cu = cu_seqlens(q_lens)
-    sinks = _sinks(hkv * group, 4)
+    sinks = _sinks(hkv * group, 4).to(dtype)
     got = tk.prefill._paged_prefill(q, pb.kv, pb.block_tables, cu, pb.seq_lens, d**-0.5, window, sinks,
                                     num_splits=splits, pack=pack, block_m=16, block_n=16)
     want = ref.paged_prefill(q, pb.kv, pb.block_tables, cu, pb.seq_lens, d**-0.5, window, sinks)

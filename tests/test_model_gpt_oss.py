@@ -124,8 +124,22 @@ def test_a_rank_holds_its_heads_sinks(tiny):
     path, loaded, _ = tiny
     for rank in (0, 1):
         sinks = load_model(path, device="cpu", tp=TensorParallel(rank, 2)).model.model.layers[3].self_attn.sinks
-        assert sinks.dtype == torch.float32
+        assert sinks.dtype == loaded.dtype
         assert torch.equal(sinks, loaded.model.model.layers[3].self_attn.sinks[2 * rank: 2 * rank + 2])
+
+
+@torch.inference_mode()
+def test_a_model_cast_to_bf16_holds_bf16_sinks(tiny):
+    # as benchmarks build random models (nn.Module.to): the sinks follow the model dtype and the
+    # kernels take them, as they take a bf16 checkpoint's
+    path, _, _ = tiny
+    cast = load_model(path, device="cpu").model.to(torch.bfloat16)
+    cast.reset_rope()
+    loaded = load_model(path, device="cpu", dtype="bfloat16")
+    assert cast.model.layers[0].self_attn.sinks.dtype == loaded.model.model.layers[0].self_attn.sinks.dtype == \
+        torch.bfloat16
+    prompt = random_prompts(loaded.config.vocab_size, lengths=(12,))
+    assert paged_greedy(cast, prompt, 3, block_size=4)[0] == paged_greedy(loaded.model, prompt, 3, block_size=4)[0]
 
 
 def test_yarn_rope_matches_transformers(tiny):

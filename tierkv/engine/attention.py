@@ -103,7 +103,7 @@ def paged_attention(
     Returns [T, Hq, D] in q's dtype.
     attend: an attention of its own, attend(q, kv, meta) -> [T, Hq, Dv], that reads another pool
     layout (mla.py's latents); streamed sequences go through it the same way.
-    sinks: None, or this rank's [Hq] fp32 attention-sink logits (gpt-oss; see kernels.paged_decode).
+    sinks: None, or this rank's [Hq] attention-sink logits (gpt-oss; see kernels.paged_decode).
     """
     if attend is None:
         def attend(q, kv, meta):

@@ -381,8 +381,8 @@ class Attention(nn.Module):
         # q/k norms act within one head: every rank holds the whole [D] weight
         self.q_norm = _norm(cfg, cfg.head_dim) if cfg.qk_norm else None
         self.k_norm = _norm(cfg, cfg.head_dim) if cfg.qk_norm else None
-        # gpt-oss: this rank's heads' sink logits, fp32 (the loader rounds them to the model dtype first)
-        self.sinks = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32)) if cfg.attention_sinks else None
+        # gpt-oss: this rank's heads' sink logits, in the model dtype as transformers holds them
+        self.sinks = nn.Parameter(torch.empty(self.num_heads)) if cfg.attention_sinks else None
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata
