@@ -41,6 +41,7 @@ __all__ = [
     "rms_norm",
     "rope_kv_write",
     "silu_mul",
+    "gelu_tanh_mul",
     "top_k_top_p_filter",
     "mla_decode",
     "fused_moe",
@@ -63,6 +64,7 @@ _TRITON_HOME: dict[str, str] = {
     "rms_norm": "norm",
     "rope_kv_write": "rope",
     "silu_mul": "activation",
+    "gelu_tanh_mul": "activation",
     "top_k_top_p_filter": "sampling",
     "mla_decode": "mla",
     "fused_moe": "moe",
@@ -202,13 +204,16 @@ def compile_variants(kv: torch.Tensor, num_heads: int, scale: float, windows=(No
     return importlib.import_module(".prefill", __name__).compile_variants(kv, num_heads, scale, windows, sinks)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, unit_offset: bool = False
+):
     """RMSNorm of x [..., H] (rows may be strided) by weight [H], in HF's rounding order.
 
     Returns out [..., H]; with residual [..., H] returns (rms_norm(x + residual), x + residual),
-    the sum rounded to x's dtype: the "add residual, then norm" of a decoder layer.
+    the sum rounded to x's dtype: the "add residual, then norm" of a decoder layer. unit_offset:
+    Gemma's norm, which scales by (1 + weight) in fp32 before rounding (Llama rounds first).
     """
-    return _impl("rms_norm", x)(x, weight, eps, residual)
+    return _impl("rms_norm", x)(x, weight, eps, residual, unit_offset)
 
 
 def rope_kv_write(q, k, v, cos, sin, kv: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
@@ -220,6 +225,11 @@ def rope_kv_write(q, k, v, cos, sin, kv: torch.Tensor, slot_mapping: torch.Tenso
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU: gate_up [T, 2 * I] (gate, then up) -> F.silu(gate) * up [T, I]."""
     return _impl("silu_mul", gate_up)(gate_up)
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [T, 2 * I] (gate, then up) -> gelu_tanh(gate) * up [T, I]: Gemma's GeGLU."""
+    return _impl("gelu_tanh_mul", gate_up)(gate_up)
 
 
 def top_k_top_p_filter(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:

@@ -23,7 +23,7 @@ def _rms_norm_kernel(
     stride_xa, stride_xb, stride_xh,
     stride_ra, stride_rb, stride_rh,
     stride_w, rows_b, H,
-    BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, UNIT_OFFSET: tl.constexpr,
 ):
     # row (a, b) of x seen as [A, B, H]; Out and Sum are contiguous [A * B, H]
     a = tl.program_id(0).to(tl.int64)
@@ -39,10 +39,14 @@ def _rms_norm_kernel(
         tl.store(Sum + row + offs, x, mask=mask)
     x32 = x.to(tl.float32)
     rstd = tl.math.rsqrt(tl.sum(x32 * x32, axis=0) / H + eps)         # padding lanes add 0
-    normed = (x32 * rstd).to(X.dtype.element_ty)                      # HF: .to(input_dtype) first
     w = tl.load(W + offs * stride_w, mask=mask, other=0.0)
-    # weight * normed: both in x's dtype, so the fp32 product is exact and rounds once, as torch's
-    out = (w.to(tl.float32) * normed.to(tl.float32)).to(X.dtype.element_ty)
+    if UNIT_OFFSET:
+        # Gemma: (x * rstd) * (1 + w) all in fp32, rounded once at the end
+        out = ((x32 * rstd) * (1.0 + w.to(tl.float32))).to(X.dtype.element_ty)
+    else:
+        normed = (x32 * rstd).to(X.dtype.element_ty)                  # HF: .to(input_dtype) first
+        # weight * normed: both in x's dtype, so the fp32 product is exact and rounds once, as torch's
+        out = (w.to(tl.float32) * normed.to(tl.float32)).to(X.dtype.element_ty)
     tl.store(Out + row + offs, out, mask=mask)
 
 
@@ -66,12 +70,13 @@ def _as_rows(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int], tuple[int,
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+    unit_offset: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """x [..., H] (rows may be strided), weight [H] -> out [..., H] contiguous, x's dtype.
 
     With residual [..., H] (x's shape and dtype): s = x + residual rounded to x's dtype, and
-    returns (rms_norm(s), s), both freshly allocated.
+    returns (rms_norm(s), s), both freshly allocated. unit_offset: Gemma's (1 + weight), in fp32.
     """
     _checks.check_rms_norm(x, weight, eps, residual)
     check_triton_device(x, weight, *(() if residual is None else (residual,)))
@@ -86,7 +91,7 @@ def rms_norm(
     _rms_norm_kernel[(rows_a, rows_b)](
         xr, rr, weight, out, total, float(eps),
         *xs, *rs, weight.stride(0), rows_b, h,
-        BLOCK=block, HAS_RESIDUAL=residual is not None,
+        BLOCK=block, HAS_RESIDUAL=residual is not None, UNIT_OFFSET=bool(unit_offset),
         num_warps=1 if block <= 256 else 4 if block <= 1024 else 8 if block <= 4096 else 16,
     )
     return out if residual is None else (out, total)

@@ -257,21 +257,26 @@ def _pieces(x: torch.Tensor) -> list[slice]:
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+    unit_offset: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm of the last dim, optionally after adding a residual.
 
     x:        [..., H] (any strides); weight: [H], x's dtype
     residual: None, or [..., H] like x: then s = x + residual (in x's dtype, the decoder's
               `x = x + attn(...)`) is normalised and (out, s) returned
-    returns   out [..., H] = weight * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(x.dtype)
+    returns   out [..., H] = weight * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(x.dtype);
+              with unit_offset (Gemma): ((x.float() * rsqrt(..)) * (1 + weight.float())).to(x.dtype)
     """
     _checks.check_rms_norm(x, weight, eps, residual)
     if residual is not None:
         x = x + residual
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)   # HF: normalise in fp32,
-    out = weight * x32.to(x.dtype)                                     # cast, then the weight
+    if unit_offset:                                                    # Gemma: (1 + w) in fp32, then cast
+        out = (x32 * (1.0 + weight.float())).to(x.dtype)
+    else:
+        out = weight * x32.to(x.dtype)                                 # Llama: cast, then the weight
     return out if residual is None else (out, x)
 
 
@@ -309,6 +314,14 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     _, inter = _checks.check_silu_mul(gate_up)
     gate, up = gate_up.split([inter, inter], dim=-1)                  # [T, I] each
     return torch.nn.functional.silu(gate) * up
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [T, 2 * I] (gate, then up) -> F.gelu(gate, approximate="tanh") * up [T, I], in
+    gate_up's dtype: Gemma's GeGLU (transformers' gelu_pytorch_tanh)."""
+    _, inter = _checks.check_silu_mul(gate_up)
+    gate, up = gate_up.split([inter, inter], dim=-1)                  # [T, I] each
+    return torch.nn.functional.gelu(gate, approximate="tanh") * up
 
 
 # Sampling filters. The Triton version (sampling.py) finds the same kept set without sorting.

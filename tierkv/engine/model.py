@@ -247,7 +247,7 @@ def _layer_windows(hf: dict, num_layers: int, is_qwen: bool) -> list[int | None]
 
 
 def rope_inv_freq(cfg: ModelConfig, device: torch.device | str | None = None, sliding: bool = False) -> torch.Tensor:
-    """[head_dim / 2] fp32 inverse frequencies, with linear or llama3 scaling applied; `sliding`:
+    """[rope_dim / 2] fp32 inverse frequencies, with linear, llama3 or YaRN scaling applied; `sliding`:
     those of the sliding-window layers (cfg.sliding_rope's, where it is set)."""
     theta, scaling = cfg.sliding_rope if sliding and cfg.sliding_rope else (cfg.rope_theta, cfg.rope_scaling)
     d = cfg.rope_dim
@@ -326,16 +326,10 @@ def rope_attention_factor(cfg: ModelConfig) -> float:
 
 class UnitOffsetRMSNorm(RMSNorm):
     """Gemma's RMSNorm: the checkpoint holds w and the norm scales by (1 + w), in fp32 before the
-    cast back (Llama casts first), as transformers' Gemma3RMSNorm does, so bf16 rounds the same.
-    Plain torch: the fused kernel applies the weight after the cast."""
+    cast back (Llama casts first), as transformers' Gemma3RMSNorm does, so bf16 rounds the same."""
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if residual is not None:
-            x = x + residual
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = (x32 * (1.0 + self.weight.float())).to(x.dtype)
-        return out if residual is None else (out, x)
+        return kernels.rms_norm(x, self.weight, self.eps, residual, unit_offset=True)
 
 
 def _norm(cfg: ModelConfig, dim: int) -> RMSNorm:
@@ -413,10 +407,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2I]
-        if self.gelu:  # Gemma's GeGLU, as transformers' gelu_pytorch_tanh
-            gate, up = gate_up.chunk(2, dim=-1)
-            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
-        return self.down_proj(kernels.silu_mul(gate_up))  # SwiGLU [T, I] -> [T, hidden]
+        # SwiGLU, or Gemma's GeGLU (transformers' gelu_pytorch_tanh): [T, I] -> [T, hidden]
+        return self.down_proj(kernels.gelu_tanh_mul(gate_up) if self.gelu else kernels.silu_mul(gate_up))
 
 
 class DecoderLayer(nn.Module):
