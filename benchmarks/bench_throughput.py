@@ -2,7 +2,7 @@
 
 Workload (nano-vllm's bench.py): --num-prompts (256) prompts of random token ids, input and output
 lengths uniform in [100, 1024] (seeded), greedy, EOS ignored, so every request generates exactly
-its output length. Model: Qwen3-0.6B shape, random weights, bf16 on the GPU, saved once as a HF
+its output length. Model: Qwen3-0.6B shape (--family: a MoE shape, see FAMILIES), random weights, bf16 on the GPU, saved once as a HF
 directory that both engines load. Figure: output tokens / wall seconds of the generate call.
 
 tierkv: `LLM(model=dir).generate(token ids, SamplingParams(temperature=0, max_tokens=out,
@@ -54,6 +54,30 @@ QWEN3_06B = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
 TINY_QWEN3 = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, vocab_size=512, tie_word_embeddings=True,
                   max_position_embeddings=512)
+# --family: (transformers config class, shape, tiny shape, name). The MoE shapes keep the real
+# layer's sizes with fewer layers: both engines hold the weights on one GPU at once, and the
+# checkpoint is written to the machine's disk.
+FAMILIES = {
+    "qwen3": ("Qwen3Config", QWEN3_06B, TINY_QWEN3, "Qwen3-0.6B shape"),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(
+        hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=12,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+        norm_topk_prob=True, vocab_size=151936, tie_word_embeddings=False, max_position_embeddings=4096),
+        dict(TINY_QWEN3, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32),
+        "Qwen3-30B-A3B shape, 12 of its 48 layers"),
+    "gpt_oss": ("GptOssConfig", dict(
+        hidden_size=2880, intermediate_size=2880, num_hidden_layers=6, num_attention_heads=64, num_key_value_heads=8,
+        head_dim=64, num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
+        layer_types=["sliding_attention", "full_attention"] * 3, vocab_size=201088, tie_word_embeddings=False,
+        max_position_embeddings=4096),
+        dict(TINY_QWEN3, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+             layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=False),
+        "gpt-oss-20b shape, 6 of its 24 layers"),
+}
+
+
+ATTN = {"gpt_oss": "eager"}  # transformers' attention for the family: gpt-oss's sinks have no sdpa path
+NAME = {family: "bench_throughput" if family == "qwen3" else f"bench_throughput_{family}" for family in FAMILIES}
 
 
 # ---------------------------------------------------------------------------- shared helpers
@@ -213,10 +237,10 @@ def warm_like(prompts: list[list[int]]) -> list[list[int]]:
 # ---------------------------------------------------------------------------- the peer
 
 
-def run_peer(model_dir: Path, prompts, out_lens, device, dtype) -> dict:
+def run_peer(model_dir: Path, prompts, out_lens, device, dtype, attn: str = "sdpa") -> dict:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="paged|sdpa")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=f"paged|{attn}")
     model = model.to(device).eval()
     gen = GenerationConfig(do_sample=False, max_new_tokens=max(out_lens), eos_token_id=-1, pad_token_id=0)
     produced, error = 0, None
@@ -240,11 +264,11 @@ def run_peer(model_dir: Path, prompts, out_lens, device, dtype) -> dict:
                 elif res is None and not manager.is_running():
                     raise RuntimeError("the continuous batching thread died")
             seconds = time.perf_counter() - t0
-        peer = "transformers continuous batching (generate_batch's manager), paged|sdpa"
+        peer = f"transformers continuous batching (generate_batch's manager), paged|{attn}"
     except Exception as e:  # an API that moved or broke: fall back, and say so
         print(f"continuous batching failed ({type(e).__name__}: {e}); falling back to generate", flush=True)
-        peer, error = "transformers generate, padded static batches, sdpa", f"{type(e).__name__}: {e}"
-        model.set_attn_implementation("sdpa")
+        peer, error = f"transformers generate, padded static batches, {attn}", f"{type(e).__name__}: {e}"
+        model.set_attn_implementation(attn)
         seconds, produced = generate_padded(model, prompts, out_lens, device)
     result = dict(peer=peer, prompts=len(prompts), seconds=seconds, output_tokens=produced,
                   output_tok_s=produced / seconds, all_requests_full_length=produced == sum(out_lens), error=error)
@@ -273,6 +297,7 @@ def generate_padded(model, prompts, out_lens, device, batch: int = 64) -> tuple[
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--num-prompts", type=int, default=256)
+    p.add_argument("--family", choices=sorted(FAMILIES), default="qwen3", help="the model's family and shape")
     p.add_argument("--min-len", type=int, default=100)
     p.add_argument("--max-len", type=int, default=1024)
     p.add_argument("--peer-prompts", type=int, default=None, help="run the peer on the first K prompts (all)")
@@ -293,13 +318,14 @@ def main() -> None:
     if a.smoke:
         a.num_prompts, a.min_len, a.max_len, a.warmup_prompts = 8, 8, 32, 2
 
-    from transformers import Qwen3Config
+    import transformers
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     device, dtype = device_and_dtype(a.smoke)
-    config = Qwen3Config(**(TINY_QWEN3 if a.smoke else QWEN3_06B))
+    config_class, shape, tiny, model_name = FAMILIES[a.family]
+    config = getattr(transformers, config_class)(**(tiny if a.smoke else shape))
     rng = random.Random(a.seed)
     in_lens = [rng.randint(a.min_len, a.max_len) for _ in range(a.num_prompts)]
     out_lens = [rng.randint(a.min_len, a.max_len) for _ in range(a.num_prompts)]
@@ -310,7 +336,7 @@ def main() -> None:
 
     bw = hbm_bandwidth(device, 2**24 if a.smoke else 2**31)
     figures = dict(
-        workload=dict(model="Qwen3-0.6B shape, random weights" if not a.smoke else "tiny Qwen3 (smoke)",
+        workload=dict(model=f"{model_name}, random weights" if not a.smoke else f"tiny {a.family} (smoke)",
                       dtype=str(dtype), num_prompts=a.num_prompts, len_range=[a.min_len, a.max_len], seed=a.seed,
                       input_tokens=sum(in_lens), output_tokens=sum(out_lens), greedy=True, ignore_eos=True,
                       l2=a.l2 if a.l2 is not None else "tierkv's default",
@@ -321,7 +347,7 @@ def main() -> None:
         targets=dict(ratio_vs_peer=25.0, decode_roofline_fraction=0.6, prefix_caching_cost=0.02),
     )
     with tempfile.TemporaryDirectory(prefix="bench-throughput-") as tmp:
-        model, sizes = save_random_model(config, Path(tmp), device, dtype)
+        model, sizes = save_random_model(config, Path(tmp), device, dtype, attn=ATTN.get(a.family, "sdpa"))
         del model
         release_memory()
         figures["model_sizes"] = sizes
@@ -331,12 +357,12 @@ def main() -> None:
         ours = figures["tierkv"][0]
         if len(runs) == 2:
             figures["prefix_caching_cost"] = figures["tierkv"][1]["output_tok_s"] / ours["output_tok_s"] - 1
-        path = write_results("bench_throughput", figures, a.out)  # kept even if the peer never ends
+        path = write_results(NAME[a.family], figures, a.out)  # kept even if the peer never ends
         if not a.no_peer:
             k = a.peer_prompts or a.num_prompts
-            figures["peer"] = run_peer(Path(tmp), prompts[:k], out_lens[:k], device, dtype)
+            figures["peer"] = run_peer(Path(tmp), prompts[:k], out_lens[:k], device, dtype, ATTN.get(a.family, "sdpa"))
             figures["ratio_vs_peer"] = ours["output_tok_s"] / figures["peer"]["output_tok_s"]
-            path = write_results("bench_throughput", figures, a.out)
+            path = write_results(NAME[a.family], figures, a.out)
 
     rows = [(f"tierkv (prefix caching {'on' if r['prefix_caching'] else 'off'})", a.num_prompts, r)
             for r in figures["tierkv"]]

@@ -3,7 +3,8 @@
 # ../shared/tools/device-wheels.sh, carried), then run the named parts in order, each under its
 # own time limit, so one failure never costs the others. Everything lands in $OUT (log, JSON, PNG).
 #   parts: tests (pytest -m gpu, or the files in GPU_TESTS; all 175 took ~430 s at 995d4e8, over two calls; TESTS_LIMIT s allowed, 480), kernels, throughput, latency,
-#          long_context, serving, tiers (bench_tiers: disk, and Redis/S3 when .devsvc/ is carried)
+#          long_context, serving, tiers (bench_tiers: disk, and Redis/S3 when .devsvc/ is carried),
+#          families (bench_families: MoE / sliding-window shapes, decode and a 100K L2 hit), moe, mla
 # The device has no redis-server or SeaweedFS: scripts/device_services.sh packs them into .devsvc/
 # (carry it, with the .whl/ files of boto3, botocore, s3transfer, jmespath and redis).
 # Usage (device tool, carry [".whl"]): TIERKV_COMMIT=<sha sent> bash scripts/gpu_check.sh tests kernels throughput
@@ -60,6 +61,9 @@ part() {  # part NAME SECONDS COMMAND...
       latency) part latency 240 python3 benchmarks/bench_latency.py --out "$OUT" ${LATENCY_ARGS:-} ;;
       long_context) part long_context 420 python3 benchmarks/bench_long_context.py --out "$OUT" ${LONG_ARGS:-} ;;
       serving) part serving 540 python3 benchmarks/bench_serving.py --out "$OUT" ${SERVING_ARGS:-} ;;
+      families) part families 540 python3 benchmarks/bench_families.py --out "$OUT" ${FAMILIES_ARGS:---hit} ;;
+      moe) part moe 240 python3 benchmarks/bench_moe.py --out "$OUT" ${MOE_ARGS:-} ;;
+      mla) part mla 240 python3 benchmarks/bench_mla_decode.py --out "$OUT" ${MLA_ARGS:-} ;;
       tiers) if services; then part tiers 420 python3 benchmarks/bench_tiers.py --out "$OUT" ${TIERS_ARGS:-}
              else part tiers 420 python3 benchmarks/bench_tiers.py --no-services --out "$OUT" ${TIERS_ARGS:-}; fi ;;
       *) echo "unknown part $p" ;;
