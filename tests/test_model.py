@@ -128,7 +128,7 @@ def test_old_style_config_is_parsed():
 
 @pytest.mark.parametrize("change, words", [
     ({"model_type": "gpt2"}, ["gpt2", "llama", "qwen3"]),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, ["yarn", "llama3"]),
+    ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, ["longrope", "llama3", "yarn"]),
 ])
 def test_unsupported_configs_say_what_is_supported(change, words):
     hf = {"model_type": "llama", "vocab_size": 10, "hidden_size": 64, "intermediate_size": 8,
