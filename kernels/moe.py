@@ -54,6 +54,15 @@ def _activate(acc_gate, acc_up, B13, expert, stride_be, cols, col_ok, inter, alp
 
 
 @triton.jit
+def _tile(TileExpert, SortedPairs, pid_m, num_pairs, BLOCK_M: tl.constexpr):
+    """A grouped tile's expert, its padded rows, the pair of each row and which rows are real pairs."""
+    expert = tl.load(TileExpert + pid_m).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(SortedPairs + rows)                       # index into the flat [T * k] pairs
+    return expert, rows, pairs, pairs < num_pairs
+
+
+@triton.jit
 def _gate_up_kernel(X, W13, B13, Act, SortedPairs, TileExpert, NumPadded,
                     hidden, inter, top_k, num_pairs,
                     stride_xt, stride_we, stride_wn, stride_be, alpha, limit,
@@ -63,10 +72,7 @@ def _gate_up_kernel(X, W13, B13, Act, SortedPairs, TileExpert, NumPadded,
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(NumPadded):
         return
-    expert = tl.load(TileExpert + pid_m).to(tl.int64)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(SortedPairs + rows)                       # index into the flat [T * k] pairs
-    real = pairs < num_pairs
+    expert, rows, pairs, real = _tile(TileExpert, SortedPairs, pid_m, num_pairs, BLOCK_M)
     tokens = (pairs // top_k).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < inter
@@ -97,10 +103,7 @@ def _down_kernel(Act, W2, B2, Weights, Out, SortedPairs, TileExpert, NumPadded,
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(NumPadded):
         return
-    expert = tl.load(TileExpert + pid_m).to(tl.int64)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(SortedPairs + rows)
-    real = pairs < num_pairs
+    expert, rows, pairs, real = _tile(TileExpert, SortedPairs, pid_m, num_pairs, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden
     w = W2 + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn                 # [1, BLOCK_N]
@@ -204,12 +207,11 @@ def sort_by_expert(topk_ids: torch.Tensor, experts: int, block_m: int):
     return sorted_pairs, tile_expert, padded_end[-1:]
 
 
-def _tiles(tokens: int, inter: int, hidden: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K) of the grouped path: small row tiles for small batches (most of an
-    expert's tile would be padding otherwise), larger ones when each expert gets many rows."""
-    if tokens <= 32:
-        return 16, 64, 128
-    return 64, 64, 64
+def _tiles(pairs: int, experts: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K) of the grouped path: row tiles near the rows an expert gets on
+    average (16 to 64), since the rest of an expert's last tile is padding that reads its weights."""
+    block_m = min(64, max(16, triton.next_power_of_2(max(1, pairs // experts))))
+    return block_m, 64, 128 if block_m == 16 else 64
 
 
 def fused_moe(x, w13, w2, topk_ids, topk_weights, activation="silu", b13=None, b2=None, alpha=1.702, limit=7.0,
@@ -233,7 +235,7 @@ def fused_moe(x, w13, w2, topk_ids, topk_weights, activation="silu", b13=None, b
         return _gemv(x, w13, w2, topk_ids, topk_weights, activation, b13, b2, alpha, limit, tiles or (1, 32, 128),
                      num_warps)
     return _grouped(x, w13, w2, topk_ids, topk_weights, activation, b13, b2, alpha, limit,
-                    tiles or _tiles(tokens, inter, hidden), num_warps, num_stages)
+                    tiles or _tiles(tokens * k, experts), num_warps, num_stages)
 
 
 def _gemv(x, w13, w2, topk_ids, topk_weights, activation, b13, b2, alpha, limit, tiles, num_warps):
