@@ -5,6 +5,7 @@ top-2) as transformers' save_pretrained writes it (one tensor per expert, as the
 Qwen3-30B-A3B holds them): logits and greedy tokens against transformers, chunked prefill, the
 same checkpoint with its experts stored fused, clear errors for a checkpoint that lacks an expert,
 and two tensor-parallel ranks (each expert's intermediate features split) against the whole model.
+On the GPU (the lead runs it): test_model.py's bf16 agreement criterion through the Triton fused_moe.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import pytest
 import torch
 from models import paged_greedy, save_tiny_checkpoint
 from test_model import NEW_TOKENS, assert_logits_close, hf_greedy, random_prompts
+from test_model import test_bf16_tiny_models_on_gpu_agree_with_transformers as bf16_agreement
 from test_tensor_parallel_model import run_model, run_ranks
 
 from tierkv.engine.loader import load_model
@@ -133,3 +135,12 @@ def test_a_rank_holds_its_slice_of_every_expert(checkpoint):
     block = shard.model.layers[1].mlp
     assert isinstance(block, SparseMoE)
     assert block.experts.gate_up_proj.shape == (8, 2 * 24, 64) and block.experts.down_proj.shape == (8, 64, 24)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run through the device tool)")
+def test_bf16_tiny_qwen3_moe_on_gpu_agrees_with_transformers(tmp_path):
+    """test_model.py's bf16 criterion (>= 90% of 64 prompts give transformers' 32 greedy tokens),
+    through the Triton fused_moe's grouped path (64 sequences a step; the per-pair path, for a
+    few tokens, is held to the reference by test_kernels_moe_gpu.py)."""
+    bf16_agreement("qwen3_moe", tmp_path)
