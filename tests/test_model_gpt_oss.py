@@ -182,8 +182,11 @@ def _packed(g: torch.Generator, *shape: int, low: int = 0, high: int = 256):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mxfp4_dequantiser_matches_transformers(dtype):
+@pytest.mark.parametrize("chunk", [mxfp4.CHUNK_BYTES, 16 * 7])  # one piece, and 7 groups a piece (not a divisor)
+def test_mxfp4_dequantiser_matches_transformers(dtype, chunk, monkeypatch):
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    monkeypatch.setattr(mxfp4, "CHUNK_BYTES", chunk)
 
     g = torch.Generator().manual_seed(0)
     # every nibble and every exponent transformers' conversion keeps finite in bf16 and fp32

@@ -21,6 +21,9 @@ FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2
 SUFFIXES = ("_blocks", "_scales")
 
 
+CHUNK_BYTES = 1 << 24  # packed bytes converted at a time: bounds the index temporaries (8 bytes a nibble)
+
+
 def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """blocks [..., rows, G, B] uint8 and scales [..., rows, G] uint8 -> [..., rows, G * 2B] in dtype:
     each row's input features in order (transformers' gpt-oss layout is its transpose, [E, in, out])."""
@@ -30,13 +33,18 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -
         raise ModelLoadError(f"MXFP4 scales {tuple(scales.shape)} must be the blocks' shape {tuple(blocks.shape)} "
                              "less its last dim (one scale per 32 values)")
     lut = torch.tensor(FP4_VALUES, dtype=dtype, device=blocks.device)
-    values = torch.empty(*blocks.shape[:-1], blocks.shape[-1], 2, dtype=dtype, device=blocks.device)
-    values[..., 0] = lut[(blocks & 0x0F).long()]                           # low nibble: the even feature
-    values[..., 1] = lut[(blocks >> 4).long()]
-    # times 2^(s - 127), in dtype (ldexp, as transformers), so bf16 results round alike
-    exponents = (scales.to(torch.int32) - 127)[..., None, None]
-    values = torch.ldexp(values, exponents)                                  # [..., rows, G, B, 2]
-    return values.flatten(-3)
+    width = blocks.shape[-1]
+    packed = blocks.reshape(-1, width)                                       # [groups, B]
+    exponents = scales.reshape(-1, 1, 1).to(torch.int32) - 127              # [groups, 1, 1]
+    out = torch.empty(packed.shape[0], width, 2, dtype=dtype, device=blocks.device)
+    step = max(1, CHUNK_BYTES // width)
+    for start in range(0, packed.shape[0], step):
+        part, values = packed[start : start + step], out[start : start + step]   # [n, B], [n, B, 2]
+        values[..., 0] = lut[(part & 0x0F).long()]                           # low nibble: the even feature
+        values[..., 1] = lut[(part >> 4).long()]
+        # times 2^(s - 127), in dtype (ldexp, as transformers), so bf16 results round alike
+        torch.ldexp(values, exponents[start : start + step], out=values)
+    return out.view(*blocks.shape[:-2], blocks.shape[-2] * width * 2)
 
 
 class Mxfp4Pairs:
