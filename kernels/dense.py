@@ -6,9 +6,9 @@ chunk is computed as two attentions merged by log-sum-exp:
     self:   the n new queries over the n new keys, causal (top-left and bottom-right agree here);
     prefix: the n new queries over the ctx cached keys, no mask.
 Both read K/V gathered from the paged pool into one contiguous [ctx + n, Hkv, D] buffer per layer
-(one copy, ~3% of the attention time at 100K tokens on the H200). Attention sinks (gpt-oss) scale
-the merged output by each head's share of the softmax, sigmoid(lse - sink). Measured there (8192 new tokens,
+(one copy, ~3% of the attention time at 100K tokens on the H200). Measured there (8192 new tokens,
 Llama-8B layer, bf16): cuDNN runs 590-660 TFLOP/s where the paged Triton kernel runs 410-445.
+Attention sinks (gpt-oss) scale the merged output by the keys' share of the softmax, sigmoid(lse - sink).
 
 cuDNN builds an execution plan for each new shape, 40-70 ms on the H200 (measured there; its
 varlen form rebuilds on every call, ~75 ms, so it is not used). To keep the plans few and reused,
