@@ -14,8 +14,8 @@ The grouped path (see reference.fused_moe for the maths and the weight layout):
 4. the k rows of each token are summed in fp32 and rounded once -> [T, H].
 The per-pair path, for a few tokens (decode at batch 1): the sort's dozen small launches would cost
 more than reading the experts, and the k experts of a token are distinct anyway, so each (token,
-expert) pair reads its expert's weights directly (matrix-vector products) in two launches: gate_up
-with the activation, then down with the weighted sum over the k pairs of each token.
+expert) pair reads its expert's weights directly (matrix-vector products): gate_up with the
+activation, then down times the routing weight, then step 4.
 Rounding follows transformers where it matters (the GEMM outputs are rounded to the dtype before
 the activation, the weighted expert output before the sum); the sum over k is in fp32, so bf16 results
 can differ from the reference by an ulp. This file never reads tensor contents on the host.
@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from . import _checks
-from ._launch import check_triton_device, dot_precision
+from ._launch import check_triton_device, dot_precision, sm_count
 
 _ACTIVATIONS = {"silu": 0, "swigluoai": 1}
 GEMV_MAX_TOKENS = 4  # up to this many tokens, the per-pair path (no sort; see fused_moe)
@@ -150,30 +150,26 @@ def _gate_up_gemv_kernel(X, W13, B13, Act, Ids, hidden, inter, top_k, stride_xt,
 
 
 @triton.jit
-def _down_gemv_kernel(Act, W2, B2, Weights, Ids, Out, hidden, inter, top_k, stride_we, stride_wn, stride_be,
+def _down_gemv_kernel(Act, W2, B2, Weights, Ids, Out, hidden, inter, stride_we, stride_wn, stride_be,
                       HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # program (t, n): token t's output columns [n * BLOCK_N, +BLOCK_N), summed over its k pairs
-    token, pid_n = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    # program (p, n): pair p's weighted expert output, columns [n * BLOCK_N, +BLOCK_N), into row p of Out
+    pair, pid_n = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    expert = tl.load(Ids + pair).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden
+    w = W2 + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn                   # [1, BLOCK_N]
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < inter
+        a = tl.load(Act + pair * inter + ks, mask=k_ok, other=0.0).to(tl.float32)[:, None]  # [BLOCK_K, 1]
+        acc += tl.sum(tl.load(w + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32) * a,
+                      axis=0)
     dtype = Out.dtype.element_ty
-    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for j in range(top_k):
-        pair = token * top_k + j
-        expert = tl.load(Ids + pair).to(tl.int64)
-        w = W2 + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn               # [1, BLOCK_N]
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for k0 in range(0, inter, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            k_ok = ks < inter
-            a = tl.load(Act + pair * inter + ks, mask=k_ok, other=0.0).to(tl.float32)[:, None]
-            acc += tl.sum(tl.load(w + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32) * a,
-                          axis=0)
-        if HAS_BIAS:
-            acc += tl.load(B2 + expert * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)
-        weight = tl.load(Weights + pair).to(tl.float32)
-        total += (acc.to(dtype).to(tl.float32) * weight).to(dtype).to(tl.float32)   # as the grouped path rounds
-    tl.store(Out + token * hidden + cols, total.to(dtype), mask=col_ok)
+    if HAS_BIAS:
+        acc += tl.load(B2 + expert * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)
+    weight = tl.load(Weights + pair).to(tl.float32)
+    tl.store(Out + pair * hidden + cols, (acc.to(dtype).to(tl.float32) * weight).to(dtype), mask=col_ok)
 
 
 def padded_rows(pairs: int, experts: int, block_m: int) -> int:
@@ -207,6 +203,15 @@ def sort_by_expert(topk_ids: torch.Tensor, experts: int, block_m: int):
     return sorted_pairs, tile_expert, padded_end[-1:]
 
 
+def _gemv_tiles(pairs: int, inter: int, device: torch.device) -> tuple[int, int, int]:
+    """(unused, BLOCK_N, BLOCK_K) of the per-pair path: the widest column tile that still gives the
+    gate_up launch two programs per SM (batch 1 launches only k pairs' worth)."""
+    for block_n in (64, 32):
+        if pairs * triton.cdiv(inter, block_n) >= 2 * sm_count(device):
+            return 1, block_n, 128
+    return 1, 16, 128
+
+
 def _tiles(pairs: int, experts: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K) of the grouped path: row tiles near the rows an expert gets on
     average (16 to 64), since the rest of an expert's last tile is padding that reads its weights."""
@@ -219,7 +224,8 @@ def fused_moe(x, w13, w2, topk_ids, topk_weights, activation="silu", b13=None, b
               num_stages: int = 3):
     """See reference.fused_moe. Two paths, chosen by the token count (or `method`):
     "gemv" (at most GEMV_MAX_TOKENS tokens, decode): one program per (pair, column tile) reads its
-    expert's weight tile, with no sort: two launches, each used expert read about once;
+    expert's weight tile, with no sort: two matrix-vector launches and the sum over k, each used
+    expert read about once;
     "grouped": the expert-sorted grouped GEMMs (module docstring), which read each expert once per
     tile of BLOCK_M rows. `tiles` = (BLOCK_M, BLOCK_N, BLOCK_K) overrides the tile choice (BLOCK_M
     is unused by "gemv")."""
@@ -232,8 +238,8 @@ def fused_moe(x, w13, w2, topk_ids, topk_weights, activation="silu", b13=None, b
     w13, w2 = w13.contiguous(), w2.contiguous()  # no-ops for loaded weights
     method = method or ("gemv" if tokens <= GEMV_MAX_TOKENS else "grouped")
     if method == "gemv":
-        return _gemv(x, w13, w2, topk_ids, topk_weights, activation, b13, b2, alpha, limit, tiles or (1, 32, 128),
-                     num_warps)
+        return _gemv(x, w13, w2, topk_ids, topk_weights, activation, b13, b2, alpha, limit,
+                     tiles or _gemv_tiles(tokens * k, inter, x.device), num_warps)
     return _grouped(x, w13, w2, topk_ids, topk_weights, activation, b13, b2, alpha, limit,
                     tiles or _tiles(tokens * k, experts), num_warps, num_stages)
 
@@ -243,19 +249,24 @@ def _gemv(x, w13, w2, topk_ids, topk_weights, activation, b13, b2, alpha, limit,
     inter, (_, block_n, block_k) = two_inter // 2, tiles
     ids, weights = topk_ids.reshape(-1), topk_weights.reshape(-1)
     act = torch.empty((tokens * k, inter), dtype=x.dtype, device=x.device)
-    out = torch.empty_like(x)
+    per_pair = torch.empty((tokens * k, hidden), dtype=x.dtype, device=x.device)
     _gate_up_gemv_kernel[(tokens * k, triton.cdiv(inter, block_n))](
         x, w13, b13 if b13 is not None else w13, act, ids, hidden, inter, k, x.stride(0), w13.stride(0),
         w13.stride(1), b13.stride(0) if b13 is not None else 0, float(alpha), float(limit),
         HAS_BIAS=b13 is not None, ACTIVATION=_ACTIVATIONS[activation], BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=num_warps,
     )
-    _down_gemv_kernel[(tokens, triton.cdiv(hidden, block_n))](
-        act, w2, b2 if b2 is not None else w2, weights, ids, out, hidden, inter, k, w2.stride(0), w2.stride(1),
+    _down_gemv_kernel[(tokens * k, triton.cdiv(hidden, block_n))](
+        act, w2, b2 if b2 is not None else w2, weights, ids, per_pair, hidden, inter, w2.stride(0), w2.stride(1),
         b2.stride(0) if b2 is not None else 0, HAS_BIAS=b2 is not None, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=num_warps,
     )
-    return out
+    return _sum_over_k(per_pair, tokens, k)
+
+
+def _sum_over_k(per_pair: torch.Tensor, tokens: int, k: int) -> torch.Tensor:
+    """[T * k, H] weighted expert outputs -> [T, H]: summed in fp32, rounded once."""
+    return per_pair.view(tokens, k, -1).sum(dim=1, dtype=torch.float32).to(per_pair.dtype, copy=False)
 
 
 def _grouped(x, w13, w2, topk_ids, topk_weights, activation, b13, b2, alpha, limit, tiles, num_warps, num_stages):
@@ -281,4 +292,4 @@ def _grouped(x, w13, w2, topk_ids, topk_weights, activation, b13, b2, alpha, lim
         HAS_BIAS=b2 is not None, DOT_PREC=prec,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
     )
-    return per_pair.view(tokens, k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype, copy=False)
+    return _sum_over_k(per_pair, tokens, k)
