@@ -13,13 +13,22 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 
 import pytest
 import torch
-from models import every_position_logits, paged_greedy, randomize_, save_tiny_checkpoint, tiny_config
+from models import (
+    every_position_logits,
+    paged_greedy,
+    randomize_,
+    save_tiny_checkpoint,
+    save_word_tokenizer,
+    tiny_config,
+)
 from test_model import assert_logits_close, hf_greedy, needs_cuda, random_prompts
 from test_model import test_bf16_tiny_models_on_gpu_agree_with_transformers as bf16_agreement
 
+from tierkv import LLM, SamplingParams
 from tierkv.engine.loader import load_model
 from tierkv.engine.model import ModelConfig, rope_inv_freq
 from tierkv.errors import ConfigError
@@ -182,6 +191,31 @@ def test_multimodal_checkpoint_loads_its_text_model(tmp_path, caplog):
     assert tok.eos_token_ids == [1, 32]
     assert tok.render_chat([{"role": "user", "content": "hi"}]) == "<bos><start_of_turn>user\nhi<end_of_turn>\n" \
                                                                    "<start_of_turn>model\n"
+
+
+def test_every_eos_id_of_generation_config_stops(gemma3, tmp_path):
+    """Gemma 3 ships generation_config eos_token_id [1, 106] (<eos>, <end_of_turn>): through the
+    engine, a request ends at whichever of them it samples first."""
+    loaded, _ = gemma3
+    path = tmp_path / "gemma3"
+    shutil.copytree(loaded.model_dir, path)
+    save_word_tokenizer(path, loaded.config.vocab_size)
+    prompts = random_prompts(loaded.config.vocab_size, (12, 30))
+    free, _ = paged_greedy(loaded.model, prompts, NEW_TOKENS)  # what each would say without stopping
+
+    def stop_token(mine: list[int], other: list[int]) -> int:  # one that ends `mine` early and not `other`
+        return next(t for i, t in enumerate(mine) if i >= 2 and t not in mine[:i] and t not in other)
+
+    eos = [stop_token(free[0], free[1]), stop_token(free[1], free[0])]
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    llm = LLM(str(path), device="cpu", block_size=4, l1=1 << 20)
+    try:
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS), use_tqdm=False)
+    finally:
+        llm.close()
+    for out, tokens, stop in zip(outs, free, eos):
+        assert out.outputs[0].token_ids == tokens[: tokens.index(stop) + 1]
+        assert out.outputs[0].finish_reason == "stop"
 
 
 @pytest.mark.gpu
