@@ -221,3 +221,20 @@ def test_fused_moe_rejects_bad_shapes():
         ref.fused_moe(x, w13, w2, ids, weights, "gelu")
     with pytest.raises(ShapeError, match="b2 must be"):
         ref.fused_moe(x, w13, w2, ids, weights, "silu", None, torch.zeros(5, 3))
+
+
+def test_bench_moe_runs_its_smoke_case(tmp_path):
+    # benchmarks/bench_moe.py on CPU (tiny shapes through the reference): the script the lead runs on
+    # the H200 keeps working, and its JSON holds a row per shape and batch
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from bench_moe import BATCHES, SMOKE_SHAPES, main
+
+    main(["--smoke", "--out", str(tmp_path)])
+    (written,) = tmp_path.glob("bench_moe-*.json")  # named after the machine
+    rows = json.loads(written.read_text())["rows"]
+    assert [(r["shape"], r["batch"]) for r in rows] == [(s, b) for s in SMOKE_SHAPES for b in BATCHES]
+    assert all(r["weight_bytes"] > 0 and r["backend"] == "reference" for r in rows)
