@@ -52,9 +52,10 @@ if INTERPRETED:
         torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
 
     def test_triton_mla_decode_head_groups_and_many_splits(tk):
-        # 80 heads: two programs per sequence (64 + 16 masked rows); 20 splits merged 16 at a time
-        # (the short sequence leaves most of its splits empty); a page of 32 tokens read in two tiles
-        pb, ql, qp = latent_case([330, 33], 80, 64, 16, 32, torch.float16, seed=1)
+        # 80 heads: two programs per sequence (64 + 16 masked rows); 20 splits of one 16-token tile
+        # each for 320 tokens, merged 16 at a time (the second round rescales the first); the short
+        # sequence leaves most of its splits empty; a page of 32 tokens read in two tiles
+        pb, ql, qp = latent_case([320, 33], 80, 64, 16, 32, torch.float16, seed=1)
         got = tk.mla._mla_decode(ql, qp, pb.kv, pb.block_tables, pb.seq_lens, 0.1, num_splits=20, block_n=16)
         want = ref.mla_decode(ql, qp, pb.kv, pb.block_tables, pb.seq_lens, 0.1)
         torch.testing.assert_close(got.float(), want.float(), **TOL[torch.float16])
