@@ -3,7 +3,9 @@
 The variants differ only in small switches read from the Hugging Face config (qkv bias, q/k
 norm, RoPE scaling, sliding window, tied embeddings; Gemma 3's (1 + w) norms around attention
 and the MLP, GELU-tanh MLP, scaled embedding, attention scale and a RoPE of its own for the
-sliding-window layers), so one readable model covers them all.
+sliding-window layers), so one readable model covers them all. What is big lives in a file of
+its own: the sparse MoE block (moe.py) and DeepSeek-V3's multi-head latent attention (mla.py,
+each layer's attention when config.mla is set).
 The forward pass takes a flat batch of new tokens and reads/writes K/V only through the paged
 pool via `attention.paged_attention`; it never allocates KV memory and never owns a cache.
 With a TensorParallel of size > 1 the model holds one rank's shard (parallel.py says which) and
