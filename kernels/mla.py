@@ -3,9 +3,9 @@
 Each token's latent, cat(c_kv [L], k_pe [R]), sits in a one-head pool split over the two planes
 (K plane = latent[:D], V plane = latent[D:], 2 * D = L + R). A program owns one (sequence, group of
 query heads, split) and reads each latent tile ONCE for all its heads: the scores are
-q_latent . c_kv + q_pe . k_pe and the output, still in latent space, is p @ c_kv. With up to 64
-query heads (DeepSeek-V2-Lite's 16, V3's 128 over 2+ ranks) a sequence's latents are read once per
-split. Long sequences are split over programs (flash-decoding) and merged by a second kernel. This
+q_latent . c_kv + q_pe . k_pe and the output, still in latent space, is p @ c_kv. A program takes
+up to 64 query heads, so each latent is read once (DeepSeek-V2-Lite's 16 heads; V3's 128 at tensor
+parallel 2 or more) or twice (V3's 128 on one GPU). Long sequences are split over programs (flash-decoding) and merged by a second kernel. This
 file never reads a block-table entry past a sequence's length and never syncs the host.
 """
 
@@ -139,8 +139,10 @@ def choose_launch(batch: int, heads: int, max_tokens: int, device: torch.device)
 
     The whole decode reads the latents once per head group, so the grid has batch x head groups x
     splits programs: about two programs per SM are enough to keep HBM busy (as for paged_decode),
-    so a small batch splits each sequence, at least 256 tokens a split (a merge per 256 latent
-    tokens of 1 KB each costs little against reading them).
+    so a small batch splits each sequence, at least 256 tokens a split: each split writes (and the
+    merge reads) an fp32 partial of heads x kv_lora_rank, 32 KB at 16 heads and 512, against the
+    295 KB of latents it read, so finer splits would spend more on the merge than they gain.
+    Not yet tuned on the H200: bench_mla_decode.py --sweep times the choices around this one.
     """
     block_h = min(pow2(heads, 16), MAX_HEADS_PER_PROGRAM)
     programs = batch * triton.cdiv(heads, block_h)
