@@ -4,8 +4,8 @@ Real ranks in spawned processes load their shard of tiny Llama, Qwen2 (tied embe
 bias), Qwen3 (q/k norm, head_dim != hidden / heads), Llama 3 (o/MLP bias, added after the
 all-reduce), Gemma 3 (sandwich norms, scaled embedding, sliding and global layers with their
 own RoPE), DeepSeek-V3 (latent attention: q heads and kv_b_proj rows split, the latent and its
-one-head pool replicated; each expert's features split) and gpt-oss (each rank its q heads'
-attention sinks; expert biases) checkpoints and of one whose vocab (509) no size divides; 2 ranks
+one-head pool replicated; each expert's features split), gpt-oss (each rank its q heads'
+attention sinks; expert biases) and Qwen3-MoE (a dense layer, then experts split) checkpoints and of one whose vocab (509) no size divides; 2 ranks
 split the 2 KV heads, 4 ranks replicate each on two. A failing rank fails the test with its
 traceback, and the other ranks (which would wait on it in a collective) are terminated.
 """
@@ -34,7 +34,7 @@ from tierkv.errors import ConfigError
 if importlib.util.find_spec("transformers") is None:  # not imported: every spawned rank imports this file
     pytest.skip("the tiny checkpoints are built with transformers", allow_module_level=True)
 
-KINDS = ["llama", "qwen2", "qwen3", "llama3", "gemma3", "deepseek_v3", "gpt_oss", "odd-vocab"]
+KINDS = ["llama", "qwen2", "qwen3", "llama3", "gemma3", "deepseek_v3", "gpt_oss", "qwen3_moe", "odd-vocab"]
 ODD_VOCAB = 509  # prime: padded to 510 rows on 2 ranks, 512 on 4
 NEW_TOKENS = 6
 BLOCK_SIZE = 4
