@@ -1,13 +1,14 @@
 """Tensor-parallel shards give the whole model's logits and greedy tokens (CPU, fp32, gloo).
 
-Real ranks in spawned processes load their shard of tiny Llama, Qwen2 (tied embeddings, qkv
-bias), Qwen3 (q/k norm, head_dim != hidden / heads), Llama 3 (o/MLP bias, added after the
-all-reduce), Gemma 3 (sandwich norms, scaled embedding, sliding and global layers with their
-own RoPE), DeepSeek-V3 (latent attention: q heads and kv_b_proj rows split, the latent and its
-one-head pool replicated; each expert's features split), gpt-oss (each rank its q heads'
-attention sinks; expert biases) and Qwen3-MoE (a dense layer, then experts split) checkpoints and of one whose vocab (509) no size divides; 2 ranks
-split the 2 KV heads, 4 ranks replicate each on two. A failing rank fails the test with its
-traceback, and the other ranks (which would wait on it in a collective) are terminated.
+Real ranks in spawned processes load their shard of tiny Llama, Qwen2 (tied embeddings, qkv bias),
+Qwen3 (q/k norm, head_dim != hidden / heads), Llama 3 (o/MLP bias, added after the all-reduce),
+Gemma 3 (sandwich norms, scaled embedding, sliding and global layers with their own RoPE),
+DeepSeek-V3 (latent attention: q heads and kv_b_proj rows split, the latent and its one-head pool
+replicated; each expert's features split), gpt-oss (each rank its q heads' attention sinks; expert
+biases) and Qwen3-MoE (a dense layer, then experts split) checkpoints and of one whose vocab (509)
+no size divides; 2 ranks split the 2 KV heads, 4 ranks replicate each on two. A failing rank fails
+the test with its traceback, and the other ranks (which would wait on it in a collective) are
+terminated.
 """
 
 from __future__ import annotations
