@@ -22,6 +22,7 @@ from models import paged_greedy, randomize_, tiny_config
 from test_model import assert_logits_close, hf_greedy, random_prompts
 from test_model import test_bf16_tiny_models_on_gpu_agree_with_transformers as bf16_agreement
 
+from tierkv.engine.attention import AttentionMetadata
 from tierkv.engine.loader import load_model
 from tierkv.engine.model import ModelConfig
 from tierkv.errors import ConfigError
@@ -101,8 +102,6 @@ def test_pool_holds_transformers_latent_split_over_the_planes(deepseek):
     prompt = random_prompts(loaded.config.vocab_size, (11,))[0]
     cache = hf(torch.tensor([prompt]), use_cache=True).past_key_values
     pool = torch.zeros(3, 4, 2, 4, 1, 20)  # [layers, blocks, 2, block_size, 1, D]
-    from tierkv.engine.attention import AttentionMetadata
-
     blocks = torch.tensor([[2, 0, 3]], dtype=torch.int32)  # out of order
     slots = torch.tensor([int(blocks[0, i // 4]) * 4 + i % 4 for i in range(11)])
     meta = AttentionMetadata(slot_mapping=slots, block_tables=blocks, seq_lens=torch.tensor([11], dtype=torch.int32),
