@@ -28,6 +28,7 @@ from tierkv.errors import ConfigError
 from .attention import AttentionMetadata, paged_attention
 from .layers import RMSNorm, RowParallelLinear, yarn_mscale
 from .mla import MLAttention, MLASpec
+from .mla import compile_variants as compile_mla_variants
 from .moe import ROUTER_OF, MoESpec, SparseMoE, moe_layers
 from .parallel import TensorParallel, check_tensor_parallel
 
@@ -485,6 +486,18 @@ class CausalLM(nn.Module):
         """Share the embedding with the output projection when the checkpoint ties them."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def compile_kernels(self, kv: torch.Tensor) -> int:
+        """Compile now every attention kernel variant this model's steps may pick on a layer pool
+        `kv` like the cache's (Triton only; 0 where the reference serves): the regular pool's
+        prefill variants per sliding window, with sinks where the layers have them, or MLA's over
+        its up-projected heads (mla.compile_variants). Returns the number of variants."""
+        cfg = self.config
+        if cfg.mla is not None:
+            return compile_mla_variants(cfg.mla, kv, self.num_local_heads)
+        windows = set(cfg.layer_windows or [None])
+        scale = self.model.layers[0].self_attn.scale
+        return kernels.compile_variants(kv, self.num_local_heads, scale, windows, sinks=cfg.attention_sinks)
 
     def reset_rope(self) -> None:
         """Recompute the RoPE frequencies on the current device (after loading from `meta`)."""
