@@ -91,9 +91,11 @@ def _mla_decode_kernel(
         o_ptr = Out + b.to(tl.int64) * stride_ob + offs_h[:, None] * stride_oh + offs_l[None, :]
         tl.store(o_ptr, (acc / l_safe[:, None]).to(Out.dtype.element_ty), mask=out_mask)
     else:
-        # normalised partial output and its log2-sum-exp; an empty split has lse = -inf
+        # normalised partial output and its log2-sum-exp; an empty split (a short sequence in a wide
+        # table) writes only its lse = -inf, and the merge reads no partial of it
         base = b.to(tl.int64) * stride_pb + offs_h * stride_ph + split * stride_ps     # [BLOCK_H]
-        tl.store(Part + base[:, None] + offs_l[None, :], acc / l_safe[:, None], mask=out_mask)
+        tl.store(Part + base[:, None] + offs_l[None, :], acc / l_safe[:, None],
+                 mask=out_mask & (l_i > 0)[:, None])
         lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(Lse + b.to(tl.int64) * stride_lb + offs_h * stride_lh + split, lse, mask=h_mask)
 
@@ -125,8 +127,9 @@ def _mla_merge_kernel(
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)      # all empty so far: weights 0
         w = tl.exp2(lse[:, None] - m_safe[None, :])                 # [BLOCK_S, BLOCK_L]
         rescale = tl.exp2(m - m_safe)                               # [BLOCK_L]
+        seen = s_mask & (lse > float("-inf"))                       # splits that saw a key
         part = tl.load(Part + b * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps + offs_l[None, :],
-                       mask=s_mask[:, None] & l_mask[None, :], other=0.0)          # [BLOCK_S, BLOCK_L]
+                       mask=seen[:, None] & l_mask[None, :], other=0.0)            # [BLOCK_S, BLOCK_L]
         acc = acc * rescale + tl.sum(part * w, 0)
         total = total * rescale + tl.sum(w, 0)
         m = m_new
