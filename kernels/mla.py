@@ -5,8 +5,9 @@ Each token's latent, cat(c_kv [L], k_pe [R]), sits in a one-head pool split over
 query heads, split) and reads each latent tile ONCE for all its heads: the scores are
 q_latent . c_kv + q_pe . k_pe and the output, still in latent space, is p @ c_kv. A program takes
 up to 64 query heads, so each latent is read once (DeepSeek-V2-Lite's 16 heads; V3's 128 at tensor
-parallel 2 or more) or twice (V3's 128 on one GPU). Long sequences are split over programs (flash-decoding) and merged by a second kernel. This
-file never reads a block-table entry past a sequence's length and never syncs the host.
+parallel 2 or more) or twice (V3's 128 on one GPU). Long sequences are split over programs
+(flash-decoding) and merged by a second kernel. This file never reads a block-table entry past a
+sequence's length and never syncs the host.
 """
 
 from __future__ import annotations
