@@ -2,11 +2,12 @@
 
 The grouped path (see reference.fused_moe for the maths and the weight layout):
 1. sort: the T * k (token, expert) pairs are grouped by expert, each expert's run padded to a multiple
-   of BLOCK_M, so a tile of BLOCK_M rows never mixes experts. Done with torch ops on the device (a
-   stable sort, cumulative sums, a searchsorted): no host sync, and every buffer has a size fixed by
-   T, k, E and BLOCK_M, so the layer can be captured in a CUDA graph. At most min(T * k, E) experts
-   are used, so the padded rows number at most T * k + min(T * k, E) * (BLOCK_M - 1); tiles past
-   the real total (a device scalar) return at once.
+   of BLOCK_M, so a tile of BLOCK_M rows never mixes experts. Done on the device, with no host sync,
+   into buffers whose sizes follow from T, k, E and BLOCK_M, so the layer can be captured in a CUDA
+   graph: by one Triton program (one launch) for decode-sized batches, by a stable torch sort and a
+   dozen torch ops for prefill-sized ones (sort_by_expert). At most min(T * k, E) experts are used,
+   so the padded rows number at most T * k + min(T * k, E) * (BLOCK_M - 1); tiles past the real
+   total (a device scalar) return at once.
 2. gate_up: per tile, x rows of its pairs @ its expert's w13, gate and up in two accumulators, the
    activation (silu or swigluoai) applied in the epilogue -> act [padded rows, I].
 3. down: act @ w2 of the tile's expert (+ b2), times the pair's routing weight, rounded to x's dtype,
@@ -177,17 +178,77 @@ def padded_rows(pairs: int, experts: int, block_m: int) -> int:
     return pairs + min(pairs, experts) * (block_m - 1)
 
 
-def sort_by_expert(topk_ids: torch.Tensor, experts: int, block_m: int):
-    """(sorted_pairs [R], tile_expert [R / block_m], num_padded [1]) for R = padded_rows(...).
+@triton.jit
+def _align_kernel(Ids, Rank, RunStart, SortedPairs, TileExpert, NumPadded, num_pairs, experts, rows,
+                  tiles, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr):
+    # ONE program does sort_by_expert's work: (1) each pair's rank among the earlier pairs of its
+    # expert (stable: as a stable sort orders them), the experts' counts kept in registers; (2) each
+    # expert's padded run, the tiles' experts, the real total; (3) every pair to its row. A barrier
+    # orders phase 3's reads after the writes before it (one program: its threads only); what this
+    # program wrote is read back volatile, past the SM's L1.
+    e_offs = tl.arange(0, BLOCK_E)
+    e_ok = e_offs < experts
+    offs = tl.arange(0, BLOCK)
+    counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    for start in range(0, num_pairs, BLOCK):
+        p = start + offs
+        ok = p < num_pairs
+        e = tl.load(Ids + p, mask=ok, other=0)
+        hit = ((e[:, None] == e_offs[None, :]) & ok[:, None]).to(tl.int32)       # [BLOCK, BLOCK_E] one-hot
+        upto = tl.cumsum(hit, axis=0)                                             # this chunk's pairs so far
+        rank = tl.sum((upto - 1 + counts[None, :]) * hit, axis=1)                 # earlier pairs, same expert
+        tl.store(Rank + p, rank, mask=ok)
+        counts += tl.sum(hit, axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    run_end = tl.cumsum(padded, axis=0)                           # past the last expert: the total
+    tl.store(RunStart + e_offs, run_end - padded, mask=e_ok)
+    tl.store(NumPadded, tl.sum(padded, axis=0))
+    for r in range(0, rows, BLOCK):
+        tl.store(SortedPairs + r + offs, tl.full((BLOCK,), 0, tl.int64) + num_pairs, mask=r + offs < rows)
+    for t0 in range(0, tiles, BLOCK):
+        t = t0 + offs
+        ends_before = (run_end[None, :] <= (t * BLOCK_M)[:, None]) & e_ok[None, :]   # searchsorted(right=True)
+        tl.store(TileExpert + t, tl.sum(ends_before.to(tl.int32), axis=1), mask=t < tiles)
+    tl.debug_barrier()
+    for start in range(0, num_pairs, BLOCK):
+        p = start + offs
+        ok = p < num_pairs
+        e = tl.load(Ids + p, mask=ok, other=0)
+        dest = tl.load(RunStart + e, mask=ok, other=0, volatile=True) + tl.load(Rank + p, mask=ok, other=0,
+                                                                              volatile=True)
+        tl.store(SortedPairs + dest, p.to(tl.int64), mask=ok)
 
-    sorted_pairs lists the flat pair indices (t * k + j) expert by expert, each expert's run padded
-    with the sentinel T * k to a multiple of block_m; tile_expert names each tile's expert (E for
-    tiles past num_padded, which the kernels skip). Device ops only: no host sync.
+
+ALIGN_IN_ONE_PROGRAM = (8192, 512)  # (pairs, experts) up to which one program sorts (decode, graphs)
+
+
+def sort_by_expert(topk_ids: torch.Tensor, experts: int, block_m: int, method: str | None = None):
+    """(sorted_pairs [R], tile_expert [R / block_m], num_padded [1]) for R = padded_rows(...), int64.
+
+    sorted_pairs lists the flat pair indices (t * k + j) expert by expert (in pair order within an
+    expert), each expert's run padded with the sentinel T * k to a multiple of block_m; tile_expert
+    names each tile's expert (E for tiles past num_padded, which the kernels skip). No host sync.
+    method "kernel" (the default up to ALIGN_IN_ONE_PROGRAM): one Triton program, one launch, as a
+    decode step wants; "torch" (larger, prefill): a stable sort and a dozen torch ops.
     """
     flat = topk_ids.reshape(-1)
     pairs = flat.numel()
     rows = padded_rows(pairs, experts, block_m)
+    tiles = -(-rows // block_m)
     device = flat.device
+    sorted_pairs = torch.empty(rows, dtype=torch.int64, device=device)
+    tile_expert = torch.empty(tiles, dtype=torch.int64, device=device)
+    num_padded = torch.empty(1, dtype=torch.int64, device=device)
+    max_pairs, max_experts = ALIGN_IN_ONE_PROGRAM
+    if method is None:
+        method = "kernel" if pairs <= max_pairs and experts <= max_experts else "torch"
+    if method == "kernel":
+        block_e = triton.next_power_of_2(experts)
+        rank = torch.empty(pairs, dtype=torch.int32, device=device)
+        run_start = torch.empty(block_e, dtype=torch.int32, device=device)
+        _align_kernel[(1,)](flat, rank, run_start, sorted_pairs, tile_expert, num_padded, pairs, experts, rows, tiles,
+                            BLOCK_M=block_m, BLOCK=max(16, 8192 // block_e), BLOCK_E=block_e, num_warps=8)
+        return sorted_pairs, tile_expert, num_padded
     counts = torch.zeros(experts, dtype=torch.int64, device=device)
     counts.scatter_add_(0, flat.long(), torch.ones_like(flat, dtype=torch.int64))
     padded = (counts + block_m - 1) // block_m * block_m                     # [E]
@@ -196,10 +257,8 @@ def sort_by_expert(topk_ids: torch.Tensor, experts: int, block_m: int):
     sorted_experts, order = torch.sort(flat.long(), stable=True)              # [P] each
     count_start = counts.cumsum(0) - counts                                   # first sorted index per expert
     dest = run_start[sorted_experts] + torch.arange(pairs, device=device) - count_start[sorted_experts]
-    sorted_pairs = torch.full((rows,), pairs, dtype=torch.int64, device=device)
-    sorted_pairs.scatter_(0, dest, order)
-    tile_starts = torch.arange(0, rows, block_m, device=device)
-    tile_expert = torch.searchsorted(padded_end, tile_starts, right=True)    # E past the last run
+    sorted_pairs.fill_(pairs).scatter_(0, dest, order)
+    torch.searchsorted(padded_end, torch.arange(0, rows, block_m, device=device), right=True, out=tile_expert)
     return sorted_pairs, tile_expert, padded_end[-1:]
 
 

@@ -73,3 +73,17 @@ def test_runs_in_a_cuda_graph(shape, tokens):
     want = moe.fused_moe(x2, w13, w2, ids2, weights2, act, b13, b2)
     torch.cuda.synchronize()
     assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("tokens,k,experts", [(1, 8, 128), (256, 8, 128), (2048, 8, 128), (256, 4, 32),
+                                              (512, 8, 256)])
+def test_the_one_program_sort_equals_the_torch_one(tokens, k, experts):
+    from tierkv.kernels import moe
+
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    ids = torch.randn(tokens, experts, generator=g, device="cuda").topk(k, dim=-1).indices
+    for block_m in (16, 64):
+        got = moe.sort_by_expert(ids, experts, block_m, "kernel")
+        want = moe.sort_by_expert(ids, experts, block_m, "torch")
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
