@@ -188,11 +188,11 @@ def test_mxfp4_dequantiser_matches_transformers(dtype, chunk, monkeypatch):
     monkeypatch.setattr(mxfp4, "CHUNK_BYTES", chunk)
 
     g = torch.Generator().manual_seed(0)
-    # every nibble and every exponent transformers' conversion keeps finite in bf16 and fp32
-    blocks, scales = _packed(g, 3, 10, 4, 16), _packed(g, 3, 10, 4, low=1, high=255)
-    ours = mxfp4.dequantize(blocks, scales, dtype)                         # [E, rows, 4 * 32]
-    theirs = convert_moe_packed_tensors(blocks.clone(), scales.clone(), dtype=dtype)   # [E, 4 * 32, rows]
-    assert ours.dtype == dtype and ours.shape == (3, 10, 128)
+    # every nibble and every exponent but 255 (2^128: inf in fp32 and bf16, and 0 x inf = NaN)
+    blocks, scales = _packed(g, 3, 17, 5, 16), torch.randperm(255, generator=g).to(torch.uint8).view(3, 17, 5)
+    ours = mxfp4.dequantize(blocks, scales, dtype)                         # [E, rows, 5 * 32]
+    theirs = convert_moe_packed_tensors(blocks.clone(), scales.clone(), dtype=dtype)   # [E, 5 * 32, rows]
+    assert ours.dtype == dtype and ours.shape == (3, 17, 160)
     assert torch.equal(ours.transpose(1, 2), theirs)
 
 
