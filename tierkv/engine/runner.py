@@ -15,8 +15,6 @@ from collections.abc import Callable
 
 import torch
 
-from tierkv import kernels
-
 from ..cache import TieredKVCache
 from ..sequence import SequenceBlocks
 from .attention import AttentionMetadata, StreamedAttention
@@ -81,9 +79,7 @@ class ModelRunner:
         self.sampler = Sampler()
         # Every attention kernel variant a step may pick is compiled now: a variant first met
         # mid-run would stall that step (and every request in it) for about a second.
-        cfg = lm.model.config
-        windows = set(cfg.layer_windows or [None])
-        kernels.compile_variants(cache.l1.kv[0], lm.model.num_local_heads, cfg.head_dim**-0.5, windows)
+        lm.model.compile_kernels(cache.l1.kv[0])
         # Decode steps replay CUDA graphs (never on CPU or with enforce_eager); captured now,
         # before any request runs, so no step pays for it. Not yet under tensor parallelism:
         # capturing NCCL collectives has not run on two GPUs here, so those steps stay eager.
