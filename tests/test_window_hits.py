@@ -63,6 +63,9 @@ def l2_hit(path: str, prompt: list[int], continuation: list[int], device: str) -
         # loaded without a layer it needs would read that, not its own KV left over
         llm.generate([p], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
         llm.cache.evict("l1")  # write-back: every block goes down to L2
+    # a tiny model recomputes 240 tokens on a GPU faster than anything loads: say recomputing is dear,
+    # so that load-or-recompute loads (the engine sets this from measured prefills; on CPU it always loads)
+    llm.engine.scheduler.recompute_seconds_per_token = 1.0
     before = llm.cache.stats()["tiers"]["l2"]["bytes_out"]
     out = llm.generate([prompt + continuation], PARAMS, use_tqdm=False)[0]
     assert out.cached_tokens >= PROMPT - BLOCK
