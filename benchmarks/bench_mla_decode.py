@@ -157,6 +157,8 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("--out", default=None, help="folder of the JSON (default benchmarks/results)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU: checks the script runs")
     ap.add_argument("--sweep", action="store_true", help="also time launch choices around the automatic one")
+    ap.add_argument("--shapes", default=None, metavar="B:CTX,...", help="these (batch, context) cases only, and "
+                    "the JSON named after them (default: SHAPES)")
     args = ap.parse_args(argv)
     if args.smoke:
         device, shapes, copy_size = torch.device("cpu"), SMOKE_SHAPES, 1 << 24
@@ -164,6 +166,8 @@ def main(argv: list[str] | None = None) -> Path:
         device, shapes, copy_size = torch.device("cuda"), SHAPES, 2 << 30
     else:
         sys.exit("bench_mla_decode needs a CUDA GPU (or --smoke)")
+    if args.shapes:
+        shapes = [tuple(int(x) for x in case.split(":")) for case in args.shapes.split(",")]
     bandwidth = copy_gbps(device, copy_size)
     print(f"copy: {bandwidth:.0f} GB/s (read + written)", flush=True)
     figures = dict(
@@ -175,7 +179,10 @@ def main(argv: list[str] | None = None) -> Path:
         roofline="latent bytes of the batch / copy_gbps (a copy's read + written bytes per second)",
         decode=bench(shapes, device, bandwidth, args.sweep),
     )
-    path = write_results("bench_mla_decode" + ("-smoke" if args.smoke else ""), figures, args.out)
+    name = "bench_mla_decode" + ("-smoke" if args.smoke else "")
+    if args.shapes:
+        name += "-" + args.shapes.replace(":", "x").replace(",", "-")
+    path = write_results(name, figures, args.out)
     print(f"wrote {path}")
     return path
 
