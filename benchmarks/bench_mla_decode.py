@@ -36,10 +36,12 @@ GB = 1e9
 
 def gpu_ms(fn, calls: int = 20, replays: int = 5) -> float:
     """GPU time of one `fn` call: `calls` of them captured in one CUDA graph (no host launch cost),
-    the median of `replays` replays divided by `calls`. (triton's do_bench_cudagraph, which sizes
-    its graph from a first estimate, ended in an illegal memory access on the H200 at batch 32 x
-    32K here, while the kernel alone and a graph of 50 calls ran clean at that shape.)"""
+    the median of `replays` replays divided by `calls`. The capture's stream first waits for the
+    current one, which made the inputs: triton's do_bench_cudagraph does not, and its first call
+    read a block table still being written (an illegal memory access at batch 32 x 32K on the H200,
+    gone with CUDA_LAUNCH_BLOCKING=1)."""
     stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         fn()  # compiled and warm before the capture
         graph = torch.cuda.CUDAGraph()
