@@ -1,6 +1,8 @@
 """The engine over tensor-parallel ranks (CPU, gloo, 2 processes started by the engine itself).
 
-TP=2 gives TP=1's greedy tokens on tiny Llama, Qwen2 and Qwen3 checkpoints:
+TP=2 gives TP=1's greedy tokens on tiny Llama, Qwen2, Qwen3, gpt-oss (MoE, sinks, sliding windows:
+the worker repeats rank 0's loads of the full-attention layers alone) and DeepSeek-V3 (MLA: the
+one latent head is replicated, not split) checkpoints:
 - with prefix caching and L2 on, a second round served from L1 and a third from L2 (rank 0's
   decision; the worker repeats its loads on its own L2, and its counters show it), with n=2
   choices whose partial block is copied on write;
@@ -40,7 +42,8 @@ def prompts(lengths, seed: int = 0, shared: int = 0, vocab: int = 256) -> list[l
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("tp-engine")
-    return {kind: str(save_tiny_checkpoint(kind, root / kind, seed=3)) for kind in ("llama", "qwen2", "qwen3")}
+    return {kind: str(save_tiny_checkpoint(kind, root / kind, seed=3))
+            for kind in ("llama", "qwen2", "qwen3", "gpt_oss", "deepseek_v3")}
 
 
 def rounds(llm: LLM, batch: list[list[int]]) -> list[list[list[int]]]:
@@ -57,7 +60,7 @@ def rounds(llm: LLM, batch: list[list[int]]) -> list[list[list[int]]]:
     return out
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "gpt_oss", "deepseek_v3"])
 def test_two_ranks_give_one_rank_greedy_tokens_through_l1_and_l2(checkpoints, kind):
     batch = prompts([9, 30, 17, 22], seed=1, shared=12)
     options = dict(device="cpu", block_size=4, l2="2MiB")
@@ -74,9 +77,14 @@ def test_two_ranks_give_one_rank_greedy_tokens_through_l1_and_l2(checkpoints, ki
         assert rank1["l2"]["blocks_out"] == rank0["l2"]["blocks_out"]
         assert rank1["l2"]["blocks_in"] == rank0["l2"]["blocks_in"] > 0
         assert stats["tiers"]["l2"]["bytes_out"] == 2 * rank0["l2"]["bytes_out"]
-        # each rank holds half the KV heads: the same blocks at half the bytes of TP=1's
-        assert rank0["l1"]["capacity_bytes"] // rank0["l1"]["capacity_blocks"] == \
-            one.cache.layout.bytes_per_block // 2
+        # each rank holds half the KV heads: the same blocks at half the bytes of TP=1's; an MLA
+        # latent is one head, which every rank holds whole
+        share = 1 if one.cache.layout.latent else 2
+        rank_block = rank0["l1"]["capacity_bytes"] // rank0["l1"]["capacity_blocks"]
+        assert rank_block == one.cache.layout.bytes_per_block // share
+        assert rank1["l2"]["bytes_out"] == rank0["l2"]["bytes_out"]
+        if one.cache.layout.windows:  # old blocks came back without their window layers, on both ranks
+            assert rank0["l2"]["bytes_out"] < rank0["l2"]["blocks_out"] * rank_block
     finally:
         two.close()
 
