@@ -1,8 +1,8 @@
 """The engine over tensor-parallel ranks (CPU, gloo, 2 processes started by the engine itself).
 
-TP=2 gives TP=1's greedy tokens on tiny Llama, Qwen2, Qwen3, gpt-oss (MoE, sinks, sliding windows:
-the worker repeats rank 0's loads of the full-attention layers alone) and DeepSeek-V3 (MLA: the
-one latent head is replicated, not split) checkpoints:
+TP=2 gives TP=1's greedy tokens on tiny Llama, Qwen2, Qwen3, Qwen3-MoE, gpt-oss and Gemma 3 (sliding
+windows: the worker repeats rank 0's loads of the full-attention layers alone) and DeepSeek-V3 (MLA:
+the one latent head is replicated, not split) checkpoints:
 - with prefix caching and L2 on, a second round served from L1 and a third from L2 (rank 0's
   decision; the worker repeats its loads on its own L2, and its counters show it), with n=2
   choices whose partial block is copied on write;
@@ -43,7 +43,7 @@ def prompts(lengths, seed: int = 0, shared: int = 0, vocab: int = 256) -> list[l
 def checkpoints(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("tp-engine")
     return {kind: str(save_tiny_checkpoint(kind, root / kind, seed=3))
-            for kind in ("llama", "qwen2", "qwen3", "gpt_oss", "deepseek_v3")}
+            for kind in ("llama", "qwen2", "qwen3", "qwen3_moe", "gpt_oss", "gemma3", "deepseek_v3")}
 
 
 def rounds(llm: LLM, batch: list[list[int]]) -> list[list[list[int]]]:
@@ -60,7 +60,7 @@ def rounds(llm: LLM, batch: list[list[int]]) -> list[list[list[int]]]:
     return out
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "gpt_oss", "deepseek_v3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "qwen3_moe", "gpt_oss", "gemma3", "deepseek_v3"])
 def test_two_ranks_give_one_rank_greedy_tokens_through_l1_and_l2(checkpoints, kind):
     batch = prompts([9, 30, 17, 22], seed=1, shared=12)
     options = dict(device="cpu", block_size=4, l2="2MiB")
