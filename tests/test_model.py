@@ -41,6 +41,18 @@ def assert_logits_close(mine: torch.Tensor, ref: torch.Tensor) -> None:
     torch.testing.assert_close(mine, ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
 
 
+def assert_greedy_matches_transformers(loaded, hf, prompts: list[list[int]], new_tokens: int = NEW_TOKENS,
+                                       label: str = "") -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Our paged greedy decode of `prompts` (block size 4: sequences span many non-adjacent blocks)
+    against transformers on the same weights: each prompt's last logits close, and `new_tokens`
+    greedy tokens equal to `generate`'s. Returns our (tokens, last-prompt logits) per prompt."""
+    ours, prompt_logits = paged_greedy(loaded.model, prompts, new_tokens, block_size=4)
+    for prompt, tokens, logits in zip(prompts, ours, prompt_logits):
+        assert_logits_close(logits, hf(torch.tensor([prompt])).logits[0, -1])
+        assert tokens == hf_greedy(hf, prompt, new_tokens), label
+    return ours, prompt_logits
+
+
 @pytest.fixture(scope="module", params=KINDS)
 def tiny(request, tmp_path_factory):
     path = save_tiny_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
@@ -58,11 +70,7 @@ def random_prompts(vocab: int, lengths=(5, 23, 40)) -> list[list[int]]:
 def test_tiny_models_match_transformers(tiny):
     kind, loaded, hf = tiny
     prompts = random_prompts(loaded.config.vocab_size)
-    # block_size 4: sequences span many non-adjacent blocks of the pool
-    ours, prompt_logits = paged_greedy(loaded.model, prompts, NEW_TOKENS, block_size=4)
-    for prompt, tokens, logits in zip(prompts, ours, prompt_logits):
-        assert_logits_close(logits, hf(torch.tensor([prompt])).logits[0, -1])
-        assert tokens == hf_greedy(hf, prompt, NEW_TOKENS), kind
+    assert_greedy_matches_transformers(loaded, hf, prompts, label=kind)
 
 
 @torch.inference_mode()

@@ -17,7 +17,12 @@ import shutil
 import pytest
 import torch
 from models import paged_greedy, save_tiny_checkpoint
-from test_model import assert_bf16_as_close_as_transformers, assert_logits_close, hf_greedy, random_prompts
+from test_model import (
+    assert_bf16_as_close_as_transformers,
+    assert_greedy_matches_transformers,
+    assert_logits_close,
+    random_prompts,
+)
 
 from tierkv.engine import mxfp4
 from tierkv.engine.loader import load_model
@@ -54,10 +59,7 @@ def test_config_reads_the_gpt_oss_switches(tiny):
 def test_tiny_gpt_oss_matches_transformers(tiny):
     _, loaded, hf = tiny
     prompts = random_prompts(loaded.config.vocab_size)
-    ours, prompt_logits = paged_greedy(loaded.model, prompts, NEW_TOKENS, block_size=4)
-    for prompt, tokens, logits in zip(prompts, ours, prompt_logits):
-        assert_logits_close(logits, hf(torch.tensor([prompt])).logits[0, -1])
-        assert tokens == hf_greedy(hf, prompt, NEW_TOKENS)
+    ours, _ = assert_greedy_matches_transformers(loaded, hf, prompts, NEW_TOKENS)
     # chunks of 7 over blocks of 4: chunk edges inside blocks and inside the 8-token window, and
     # decodes mixed with prefill chunks
     chunked, _ = paged_greedy(loaded.model, prompts, NEW_TOKENS, chunk=7, block_size=4)
@@ -241,10 +243,7 @@ def test_mxfp4_checkpoint_loads_dequantised(tiny, tmp_path):
     loaded = load_model(tmp_path / "mxfp4", device="cpu")
     hf = transformers.AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32).eval()
     prompts = random_prompts(loaded.config.vocab_size, lengths=(6, 19))
-    ours, prompt_logits = paged_greedy(loaded.model, prompts, 6, block_size=4)
-    for prompt, tokens, logits in zip(prompts, ours, prompt_logits):
-        assert_logits_close(logits, hf(torch.tensor([prompt])).logits[0, -1])
-        assert tokens == hf_greedy(hf, prompt, 6)
+    assert_greedy_matches_transformers(loaded, hf, prompts, 6)
 
 
 def test_mxfp4_checkpoint_missing_scales_is_refused(tiny, tmp_path):

@@ -16,7 +16,7 @@ import json
 import pytest
 import torch
 from models import paged_greedy, save_tiny_checkpoint
-from test_model import NEW_TOKENS, assert_logits_close, hf_greedy, random_prompts
+from test_model import NEW_TOKENS, assert_greedy_matches_transformers, random_prompts
 from test_model import test_bf16_tiny_models_on_gpu_agree_with_transformers as bf16_agreement
 
 from tierkv.engine.loader import load_model
@@ -57,10 +57,7 @@ def test_layers_follow_mlp_only_layers(tiny):
 def test_matches_transformers(tiny):
     loaded, hf = tiny
     prompts = random_prompts(loaded.config.vocab_size)
-    ours, prompt_logits = paged_greedy(loaded.model, prompts, NEW_TOKENS, block_size=4)
-    for prompt, tokens, logits in zip(prompts, ours, prompt_logits):
-        assert_logits_close(logits, hf(torch.tensor([prompt])).logits[0, -1])
-        assert tokens == hf_greedy(hf, prompt, NEW_TOKENS)
+    assert_greedy_matches_transformers(loaded, hf, prompts)
 
 
 @torch.inference_mode()
