@@ -37,7 +37,8 @@ from common import write_results
 
 import tierkv
 from tierkv.engine.loader import LoadedModel
-from tierkv.engine.model import CausalLM, ModelConfig
+from tierkv.engine.model import CausalLM
+from tierkv.engine.model_config import ModelConfig
 
 SHAPES = {
     "qwen3-30b-a3b": dict(

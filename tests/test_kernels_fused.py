@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 
 import tierkv.kernels as K
-from tierkv.engine.model import ModelConfig, rope_inv_freq
+from tierkv.engine.model_config import ModelConfig
+from tierkv.engine.rope import rope_inv_freq
 from tierkv.kernels import ShapeError
 from tierkv.kernels import reference as ref
 

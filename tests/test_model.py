@@ -20,7 +20,8 @@ from models import (
 
 from tierkv.engine.attention import AttentionMetadata
 from tierkv.engine.loader import load_model
-from tierkv.engine.model import ModelConfig, rope_inv_freq
+from tierkv.engine.model_config import ModelConfig
+from tierkv.engine.rope import rope_inv_freq
 from tierkv.errors import ConfigError
 
 transformers = pytest.importorskip("transformers")

@@ -23,7 +23,7 @@ from test_model import assert_bf16_as_close_as_transformers, assert_greedy_match
 
 from tierkv.engine.attention import AttentionMetadata
 from tierkv.engine.loader import load_model
-from tierkv.engine.model import ModelConfig
+from tierkv.engine.model_config import ModelConfig
 from tierkv.errors import ConfigError
 
 transformers = pytest.importorskip("transformers")

@@ -30,7 +30,8 @@ from test_model import test_bf16_tiny_models_on_gpu_agree_with_transformers as b
 
 from tierkv import LLM, SamplingParams
 from tierkv.engine.loader import load_model
-from tierkv.engine.model import ModelConfig, rope_inv_freq
+from tierkv.engine.model_config import ModelConfig
+from tierkv.engine.rope import rope_inv_freq
 from tierkv.errors import ConfigError
 
 transformers = pytest.importorskip("transformers")

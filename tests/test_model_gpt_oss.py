@@ -26,7 +26,8 @@ from test_model import (
 
 from tierkv.engine import mxfp4
 from tierkv.engine.loader import load_model
-from tierkv.engine.model import ModelConfig, rope_attention_factor, rope_inv_freq
+from tierkv.engine.model_config import ModelConfig
+from tierkv.engine.rope import rope_attention_factor, rope_inv_freq
 from tierkv.engine.parallel import TensorParallel
 from tierkv.errors import ConfigError, ModelLoadError
 

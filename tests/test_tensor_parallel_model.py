@@ -28,7 +28,8 @@ import torch.multiprocessing as mp
 from models import paged_greedy, save_tiny_checkpoint
 
 from tierkv.engine.loader import ModelLoadError, load_model
-from tierkv.engine.model import CausalLM, ModelConfig
+from tierkv.engine.model import CausalLM
+from tierkv.engine.model_config import ModelConfig
 from tierkv.engine.parallel import TensorParallel, init_process_group
 from tierkv.errors import ConfigError
 

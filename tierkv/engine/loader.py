@@ -29,7 +29,8 @@ from . import hub, mla
 from .config import check_device, dtype_name
 from .expert_weights import ExpertWeights
 from .mxfp4 import Mxfp4Pairs
-from .model import SUPPORTED_MODEL_TYPES, CausalLM, ModelConfig
+from .model import CausalLM
+from .model_config import SUPPORTED_MODEL_TYPES, ModelConfig
 from .moe import check_moe_parallel
 from .parallel import TensorParallel, check_tensor_parallel
 from .tokenizer import Tokenizer
