@@ -34,6 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_results
+from profiling import print_profile, profile_run
 
 import tierkv
 from tierkv.engine.loader import LoadedModel
@@ -174,6 +175,8 @@ def main() -> None:
     p.add_argument("--hit", action="store_true", help="also the 100K-token L2 hit (gpt-oss-20b)")
     p.add_argument("--hit-tokens", type=int, default=100_000)
     p.add_argument("--smoke", action="store_true")
+    p.add_argument("--profile", action="store_true",
+                   help="also a torch.profiler timeline of 32 decode steps per model (GPU): where a step's time goes")
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args()
     device = torch.device("cpu" if a.smoke else "cuda")
@@ -191,6 +194,12 @@ def main() -> None:
         llm = tierkv.LLM(None, **opts)
         fig = {"decode": decode(llm, lm, a.prompt_len, 16 if a.smoke else a.decode_tokens, bw)}
         print(name, "decode", fig["decode"], flush=True)
+        if a.profile and not a.smoke:
+            trace = (a.out or Path("benchmarks/results")) / f"bench_families-{name}-decode.trace.json.gz"
+            prompt = [random.Random(2).randrange(lm.config.vocab_size) for _ in range(a.prompt_len)]
+            steps = tierkv.SamplingParams(temperature=0, max_tokens=33, ignore_eos=True)
+            fig["decode_profile"] = profile_run(lambda: llm.generate([prompt], steps, use_tqdm=False), trace, top=20)
+            print_profile(fig["decode_profile"], f"{name}: prefill + 32 decode steps")
         if a.hit and name == "gpt-oss-20b":
             fig["l2_hit"] = l2_hit(llm, 2000 if a.smoke else a.hit_tokens, lm.config.vocab_size)
             print(name, "l2_hit", fig["l2_hit"], flush=True)
