@@ -175,6 +175,31 @@ def test_the_engines_own_prefix_is_not_loaded_again():
         cache.free(seq)
 
 
+def test_a_block_the_engine_keeps_no_memory_for_is_neither_loaded_nor_saved():
+    """vLLM's sliding-window groups hold no block for positions their window has left (its null
+    block, given to tierkv as -1): a hit loads only the blocks the engine holds, and a commit saves
+    only those (never the null block's bytes as someone's KV)."""
+    with engine_cache(CacheConfig(l2=l2_bytes(8))) as cache:
+        engine = Engine(cache.l2)
+        saved = engine.save(cache, PROMPT, [0, 1, 2, 3])
+        loaded = cache.stats()["tiers"]["l2"]["blocks_out"]
+        seq = cache.allocate(PROMPT, slots=[-1, 9, 10, 11])
+        assert seq.num_cached_tokens == 12
+        moves = engine.step(cache)
+        assert [(k, dst) for k, _, dst in moves] == [(L2_TO_L1, [9, 10])]
+        assert cache.stats()["tiers"]["l2"]["blocks_out"] - loaded == 2
+        assert same(engine.blocks([9, 10]), {n: t[1:] for n, t in saved.items()})
+        cache.free(seq)
+
+    other = list(range(500, 500 + 3 * BS + 1))
+    with engine_cache(CacheConfig(l2=l2_bytes(8))) as cache:
+        engine = Engine(cache.l2)
+        seq = cache.allocate(other, slots=[-1, 4, 5, 6])
+        cache.commit(seq, other)
+        assert [(k, src) for k, src, _ in engine.step(cache)] == [(L1_TO_L2, [4, 5])]
+        cache.free(seq)
+
+
 def test_blocks_given_a_chunk_at_a_time_are_saved_and_found_whole():
     prompt = list(range(300, 300 + 5 * BS + 1))  # 5 full blocks and one token
     with engine_cache(CacheConfig(l2=l2_bytes(8))) as cache:
@@ -344,8 +369,8 @@ def test_calls_the_engine_owned_mode_refuses_say_what_to_do():
             cache.allocate(PROMPT)
         with pytest.raises(UsageError, match=r"got block id 16; the engine has blocks 0\.\.15"):
             cache.allocate(PROMPT, slots=[0, 1, 2, BLOCKS])
-        with pytest.raises(UsageError, match=r"got block id -1"):
-            cache.allocate(PROMPT, slots=[-1])
+        with pytest.raises(UsageError, match=r"got block id -2; the engine has blocks 0\.\.15 \(-1: none kept\)"):
+            cache.allocate(PROMPT, slots=[-2])
         for computed in (-4, len(PROMPT) + 1):  # the bound is the prompt's, not the blocks given so far
             with pytest.raises(UsageError, match=rf"allocate\(computed=\) takes .*, 0\.\.{len(PROMPT)}, got {computed}"):
                 cache.allocate(PROMPT, slots=[0], computed=computed)

@@ -415,9 +415,12 @@ class Admission:
                              f"0..{len(m.token_bytes) // 4}, got {computed!r}")
         blocks = blocks[: len(slots)]
         skip = min(computed // bs, len(blocks))
-        load = blocks[skip:]
+        # a block the engine keeps no memory for (slot -1: its sliding window has left it behind)
+        # is not read by the engine, so it is not loaded
+        pairs = [(e, s) for e, s in zip(blocks[skip:], slots[skip:]) if s >= 0]
+        load = [e for e, _ in pairs]
         self.index.hold_l2(load)
-        moved = self.tiers.load_l2(load, slots[skip : skip + len(load)])
+        moved = self.tiers.load_l2(load, [s for _, s in pairs])
         self.tiers.mover.after(lambda: self.index.release_l2(load))
         by_tier = self._count_hits(m.query_tokens, [], load)
         self.tiers.used(blocks, priority)
@@ -431,12 +434,14 @@ class Admission:
         return seq
 
     def _engine_slots(self, slots, call: str) -> list[int]:
-        """The engine's block ids `slots` as a list of ints, each a block it has."""
+        """The engine's block ids `slots` as a list of ints, each a block it has or -1: a block
+        position the engine keeps no memory for (its sliding window has left it behind), where
+        nothing is loaded or saved."""
         if slots is None:
             raise UsageError(f"{call}() on a cache whose L1 the engine owns needs slots=: the engine's block ids")
         out = [int(s) for s in slots]
         n = self.l1.engine_blocks
-        bad = next((s for s in out if not 0 <= s < n), None)
+        bad = next((s for s in out if not -1 <= s < n), None)
         if bad is not None:
-            raise UsageError(f"{call}(slots=) got block id {bad}; the engine has blocks 0..{n - 1}")
+            raise UsageError(f"{call}(slots=) got block id {bad}; the engine has blocks 0..{n - 1} (-1: none kept)")
         return out

@@ -201,6 +201,8 @@ class PagedCache(Admission):
         for i in range(start, full):
             h, parent = seq.hashes[i], seq.hashes[i - 1] if i else 0
             blk = tb[(i - start) * 4 * bs : (i - start + 1) * 4 * bs]
+            if seq.slots[i] < 0:
+                continue  # the engine keeps no block here (a sliding window left it): nothing to copy
             entry, collided = self.index.lookup(h, parent, seq.ns, blk)
             if entry is None and not collided and h not in self._engine_saving:
                 todo.append((i, h, parent, blk))
