@@ -319,3 +319,56 @@ def test_reads_queued_on_l3_count_in_its_load_estimate(tmp_path):
         assert p.wait(30)
         cache.match(doc)  # takes the finished read in
         assert l3.queued_reads == 0
+
+
+class DeferredTransfer:
+    """A copy that runs only when someone waits for it, as a CUDA copy is still in flight after
+    it was issued: on a CPU the moves are synchronous, and the race below could not happen."""
+
+    def __init__(self, run) -> None:
+        self._run = run
+
+    def done(self) -> bool:
+        return self._run is None
+
+    def synchronize(self) -> None:
+        run, self._run = self._run, None
+        if run is not None:
+            run()
+
+    wait = synchronize
+
+    def wait_layer(self, layer, stream=None) -> None:
+        self.synchronize()
+
+
+def test_an_l3_read_into_an_l2_slot_waits_for_the_load_still_reading_it(tmp_path):
+    # allocate() gives an L2 hit's slots back (release_l2) right after issuing their loads into
+    # L1; an L3 read taking those slots at once must not write them before the loads have read them.
+    from tierkv.transfer import BlockMover
+
+    class DeferredMover(BlockMover):
+        def l2_to_l1(self, l2_slots, l1_slots, layers=None):
+            run = lambda: BlockMover.l2_to_l1(self, list(l2_slots), list(l1_slots), layers)  # noqa: E731
+            self.last = DeferredTransfer(run)
+            return self.last
+
+    a, b = list(range(13)), list(range(500, 513))  # 3 full blocks each
+    with make([f"file://{tmp_path}?size=1MiB"], l1=4, l2=3) as cache:
+        store(cache, b)
+        assert cache.flush(timeout=30)
+        cache.evict("l1")
+        store(cache, a)  # L2 (3 blocks) now holds a's blocks alone; b is in L3 only
+        assert cache.flush(timeout=30)
+        cache.evict("l1")
+        assert cache.match(a).by_tier == {"l1": 0, "l2": 12, "l3": 0}
+        cache.tiers.mover = DeferredMover(cache.l1, cache.l2, warm_up=False)
+        seq = cache.allocate(a)  # a's loads out of its 3 L2 slots are issued, not run yet
+        m = cache.match(b)
+        assert m.by_tier["l3"] == 12
+        fetch = cache.prefetch(m, 30)  # takes those 3 slots: a's blocks are in L3, so they go
+        assert fetch.num_blocks == 3 and fetch.wait(30)
+        seq.wait()
+        assert torch.equal(read_slots(cache, seq, 12), prefix_kv(LAYOUT, a)[:, :, :12])
+        cache.free(seq)
+        check_retrieve(cache, b, 12)  # and b's blocks landed whole

@@ -19,7 +19,7 @@ from .hashing import hash_blocks, namespace, token_bytes
 from .index import BlockEntry, BlockIndex
 from .layout import KVLayout
 from .metrics import CacheCounters
-from .plan import AdmissionPlan, Match, tail_to_read, worth_loading
+from .plan import L3_PROBE_BLOCKS, AdmissionPlan, Match, split_l3, worth_loading
 from .sequence import SequenceBlocks
 from .streaming import LayerStreamer
 from .tiering import Prefetch, Tiering
@@ -101,9 +101,17 @@ class Admission:
         if recompute_seconds_per_token is not None:
             per_block = recompute_seconds_per_token * self.block_size
             found, found_l3 = len(blocks), l3_blocks
-            blocks, l3_blocks = worth_loading(self.tiers, blocks, l3_blocks, len(usable), per_block)
-            if found_l3 and not l3_blocks and len(blocks) == found:
-                tail = tail_to_read(self.tiers, found, found + found_l3, per_block)
+            blocks = worth_loading(self.tiers, blocks, len(usable), per_block)
+            l3_blocks = 0
+            if found_l3 and len(blocks) == found:  # the L3 run follows what is taken: split it
+                end = found + found_l3
+                j = split_l3(self.tiers, found, end, per_block)
+                if j == found:
+                    l3_blocks = found_l3  # read whole first
+                elif not self.tiers.l3.read_measured:
+                    l3_blocks = min(L3_PROBE_BLOCKS, found_l3)  # a probe, read first: the speed is a guess
+                elif j < end:
+                    tail = (j, end)
         by_tier = {"l1": 0, "l2": 0, "l3": l3_blocks * self.block_size}
         for e in blocks:
             by_tier[e.tier()] += self.block_size
@@ -217,17 +225,21 @@ class Admission:
         num_tokens = len(m.token_bytes) // 4
         stream = self.must_stream(num_tokens)
         fetch = self._l3_part(m) if m.by_tier["l3"] else None
+        fetch_deadline_s = deadline_s
+        if fetch is not None and recompute_seconds_per_token is not None and self.tiers.l3.read_measured:
+            # a read chosen because it beats recomputing is waited for no longer than recomputing would take
+            fetch_deadline_s = min(deadline_s, m.by_tier["l3"] * recompute_seconds_per_token)
         tail, tail_deadline_s = None, 0.0
         if fetch is None and m.tail is not None and not stream:
-            # the start of the L3 part is recomputed while its end is read: allow the read twice
-            # the recompute's expected time before giving up on it
-            head_s = (m.tail[0] * bs - m.tokens) * (recompute_seconds_per_token or 0.0)
-            tail, tail_deadline_s = m.tail, 2 * head_s + deadline_s
+            # the start of the L3 part is recomputed while its end is read; past the time that
+            # recomputing all of it takes, the read is of no use to this request: none of it starts
+            tail = m.tail
+            tail_deadline_s = (m.tail[1] * bs - m.tokens) * recompute_seconds_per_token
         reserve = min(num_tokens, m.tokens + min(budget, self.stream_window)) if stream else None
         return AdmissionPlan(
             match=m, stream=stream, reserve=reserve,
             fits=self.can_allocate(num_tokens, m, stream=stream, reserve=reserve),
-            fetch=fetch, fetch_deadline_s=deadline_s,
+            fetch=fetch, fetch_deadline_s=fetch_deadline_s,
             tail=tail, tail_deadline_s=tail_deadline_s, adopt_at=None if tail is None else tail[0] * bs,
         )
 

@@ -403,4 +403,6 @@ class TieredKVCache(PagedCache):
                 used_bytes=used * (pool.layout.bytes_per_block if pool is not None else 0),
             )
         out["l3_stores"] = self.tiers.l3.stats() if self.tiers.l3 is not None else []
+        # each L3 read's estimated against actual time, queued to landed (the last few, and the mean ratio)
+        out["l3_reads"] = self.tiers.l3.read_stats() if self.tiers.l3 is not None else None
         return out

@@ -2,7 +2,9 @@
 
 One writer and one reader thread call the stores' batched, internally parallel APIs on L2 slots
 that the caller holds for them, and post each finished job to a queue the caller drains (a long
-queue of writes never delays a read). Under tensor parallelism (an `exchange`,
+queue of writes never delays a read). A read is estimated when it is queued (behind the reads
+ahead of it), read in pieces so that it can be abandoned between them, and timed: the last reads'
+estimate against actual time is kept for the cache's stats. Under tensor parallelism (an `exchange`,
 engine/head_exchange.py) the stores take whole-model blocks: a write joins the other ranks' KV
 heads of its slots to this rank's, and a read splits what it read and hands the other ranks
 their heads. This file decides nothing about which blocks move, and never touches the index.
@@ -13,6 +15,8 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,9 +26,12 @@ import torch
 from .tiers import HostPool
 from .tiers.codec import BlockId
 from .tiers.l3 import L3Store
-from .transfer import Transfer
+from .transfer import DONE, Transfer
 
 log = logging.getLogger(__name__)
+
+READ_PIECE_BLOCKS = 32  # a read goes to the stores this many blocks at a time: an abandoned one stops between
+RECENT_READS = 16  # reads whose estimate and actual time the stats keep
 
 
 @dataclass(slots=True, eq=False)
@@ -39,6 +46,13 @@ class L3Job:
     priority: int = 0
     ticket: int | None = None  # tensor parallel: the moves the other ranks must repeat first (exchange)
     number: int = 0  # get: 1 for the mover's first read, 2 for the next...
+    # get: reads not started by then are skipped; moved earlier by `L3Mover.abandon`
+    deadline: float | None = None
+    after: Transfer = DONE  # get: the L1/L2 copies that may still read the slots it writes
+    submitted: float = 0.0  # get: time.monotonic() when queued
+    estimate_s: float = 0.0  # get: the read's expected seconds from `submitted` to landing (its queue included)
+    abandoned: bool = False
+    tried: int = 0  # get: blocks of the pieces it started (the rest were skipped, not failed)
     ok: list[bool] = field(default_factory=list)
     finished: threading.Event = field(default_factory=threading.Event)
     landed: bool = False  # get: set by the caller once it has indexed the blocks
@@ -57,6 +71,9 @@ class L3Mover:
         self.in_flight = 0  # jobs submitted and not yet returned by finished_jobs()
         # blocks submitted to read and not yet returned: a new read lands after them (one reader)
         self.queued_reads = 0
+        # (blocks, estimated s, actual s, abandoned) of the last reads, for stats(): appended by the reader thread
+        self._timed: deque[tuple[int, float, float, bool]] = deque(maxlen=RECENT_READS)
+        self._ratio_sum, self._ratio_count, self._abandoned = 0.0, 0, 0
 
     @property
     def chunk_blocks(self) -> int:
@@ -88,14 +105,24 @@ class L3Mover:
         return job
 
     def get(self, ids: list[BlockId], slots: list[int], deadline: float | None, priority: int = 0,
-            ticket: int | None = None) -> L3Job:
-        """Read blocks into L2 `slots`, trying the stores in order; what is not read by `deadline` misses."""
+            ticket: int | None = None, after: Transfer = DONE) -> L3Job:
+        """Read blocks into L2 `slots`, trying the stores in order, once `after` (the L1/L2 copies
+        that may still read those slots: a slot given back right after a load out of it was
+        issued) is complete; what has not started by `deadline` misses."""
         self.gets += 1
-        job = L3Job("get", ids, slots, priority=priority, ticket=ticket, number=self.gets)
+        job = L3Job("get", ids, slots, priority=priority, ticket=ticket, number=self.gets, deadline=deadline,
+                    after=after, submitted=time.monotonic(), estimate_s=self.estimate_seconds(len(ids)))
         self.in_flight += 1
         self.queued_reads += len(ids)
-        self._reader.submit(self._run, job, self._get, deadline)
+        self._reader.submit(self._run, job, self._get, None)
         return job
+
+    @staticmethod
+    def abandon(job: L3Job) -> None:
+        """Read no more of `job` than its pieces already started: the caller recomputes the rest
+        (its leading blocks that did arrive still land)."""
+        job.abandoned = True
+        job.deadline = time.monotonic()
 
     def _run(self, job: L3Job, work, arg) -> None:
         try:
@@ -103,6 +130,8 @@ class L3Mover:
         except Exception:  # stores never raise on I/O; this is a bug, but it must not lose the job
             log.exception("L3 %s of %d blocks failed", job.kind, len(job.ids))
             job.ok = [False] * len(job.ids)
+        if job.kind == "get":
+            self._time(job)
         job.finished.set()
         self._finished.put(job)
         self._signal.set()
@@ -118,15 +147,43 @@ class L3Mover:
             ok = [a or b for a, b in zip(ok, store.put_many(job.ids, bufs))]
         return ok
 
-    def _get(self, job: L3Job, deadline: float | None) -> list[bool]:
+    def _time(self, job: L3Job) -> None:
+        """Keep the read's estimate against its actual time (reader thread; stats() reads them)."""
+        actual = time.monotonic() - job.submitted
+        self._timed.append((len(job.ids), job.estimate_s, actual, job.abandoned))
+        if job.abandoned:
+            self._abandoned += 1
+        elif job.estimate_s > 0:
+            self._ratio_sum += actual / job.estimate_s
+            self._ratio_count += 1
+
+    def _get(self, job: L3Job, _: None) -> list[bool]:
+        # L1/L2 copies may still read these slots (a load issued just before they were given back
+        # to L2's free list): wait for them before the stores write into them
+        job.after.synchronize()
         if self.exchange is None:
-            return self.read(job.ids, [self.l2.kv[s] for s in job.slots], deadline)
+            return self._read_pieces(job, [self.l2.kv[s] for s in job.slots])
         # whole-model blocks [n, bytes] land here, then each rank takes its heads (this one too)
         blocks = torch.zeros((len(job.ids), self.exchange.split.whole.bytes_per_block), dtype=torch.uint8)
         try:
-            return self.read(job.ids, list(blocks), deadline)
+            return self._read_pieces(job, list(blocks))
         finally:  # read or not, the other ranks wait for this read's pieces: always send them
             self.l2.rows[torch.tensor(job.slots)] = self.exchange.scatter(blocks, job.slots, job.ticket, job.number)
+
+    def _read_pieces(self, job: L3Job, bufs: list[torch.Tensor]) -> list[bool]:
+        """Read the job's blocks a piece at a time, each under the job's deadline as it is then
+        (an abandoned job starts no more pieces), stopping at the first piece with a miss: a block
+        after a miss could not be reached anyway."""
+        ok = [False] * len(job.ids)
+        for i in range(0, len(job.ids), READ_PIECE_BLOCKS):
+            if job.deadline is not None and time.monotonic() >= job.deadline:
+                break
+            part = slice(i, i + READ_PIECE_BLOCKS)
+            job.tried = min(len(job.ids), i + READ_PIECE_BLOCKS)
+            ok[part] = self.read(job.ids[part], bufs[part], job.deadline)
+            if not all(ok[part]):
+                break
+        return ok
 
     def read(self, ids: list[BlockId], bufs: list[torch.Tensor], deadline: float | None) -> list[bool]:
         """Read `ids` into `bufs` (contiguous host blocks) in the calling thread, trying the stores in order."""
@@ -170,6 +227,17 @@ class L3Mover:
 
     def stats(self) -> list[dict]:
         return [store.stats() for store in self.stores]
+
+    def read_stats(self) -> dict:
+        """The last reads' estimated and actual seconds (queued to landed), and the mean of actual /
+        estimate over every read that was not abandoned: a bounded summary, not a log."""
+        recent = list(self._timed)
+        return {
+            "recent": [{"blocks": n, "estimate_s": est, "actual_s": act, "abandoned": ab} for n, est, act, ab in recent],
+            "timed": self._ratio_count,
+            "abandoned": self._abandoned,
+            "mean_actual_over_estimate": self._ratio_sum / self._ratio_count if self._ratio_count else None,
+        }
 
     def close(self) -> None:
         """Finish queued work, then close the stores."""

@@ -6,8 +6,9 @@ everything a scheduler needs to admit a request, decided in one place (TieredKVC
 match (what each tier serves, cut where recomputing beats loading), whether the sequence streams,
 how much L1 it reserves now, which L3 blocks to fetch first or to read in the background, their
 deadlines, and whether L1 can take it now. The functions below are arithmetic over the tiers'
-load-time estimates (Tiering.load_seconds) and the engine's cost of recomputing a block. Nothing
-here moves a byte or changes the index.
+load-time estimates (Tiering.load_seconds, which count the L3 reads queued already) and the
+engine's cost of recomputing a block: `worth_loading` for L1/L2 hits, `split_l3` for an L3 run.
+Nothing here moves a byte or changes the index.
 """
 
 from __future__ import annotations
@@ -63,13 +64,10 @@ class AdmissionPlan:
     adopt_at: int | None  # prompt position where the computation stops to take the tail
 
 
-def worth_loading(
-    tiers: Tiering, blocks: list[BlockEntry], l3_blocks: int, usable: int, per_block: float
-) -> tuple[list[BlockEntry], int]:
-    """The cached prefix worth loading: `blocks` (L1/L2 hits, in order) followed by `l3_blocks`
-    L3 hits, out of `usable` blocks of the prompt. Returns the leading blocks and L3 count of
-    the k that minimises load time of the first k plus recompute time of the rest."""
-    kinds = [e.tier() for e in blocks] + ["l3"] * l3_blocks
+def worth_loading(tiers: Tiering, blocks: list[BlockEntry], usable: int, per_block: float) -> list[BlockEntry]:
+    """The leading `blocks` (L1/L2 hits, in order, out of `usable` blocks of the prompt) worth
+    loading: the k that minimises load time of the first k plus recompute time of the rest."""
+    kinds = [e.tier() for e in blocks]
     # Loads of one tier travel together, and each tier's estimate is affine in the block count
     # (a round trip, then bytes over bandwidth): cost of the first k = sum over the tiers used of
     # (fixed + per_block * count). Both parts are read once, so a 100K-token prompt's scan is
@@ -78,7 +76,7 @@ def worth_loading(
     for t in {k for k in kinds if k != "l1"}:
         per[t] = tiers.load_seconds(t, 2) - tiers.load_seconds(t, 1)
         fixed[t] = tiers.load_seconds(t, 1) - per[t]
-    started = {"l1": False, "l2": False, "l3": False}
+    started = {"l1": False, "l2": False}
     load = 0.0
     best_k, best = 0, usable * per_block
     for k, tier in enumerate(kinds, start=1):
@@ -89,31 +87,29 @@ def worth_loading(
         cost = load + (usable - k) * per_block
         if cost < best:
             best_k, best = k, cost
-    if best_k >= len(blocks) and l3_blocks and not tiers.l3.read_measured:
-        best_k = min(best_k + L3_PROBE_BLOCKS, len(kinds))
-    return blocks[:best_k], max(0, best_k - len(blocks))
+    return blocks[:best_k]
 
 
-def tail_to_read(tiers: Tiering, first: int, end: int, per_block: float) -> tuple[int, int] | None:
-    """Blocks [j, end) of an L3 run [first, end) to read while [first, j) is recomputed (the end's
-    KV does not depend on the start): the j where both take as long, if that beats recomputing
-    the whole run; None otherwise."""
+def split_l3(tiers: Tiering, first: int, end: int, per_block: float) -> int:
+    """Where to split an L3 run [first, end) of a prompt: blocks [first, j) are recomputed while
+    [j, end) is read (the end's KV does not depend on the start), and the computation takes the
+    read once it reaches j. Returns the smallest j whose read is expected to land before the
+    computation reaches it, counting the reads queued ahead of it on the one reader thread
+    (Tiering.load_seconds): reads for other requests push the split toward recomputing. `end`
+    means the run is recomputed whole and nothing is read (no read would come in time);
+    `first` that it is read whole before anything is computed (recomputing even one block takes
+    longer than reading all of it)."""
+    if tiers.load_seconds("l3", end - first) <= per_block:
+        return first
 
-    def compute(j: int) -> float:
-        return (j - first) * per_block
+    def in_time(j: int) -> bool:  # the read of [j, end) lands before the computation reaches j
+        return tiers.load_seconds("l3", end - j) <= (j - first) * per_block
 
-    def read(j: int) -> float:
-        return tiers.load_seconds("l3", end - j)
-
-    lo, hi = first, end  # compute time grows with j and read time shrinks: bisect the crossing
+    lo, hi = first + 1, end  # reading less lands sooner while computing more takes longer: bisect
     while lo < hi:
         mid = (lo + hi) // 2
-        if compute(mid) < read(mid):
-            lo = mid + 1
-        else:
+        if in_time(mid):
             hi = mid
-    candidates = [j for j in (lo - 1, lo) if first < j < end]
-    if not candidates:
-        return None
-    j = min(candidates, key=lambda j: max(compute(j), read(j)))
-    return (j, end) if max(compute(j), read(j)) < compute(end) else None
+        else:
+            lo = mid + 1
+    return lo

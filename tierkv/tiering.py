@@ -69,6 +69,16 @@ class Prefetch:
 
     def __init__(self, tiering: Tiering | None, job: L3Job | None) -> None:
         self._tiering, self._job = tiering, job
+        # time.monotonic() by which the read is expected to have landed (its queue included)
+        self.expected_at = 0.0 if job is None else job.submitted + job.estimate_s
+        # set by a caller that waits for it: since when, and when it stops waiting
+        self.reached_at: float | None = None
+        self.give_up_at: float | None = None
+
+    def abandon(self) -> None:
+        """Start no more of the read: the caller recomputes what has not arrived (see L3Mover.abandon)."""
+        if self._job is not None and not self._job.finished.is_set():
+            self._tiering.l3.abandon(self._job)
 
     def done(self) -> bool:
         if self._job is None:
@@ -428,7 +438,12 @@ class Tiering:
         if not slots:
             return Prefetch(None, None)
         ids = ids[: len(slots)]
-        job = self.l3.get(ids, slots, deadline, priority, self._l3_ticket())
+        # a slot taken here may have been given back while a load out of it is still in flight
+        # (allocate releases its L2 hits right after issuing their loads): the read waits for
+        # the copies issued so far. The engine's own copies (engine_owned) release their L2
+        # slots only once reported, so there is nothing to wait for.
+        after = DONE if self.engine_owned else self.mover.last
+        job = self.l3.get(ids, slots, deadline, priority, self._l3_ticket(), after)
         for b in ids:
             self._fetching[b.hash] = job
         return Prefetch(self, job)
@@ -481,7 +496,7 @@ class Tiering:
         c = self.counters.tiers["l3"]
         c.blocks_out += arrived
         c.bytes_out += arrived * self.l3_layout.bytes_per_block
-        c.errors += len(job.ids) - sum(job.ok)
+        c.errors += job.tried - sum(job.ok)  # (blocks skipped past a deadline are no errors)
         job.landed = True
         if self.exchange is not None:
             self._move(L3_LANDED, [job.number], [])

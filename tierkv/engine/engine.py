@@ -266,8 +266,8 @@ class Engine:
         self.in_flight = launched
         if launched is not None and (not self.config.async_scheduling or (streaming and launched.ready())):
             emit(self._postprocess(self._take_in_flight()))
-        if launched is None and self.scheduler.waiting and not self.scheduler.running:
-            time.sleep(0.001)  # waiting only for L3 prefetches to land
+        if launched is None and ((self.scheduler.waiting and not self.scheduler.running) or self.scheduler.tail_waits):
+            time.sleep(0.001)  # waiting only for L3 reads to land (prefetches, or tails)
         return outputs
 
     def _take_in_flight(self) -> LaunchedStep:
@@ -340,7 +340,8 @@ class Engine:
         tokens = len(req.prompt_ids) - (req.cached_tokens or 0)
         if tokens < PREFILL_SAMPLE_TOKENS or req.admitted is None or self.lm.device.type != "cuda":
             return  # CPU runs (tests, tiny models) always load what the cache holds
-        per_token = (req.first_token_time - req.admitted) / tokens
+        # the time it stood waiting for an L3 read is no compute
+        per_token = (req.first_token_time - req.admitted - req.waited_s) / tokens
         old = self.scheduler.recompute_seconds_per_token
         self.scheduler.recompute_seconds_per_token = per_token if old is None else old + 0.2 * (per_token - old)
 

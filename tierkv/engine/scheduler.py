@@ -69,6 +69,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.given_up: list[Request] = []  # finished by the scheduler itself; the engine reports them
         self.num_preemptions = 0
+        self.tail_waits = 0
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -81,6 +82,7 @@ class Scheduler:
     def schedule(self) -> ScheduledStep:
         budget = self.max_num_batched_tokens
         step = ScheduledStep([], [])
+        self.tail_waits = 0  # running requests that wait for their L3 tail this step
         loading = []  # requests whose L2 blocks are still on their way into L1
         for req in list(self.running):  # oldest first; a preemption below may remove later ones
             if req.status is not Status.RUNNING:
@@ -89,6 +91,9 @@ class Scheduler:
                 loading.append(req)
                 continue
             if req.adopt_at is not None and req.num_computed >= req.adopt_at:
+                if self._tail_on_its_way(req):
+                    self.tail_waits += 1
+                    continue  # it lands before recomputing it would end: others compute meanwhile
                 self._adopt(req)
             if self._ends_by_length(req):
                 continue  # its token on the way is its last: computing one more would be waste
@@ -170,8 +175,27 @@ class Scheduler:
         """Tokens `req` may compute before it stops to take its L3 tail (no limit without one)."""
         return req.num_tokens if req.adopt_at is None else max(1, req.adopt_at - req.num_computed)
 
+    def _tail_on_its_way(self, req: Request) -> bool:
+        """Whether `req`, which computed up to its L3 tail, waits for it this step. It waits only
+        while the read is expected to land sooner than recomputing the tail would end, and never
+        longer than that recompute takes: a read that turns out late is abandoned then, and what
+        of it has landed is taken, the rest recomputed."""
+        tail = req.tail
+        if tail.done():
+            return False
+        now = time.monotonic()
+        if tail.give_up_at is None:  # it reached the tail just now
+            recompute_s = tail.num_blocks * self.cache.block_size * (self.recompute_seconds_per_token or 0.0)
+            tail.reached_at, tail.give_up_at = now, now + recompute_s
+        if max(now, tail.expected_at) < tail.give_up_at:
+            return True
+        tail.abandon()
+        return False
+
     def _adopt(self, req: Request) -> None:
         """`req` computed up to its L3 tail: take what of the tail has landed in L2 by now."""
+        if req.tail.reached_at is not None:  # it waited: no compute time (see Engine._measure_prefill)
+            req.waited_s += time.monotonic() - req.tail.reached_at
         before = dict(req.seq.cached_by_tier)
         gained = self.cache.adopt(req.seq, req.tokens(0, len(req.prompt_ids))) * self.cache.block_size
         req.num_computed += gained
