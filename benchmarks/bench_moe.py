@@ -2,13 +2,14 @@
 
 For the MoE layer shapes of Qwen3-30B-A3B (hidden 2048, 128 experts, top-8, expert intermediate 768)
 and gpt-oss-20b (hidden 2880, 32 experts, top-4, intermediate 2880, clamped SwiGLU with biases), bf16,
-random weights and random routing, batch 1 and batch 256: the time of one fused_moe call, replayed in
+random weights and random routing, batch 1, 4 and 256: the time of one fused_moe call, replayed in
 a CUDA graph (as the engine's decode runs it) and eagerly, over LAYERS layers of their own weights, and
 the bytes of the expert weights it must read (every expert some token routes to, read once) per second, against a d2d torch copy of 2 GiB
 (bytes read + written per second: the HBM ceiling of this run). A decode step of a MoE model is bound
 by those weight reads, so this fraction is the MoE part of the batch-1 roofline target.
-With --sweep, each case is also timed (in a graph) at every launch of SWEEP (path, tiles, warps), to
-pick kernels/moe.py's defaults from. Writes benchmarks/results/bench_moe-<machine>.json (or --out DIR).
+With --sweep, each case is also timed (in a graph) at every launch of SWEEP (path, tiles, warps,
+stages, the per-pair path's down launch), to pick kernels/moe.py's defaults from; the best of each
+path is printed. Writes benchmarks/results/bench_moe-<machine>.json (or --out DIR).
 Prints a table.
 Usage: python benchmarks/bench_moe.py [--out DIR] [--reps N] [--sweep]
        python benchmarks/bench_moe.py --smoke   (CPU: tiny shapes through the reference, checks the script)
@@ -31,10 +32,21 @@ from tierkv import kernels  # noqa: E402
 # name -> (hidden, experts, top-k, expert intermediate, gpt-oss activation and biases?)
 SHAPES = {"qwen3-30b-a3b": (2048, 128, 8, 768, False), "gpt-oss-20b": (2880, 32, 4, 2880, True)}
 SMOKE_SHAPES = {"qwen3-like": (64, 8, 2, 32, False), "gpt-oss-like": (64, 4, 2, 32, True)}
-BATCHES = (1, 256)
-# (path, (BLOCK_M, BLOCK_N, BLOCK_K), num_warps) tried by --sweep
-SWEEP = ([("gemv", (1, n, k), w) for n in (16, 32, 64) for k in (128, 256) for w in (2, 4)]
-         + [("grouped", (m, n, k), w) for m in (16, 32, 64) for n in (64, 128) for k in (64, 128) for w in (4, 8)])
+BATCHES = (1, 4, 256)
+# (path, (BLOCK_M, BLOCK_N, BLOCK_K), num_warps, num_stages, gemv's down launch or None) tried by --sweep.
+# "gemv" entries vary the gate_up launch at the default down launch (moe.DOWN_LAUNCH), "gemv-down"
+# entries the down launch (BLOCK_N, BLOCK_K, warps, stages) at the default gate_up launch, so the
+# two kernels' bests are found separately; "grouped" at 16 rows with narrow column tiles too (more
+# programs at batch 1)
+SWEEP = ([("gemv", (1, n, k), 4, s, None) for n in (16, 32, 64) for k in (128, 256, 512) for s in (3, 5)]
+         + [("gemv", (1, 16, k), 2, 4, None) for k in (256, 512)]
+         + [("gemv-down", None, None, None, (n, k, 4, s)) for n in (16, 32) for k in (128, 256, 512) for s in (3, 5)]
+         + [("gemv-down", None, None, None, (16, k, 2, 4)) for k in (256, 512)]
+         + [("grouped", (m, n, k), w, 3, None) for m in (16, 32, 64) for n in (64, 128) for k in (64, 128)
+            for w in (4, 8)]
+         + [("grouped", (16, n, k), 4, s, None) for n in (16, 32) for k in (128, 256) for s in (3, 5)])
+SWEPT_BATCHES = (1, 256)  # batch 4 is timed at the defaults only
+SMALL_BATCH = 16  # up to this batch: the per-pair path and 16-row grouped tiles; above: no per-pair, no narrow tiles
 # each timed call runs this many layers, each with its own weights, as a decode step does: the
 # expert weights a call reads (75 MB at Qwen3-30B's batch 1) then never sit in the 50 MB L2 from
 # the previous replay
@@ -67,20 +79,24 @@ def weight_bytes(w: dict, ids: torch.Tensor) -> int:
 
 def sweep(call_with, batch: int, reps: int) -> list[dict]:
     """Graph-replayed milliseconds of every SWEEP launch that applies (the per-pair path only for
-    small batches: it reads an expert once per pair)."""
+    small batches: it reads an expert once per pair; grouped tiles of more than 16 rows only for
+    large ones: at batch 1 they read the same weights with more padding)."""
     from triton.testing import do_bench_cudagraph
 
     timings = []
-    for method, tiles, warps in SWEEP:
-        if method == "gemv" and batch > 16:
+    for method, tiles, warps, stages, down in SWEEP:
+        if (batch > SMALL_BATCH and (method.startswith("gemv") or tiles[1] < 64)) or \
+                (batch <= SMALL_BATCH and method == "grouped" and tiles[0] > 16):
             continue
+        launch = dict(method="gemv", down_launch=down) if method == "gemv-down" else \
+            dict(method=method, tiles=tiles, num_warps=warps, num_stages=stages)
+        entry = dict(method=method, tiles=tiles, num_warps=warps, num_stages=stages, down_launch=down)
         try:
-            t = do_bench_cudagraph(lambda: call_with(method=method, tiles=tiles, num_warps=warps), rep=reps,
-                                   return_mode="median")
+            t = do_bench_cudagraph(lambda: call_with(**launch), rep=reps, return_mode="median")
         except Exception as e:  # a launch that does not fit (shared memory) is reported, not fatal
-            timings.append(dict(method=method, tiles=tiles, num_warps=warps, error=str(e)[:200]))
+            timings.append(dict(entry, error=str(e)[:200]))
             continue
-        timings.append(dict(method=method, tiles=tiles, num_warps=warps, graph_ms=t))
+        timings.append(dict(entry, graph_ms=t))
     return timings
 
 
@@ -129,10 +145,15 @@ def run(shapes: dict, reps: int, smoke: bool, do_sweep: bool = False) -> dict:
                 row["eager_gbps"] = row["weight_bytes"] / (row["eager_ms"] * 1e-3) / GB
                 row["graph_of_hbm"] = row["graph_gbps"] / copy_gbps
                 row["eager_of_hbm"] = row["eager_gbps"] / copy_gbps
-                if do_sweep:
+                if do_sweep and batch in SWEPT_BATCHES:
                     row["sweep"] = sweep(call_with, batch, reps)
-                    best = min((s for s in row["sweep"] if "graph_ms" in s), key=lambda s: s["graph_ms"])
-                    row["best"] = dict(best, of_hbm=row["weight_bytes"] / (best["graph_ms"] * 1e-3) / GB / copy_gbps)
+                    row["best"] = {}
+                    for method in {s["method"] for s in row["sweep"]}:
+                        best = min((s for s in row["sweep"] if s["method"] == method and "graph_ms" in s),
+                                   key=lambda s: s["graph_ms"], default=None)
+                        if best is not None:
+                            of_hbm = row["weight_bytes"] / (best["graph_ms"] * 1e-3) / GB / copy_gbps
+                            row["best"][method] = dict(best, of_hbm=of_hbm)
             rows.append(row)
     return dict(copy_gbps=copy_gbps, dtype=str(dtype), rows=rows)
 
@@ -153,10 +174,10 @@ def main(argv=None) -> None:
         print(f"{r['shape']:>14} {r['batch']:>5} {r['experts_used']:>5} {r['weight_bytes'] / 1e6:>8.1f} "
               f"{r.get('graph_ms', 0):>9.4f} {r.get('graph_gbps', 0):>7.0f} {r.get('graph_of_hbm', 0):>7.1%} "
               f"{r.get('eager_ms', 0):>9.4f}")
-        if "best" in r:
-            b = r["best"]
-            print(f"{'':>14} best of the sweep: {b['method']} tiles {b['tiles']} warps {b['num_warps']}: "
-                  f"{b['graph_ms']:.4f} ms, {b['of_hbm']:.1%} of HBM")
+        for method, b in sorted(r.get("best", {}).items()):
+            launch = f"down {b['down_launch']}" if b["down_launch"] else \
+                f"tiles {b['tiles']} warps {b['num_warps']} stages {b['num_stages']}"
+            print(f"{'':>14} best {method} of the sweep: {launch}: {b['graph_ms']:.4f} ms, {b['of_hbm']:.1%} of HBM")
     out = args.out or (Path(tempfile.mkdtemp(prefix="bench_moe-")) if args.smoke else None)
     print("wrote", write_results("bench_moe", figures, out))
 

@@ -1,6 +1,6 @@
 """tierkv.kernels: the GPU kernels (paged attention, KV writes, block copies, fp8 KV
-(de)quantisation, the decoder's fused RMSNorm / RoPE / SiLU-mul, the mixture-of-experts layer, the
-sampler's top-k/top-p filter), dispatched by device.
+(de)quantisation, the decoder's fused RMSNorm / RoPE / SiLU-mul, the mixture-of-experts layer and
+its router's top-k, the sampler's top-k/top-p filter), dispatched by device.
 
 Triton kernels run on CUDA tensors and the torch reference everywhere else. The environment
 variable TIERKV_KERNELS=reference|triton forces one implementation (triton on CPU means the
@@ -45,6 +45,7 @@ __all__ = [
     "top_k_top_p_filter",
     "mla_decode",
     "fused_moe",
+    "moe_topk",
 ]
 
 # public name -> module of this package that holds its Triton version; a name missing here
@@ -68,6 +69,7 @@ _TRITON_HOME: dict[str, str] = {
     "top_k_top_p_filter": "sampling",
     "mla_decode": "mla",
     "fused_moe": "moe",
+    "moe_topk": "router",
 }
 
 
@@ -246,6 +248,14 @@ def fused_moe(x, w13, w2, topk_ids, topk_weights, activation: str = "silu", b13=
     Expert weights: w13 [E, 2I, H] (each expert's gate rows, then its up rows), w2 [E, H, I],
     optional biases b13 [E, 2I] and b2 [E, H]. activation: "silu" (silu(gate) * up) or
     "swigluoai" (gpt-oss's clamped SwiGLU with alpha and limit). See reference.fused_moe; the
-    Triton version (kernels/moe.py) sorts tokens by expert and runs grouped GEMMs, with no host sync.
+    Triton version (kernels/moe.py) sorts tokens by expert and runs grouped GEMMs (for a few tokens:
+    no sort, two launches per pair and per token), with no host sync.
     """
     return _impl("fused_moe", x)(x, w13, w2, topk_ids, topk_weights, activation, b13, b2, alpha, limit)
+
+
+def moe_topk(logits: torch.Tensor, k: int, router: str = "softmax", renormalize: bool = False):
+    """A MoE router's logits [T, E] -> (topk_ids [T, k] int64, topk_weights [T, k] in logits' dtype):
+    "softmax" (Qwen3-MoE: softmax over all, top k, renormalised if `renormalize`) or "topk_softmax"
+    (gpt-oss: top k logits, softmax over them). See reference.moe_topk; one launch on CUDA."""
+    return _impl("moe_topk", logits)(logits, k, router, renormalize)

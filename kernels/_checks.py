@@ -372,6 +372,20 @@ def check_fused_moe(x, w13, w2, topk_ids, topk_weights, activation, b13, b2) -> 
     return tokens, hidden, experts, inter, topk_ids.shape[1]
 
 
+MOE_ROUTERS = ("softmax", "topk_softmax")
+
+
+def check_moe_topk(logits, k, router) -> tuple[int, int]:
+    """logits [T, E] float; k in [1, E]; router one of MOE_ROUTERS. Returns (T, E)."""
+    check_tensor("logits", logits, 2, ATTN_DTYPES)
+    tokens, experts = logits.shape
+    if not isinstance(k, int) or not 0 < k <= experts:
+        _fail(f"k (experts per token) must be an int in [1, {experts}] for logits [T, {experts}], got {k!r}")
+    if router not in MOE_ROUTERS:
+        _fail(f"router {router!r} is not one of {', '.join(MOE_ROUTERS)}")
+    return tokens, experts
+
+
 def check_mla_decode(q_latent, q_pe, kv, block_tables, seq_lens) -> tuple[int, int, int]:
     """Absorbed MLA decode: q_latent [B, H, L], q_pe [B, H, R] over a latent pool kv
     [num_blocks, 2, bs, 1, D] with L + R == 2 * D (a token's latent split over the K and V planes).

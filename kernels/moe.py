@@ -13,10 +13,13 @@ The grouped path (see reference.fused_moe for the maths and the weight layout):
 3. down: act @ w2 of the tile's expert (+ b2), times the pair's routing weight, rounded to x's dtype,
    written to the pair's row of a [T * k, H] buffer (padding rows write nothing).
 4. the k rows of each token are summed in fp32 and rounded once -> [T, H].
-The per-pair path, for a few tokens (decode at batch 1): the sort's dozen small launches would cost
-more than reading the experts, and the k experts of a token are distinct anyway, so each (token,
-expert) pair reads its expert's weights directly (matrix-vector products): gate_up with the
-activation, then down times the routing weight, then step 4.
+The per-pair path, for a few tokens (decode at batch 1): the sort's launches would cost more than
+reading the experts, and the k experts of a token are distinct anyway, so each (token, expert) pair
+reads its expert's weights directly, in two launches: gate_up with the activation per (pair, column
+tile), then per (token, column tile) the down products of all k pairs, weighted and summed (step 4
+inside the kernel). Both are tl.dot loops over a 16-row tile whose other rows are zeros: the
+compiler pipelines a dot loop's loads (several weight tiles in flight), which is what reading HBM at
+its speed takes; the tensor cores' wasted rows cost nothing at batch 1.
 Rounding follows transformers where it matters (the GEMM outputs are rounded to the dtype before
 the activation, the weighted expert output before the sum); the sum over k is in fp32, so bf16 results
 can differ from the reference by an ulp. This file never reads tensor contents on the host.
@@ -125,52 +128,72 @@ def _down_kernel(Act, W2, B2, Weights, Out, SortedPairs, TileExpert, NumPadded,
 
 
 @triton.jit
-def _gate_up_gemv_kernel(X, W13, B13, Act, Ids, hidden, inter, top_k, stride_xt, stride_we, stride_wn, stride_be,
-                         alpha, limit, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+def _gate_up_pair_kernel(X, W13, B13, Act, Ids, hidden, inter, top_k, stride_xt, stride_we, stride_wn, stride_be,
+                         alpha, limit, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, DOT_PREC: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # program (p, n): pair p (token p // k, its expert Ids[p]), act columns [n * BLOCK_N, +BLOCK_N)
+    # program (p, n): pair p (token p // k, its expert Ids[p]), act columns [n * BLOCK_N, +BLOCK_N). The
+    # token's x is row 0 of a 16-row tile (tl.dot's smallest; the other rows are zeros and read nothing):
+    # a dot loop, which the compiler pipelines (weight tiles of later steps in flight), unlike a
+    # multiply-reduce loop, whose one tile at a time left HBM idle
     pair, pid_n = tl.program_id(0).to(tl.int64), tl.program_id(1)
     expert = tl.load(Ids + pair).to(tl.int64)
-    x_row = X + (pair // top_k) * stride_xt
+    first = (tl.arange(0, 16) == 0)[:, None]                                               # [16, 1]
+    x_row = X + (pair // top_k) * stride_xt + tl.zeros((16, 1), dtype=tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < inter
     w_gate = W13 + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn          # [1, BLOCK_N]
     w_up = w_gate + inter * stride_wn
-    acc_gate = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc_gate = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((16, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < hidden
-        x = tl.load(x_row + ks, mask=k_ok, other=0.0).to(tl.float32)[:, None]           # [BLOCK_K, 1]
+        a = tl.load(x_row + ks[None, :], mask=first & k_ok[None, :], other=0.0)          # [16, BLOCK_K]
         w_mask = k_ok[:, None] & col_ok[None, :]
-        acc_gate += tl.sum(tl.load(w_gate + ks[:, None], mask=w_mask, other=0.0).to(tl.float32) * x, axis=0)
-        acc_up += tl.sum(tl.load(w_up + ks[:, None], mask=w_mask, other=0.0).to(tl.float32) * x, axis=0)
-    act = _activate(acc_gate, acc_up, B13, expert, stride_be, cols, col_ok, inter, alpha, limit,
-                    Act.dtype.element_ty, HAS_BIAS, ACTIVATION)
-    tl.store(Act + pair * inter + cols, act, mask=col_ok)
+        wg = tl.load(w_gate + ks[:, None], mask=w_mask, other=0.0)                     # [BLOCK_K, BLOCK_N]
+        wu = tl.load(w_up + ks[:, None], mask=w_mask, other=0.0)
+        acc_gate = tl.dot(a, wg, acc_gate, input_precision=DOT_PREC)
+        acc_up = tl.dot(a, wu, acc_up, input_precision=DOT_PREC)
+    act = _activate(acc_gate, acc_up, B13, expert, stride_be, cols[None, :], col_ok[None, :], inter, alpha, limit,
+                    Act.dtype.element_ty, HAS_BIAS, ACTIVATION)                        # [16, BLOCK_N], row 0 real
+    tl.store(Act + pair * inter + tl.zeros((16, 1), dtype=tl.int64) + cols[None, :], act,
+             mask=first & col_ok[None, :])
 
 
 @triton.jit
-def _down_gemv_kernel(Act, W2, B2, Weights, Ids, Out, hidden, inter, stride_we, stride_wn, stride_be,
-                      HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # program (p, n): pair p's weighted expert output, columns [n * BLOCK_N, +BLOCK_N), into row p of Out
-    pair, pid_n = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    expert = tl.load(Ids + pair).to(tl.int64)
+def _down_sum_kernel(Act, W2, B2, Weights, Ids, Out, hidden, inter, top_k, stride_we, stride_wn, stride_be,
+                     HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr,
+                     BLOCK_J: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # program (t, n): token t's output columns [n * BLOCK_N, +BLOCK_N), all k of its pairs: pair j's
+    # act row sits in row j of the tile (the other rows zero), so one dot loop over (j, inter chunk)
+    # leaves pair j's expert output in row j of the accumulator; the epilogue weights each row,
+    # rounds it like transformers, and sums the k rows in fp32 (no [T * k, H] buffer, no reduce launch)
+    token, pid_n = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    js = tl.arange(0, BLOCK_J)
+    j_ok = js < top_k
+    experts = tl.load(Ids + token * top_k + js, mask=j_ok, other=0).to(tl.int64)          # [BLOCK_J]
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden
-    w = W2 + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn                   # [1, BLOCK_N]
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k0 in range(0, inter, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
+    w_cols = W2 + cols[None, :].to(tl.int64) * stride_wn                                 # [1, BLOCK_N]
+    a_rows = Act + (token * top_k + js[:, None]) * inter                                 # [BLOCK_J, 1]
+    chunks = tl.cdiv(inter, BLOCK_K)
+    acc = tl.zeros((BLOCK_J, BLOCK_N), dtype=tl.float32)
+    for i in range(0, top_k * chunks):
+        j = i // chunks
+        ks = (i - j * chunks) * BLOCK_K + tl.arange(0, BLOCK_K)
         k_ok = ks < inter
-        a = tl.load(Act + pair * inter + ks, mask=k_ok, other=0.0).to(tl.float32)[:, None]  # [BLOCK_K, 1]
-        acc += tl.sum(tl.load(w + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32) * a,
-                      axis=0)
+        expert = tl.sum(tl.where(js == j, experts, 0), axis=0)
+        a = tl.load(a_rows + ks[None, :], mask=(js == j)[:, None] & k_ok[None, :], other=0.0)   # [BLOCK_J, BLOCK_K]
+        wd = tl.load(w_cols + expert * stride_we + ks[:, None], mask=k_ok[:, None] & col_ok[None, :],
+                     other=0.0)                                                        # [BLOCK_K, BLOCK_N]
+        acc = tl.dot(a, wd, acc, input_precision=DOT_PREC)
     dtype = Out.dtype.element_ty
     if HAS_BIAS:
-        acc += tl.load(B2 + expert * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)
-    weight = tl.load(Weights + pair).to(tl.float32)
-    tl.store(Out + pair * hidden + cols, (acc.to(dtype).to(tl.float32) * weight).to(dtype), mask=col_ok)
+        acc += tl.load(B2 + experts[:, None] * stride_be + cols[None, :], mask=j_ok[:, None] & col_ok[None, :],
+                       other=0.0).to(tl.float32)
+    weight = tl.load(Weights + token * top_k + js, mask=j_ok, other=0.0).to(tl.float32)   # [BLOCK_J]
+    weighted = (acc.to(dtype).to(tl.float32) * weight[:, None]).to(dtype).to(tl.float32)  # rows past k: 0
+    tl.store(Out + token * hidden + cols, tl.sum(weighted, axis=0).to(dtype), mask=col_ok)
 
 
 def padded_rows(pairs: int, experts: int, block_m: int) -> int:
@@ -262,13 +285,18 @@ def sort_by_expert(topk_ids: torch.Tensor, experts: int, block_m: int, method: s
     return sorted_pairs, tile_expert, padded_end[-1:]
 
 
-def _gemv_tiles(pairs: int, inter: int, device: torch.device) -> tuple[int, int, int]:
-    """(unused, BLOCK_N, BLOCK_K) of the per-pair path: the widest column tile that still gives the
-    gate_up launch two programs per SM (batch 1 launches only k pairs' worth)."""
+def _gemv_launch(pairs: int, inter: int, device: torch.device) -> tuple[int, int, int]:
+    """(unused, BLOCK_N, BLOCK_K) of the per-pair gate_up launch: the widest column tile that still
+    gives two programs per SM (batch 1 launches only k pairs' worth)."""
     for block_n in (64, 32):
         if pairs * triton.cdiv(inter, block_n) >= 2 * sm_count(device):
-            return 1, block_n, 128
-    return 1, 16, 128
+            return 1, block_n, 256
+    return 1, 16, 256
+
+
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) of the per-pair path's down launch (one program per
+# token and 16 output columns, the narrowest tl.dot takes, so that even batch 1 has hidden / 16 of them)
+DOWN_LAUNCH = (16, 256, 4, 4)
 
 
 def _tiles(pairs: int, experts: int) -> tuple[int, int, int]:
@@ -280,14 +308,15 @@ def _tiles(pairs: int, experts: int) -> tuple[int, int, int]:
 
 def fused_moe(x, w13, w2, topk_ids, topk_weights, activation="silu", b13=None, b2=None, alpha=1.702, limit=7.0,
               *, method: str | None = None, tiles: tuple[int, int, int] | None = None, num_warps: int = 4,
-              num_stages: int = 3):
+              num_stages: int = 3, down_launch: tuple[int, int, int, int] | None = None):
     """See reference.fused_moe. Two paths, chosen by the token count (or `method`):
-    "gemv" (at most GEMV_MAX_TOKENS tokens, decode): one program per (pair, column tile) reads its
-    expert's weight tile, with no sort: two matrix-vector launches and the sum over k, each used
-    expert read about once;
+    "gemv" (at most GEMV_MAX_TOKENS tokens, decode): no sort; one program per (pair, column tile)
+    reads its expert's gate/up tile, then one per (token, column tile) reads the down tiles of all
+    k of the token's experts and sums them: two launches, each used expert read about once;
     "grouped": the expert-sorted grouped GEMMs (module docstring), which read each expert once per
-    tile of BLOCK_M rows. `tiles` = (BLOCK_M, BLOCK_N, BLOCK_K) overrides the tile choice (BLOCK_M
-    is unused by "gemv")."""
+    tile of BLOCK_M rows. `tiles` = (BLOCK_M, BLOCK_N, BLOCK_K), `num_warps` and `num_stages`
+    override the launch (of "gemv": its gate_up launch, BLOCK_M unused); `down_launch` =
+    (BLOCK_N, BLOCK_K, num_warps, num_stages) overrides the down launch of "gemv" (DOWN_LAUNCH)."""
     tokens, hidden, experts, inter, k = _checks.check_fused_moe(x, w13, w2, topk_ids, topk_weights, activation,
                                                                 b13, b2)
     check_triton_device(x)
@@ -295,32 +324,38 @@ def fused_moe(x, w13, w2, topk_ids, topk_weights, activation="silu", b13=None, b
         return torch.empty_like(x)
     x = x if x.stride(1) == 1 else x.contiguous()
     w13, w2 = w13.contiguous(), w2.contiguous()  # no-ops for loaded weights
+    topk_ids, topk_weights = topk_ids.contiguous(), topk_weights.contiguous()
     method = method or ("gemv" if tokens <= GEMV_MAX_TOKENS else "grouped")
     if method == "gemv":
         return _gemv(x, w13, w2, topk_ids, topk_weights, activation, b13, b2, alpha, limit,
-                     tiles or _gemv_tiles(tokens * k, inter, x.device), num_warps)
+                     tiles or _gemv_launch(tokens * k, inter, x.device), num_warps, num_stages,
+                     down_launch or DOWN_LAUNCH)
     return _grouped(x, w13, w2, topk_ids, topk_weights, activation, b13, b2, alpha, limit,
                     tiles or _tiles(tokens * k, experts), num_warps, num_stages)
 
 
-def _gemv(x, w13, w2, topk_ids, topk_weights, activation, b13, b2, alpha, limit, tiles, num_warps):
+def _gemv(x, w13, w2, topk_ids, topk_weights, activation, b13, b2, alpha, limit, tiles, num_warps, num_stages,
+          down_launch):
     (tokens, hidden), (_, two_inter, _), k = x.shape, w13.shape, topk_ids.shape[1]
     inter, (_, block_n, block_k) = two_inter // 2, tiles
     ids, weights = topk_ids.reshape(-1), topk_weights.reshape(-1)
+    prec = dot_precision(x.dtype)
     act = torch.empty((tokens * k, inter), dtype=x.dtype, device=x.device)
-    per_pair = torch.empty((tokens * k, hidden), dtype=x.dtype, device=x.device)
-    _gate_up_gemv_kernel[(tokens * k, triton.cdiv(inter, block_n))](
+    out = torch.empty_like(x)
+    _gate_up_pair_kernel[(tokens * k, triton.cdiv(inter, block_n))](
         x, w13, b13 if b13 is not None else w13, act, ids, hidden, inter, k, x.stride(0), w13.stride(0),
         w13.stride(1), b13.stride(0) if b13 is not None else 0, float(alpha), float(limit),
-        HAS_BIAS=b13 is not None, ACTIVATION=_ACTIVATIONS[activation], BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=num_warps,
+        HAS_BIAS=b13 is not None, ACTIVATION=_ACTIVATIONS[activation], DOT_PREC=prec, BLOCK_N=block_n,
+        BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
     )
-    _down_gemv_kernel[(tokens * k, triton.cdiv(hidden, block_n))](
-        act, w2, b2 if b2 is not None else w2, weights, ids, per_pair, hidden, inter, w2.stride(0), w2.stride(1),
-        b2.stride(0) if b2 is not None else 0, HAS_BIAS=b2 is not None, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=num_warps,
+    down_n, down_k, down_warps, down_stages = down_launch
+    _down_sum_kernel[(tokens, triton.cdiv(hidden, down_n))](
+        act, w2, b2 if b2 is not None else w2, weights, ids, out, hidden, inter, k, w2.stride(0), w2.stride(1),
+        b2.stride(0) if b2 is not None else 0, HAS_BIAS=b2 is not None, DOT_PREC=prec,
+        BLOCK_J=max(16, triton.next_power_of_2(k)), BLOCK_N=down_n, BLOCK_K=down_k, num_warps=down_warps,
+        num_stages=down_stages,
     )
-    return _sum_over_k(per_pair, tokens, k)
+    return out
 
 
 def _sum_over_k(per_pair: torch.Tensor, tokens: int, k: int) -> torch.Tensor:

@@ -421,6 +421,25 @@ def fused_moe(
     return out
 
 
+def moe_topk(logits: torch.Tensor, k: int, router: str = "softmax", renormalize: bool = False):
+    """A MoE router's choice from its logits [T, E] -> (topk_ids [T, k] int64, topk_weights [T, k] in
+    logits' dtype), each as transformers computes it:
+
+    "softmax" (Qwen3-MoE): softmax over all experts in fp32, the top k of those probabilities, divided
+                  by their sum if renormalize (norm_topk_prob), cast to logits' dtype.
+    "topk_softmax" (gpt-oss): the top k logits, then a softmax over those k (in logits' dtype).
+    """
+    _checks.check_moe_topk(logits, k, router)
+    if router == "softmax":
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)            # [T, E]
+        weights, ids = torch.topk(probs, k, dim=-1)                           # [T, k] each
+        if renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return ids, weights.to(logits.dtype)
+    top, ids = torch.topk(logits, k, dim=-1)
+    return ids, torch.softmax(top, dim=-1, dtype=top.dtype)
+
+
 # Multi-head latent attention (DeepSeek-V2/V3). The pool holds one latent per token,
 # cat(c_kv [L], k_pe [R]), split over the two planes of a one-head pool: K plane = latent[:D],
 # V plane = latent[D:], D = (L + R) / 2.

@@ -1,6 +1,7 @@
-"""The Triton fused_moe (kernels/moe.py) against the torch reference, run on CPU by the Triton
-interpreter (see interpreted.py: in a normal run this file's one test runs it again in a child
-process). bf16 and the decode/prefill sizes of real models are GPU-tested (test_kernels_gpu.py).
+"""The Triton fused_moe (kernels/moe.py) and router top-k (kernels/router.py) against the torch
+reference, run on CPU by the Triton interpreter (see interpreted.py: in a normal run this file's one
+test runs it again in a child process). bf16 and the decode/prefill sizes of real models are
+GPU-tested (test_kernels_moe_gpu.py).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from tierkv.kernels import reference as ref  # noqa: E402
 
 @pytest.fixture(scope="module")
 def tk():
-    return kernel_modules("moe")
+    return kernel_modules("moe", "router")
 
 
 def moe_case(t, h, e, inter, k, dtype, bias=False, seed=0, skew=False):
@@ -38,9 +39,9 @@ def moe_case(t, h, e, inter, k, dtype, bias=False, seed=0, skew=False):
     return x, w13, w2, ids, weights, b13, b2
 
 
-def _check(tk, case, activation="silu", tiles=None, method=None):
+def _check(tk, case, activation="silu", tiles=None, method=None, **launch):
     x, w13, w2, ids, weights, b13, b2 = case
-    got = tk.moe.fused_moe(x, w13, w2, ids, weights, activation, b13, b2, tiles=tiles, method=method)
+    got = tk.moe.fused_moe(x, w13, w2, ids, weights, activation, b13, b2, tiles=tiles, method=method, **launch)
     assert got.dtype == x.dtype and got.shape == x.shape
     if x.dtype == torch.float32:
         want = ref.fused_moe(x, w13, w2, ids, weights, activation, b13, b2)
@@ -78,6 +79,15 @@ def test_one_token_and_runs_longer_than_a_tile(tk, method):
     _check(tk, moe_case(40, 32, 6, 16, 2, torch.float32, skew=True), tiles=(16, 16, 32), method=method)
 
 
+@pytest.mark.parametrize("k,down_launch,bias", [(3, (16, 16, 4, 1), False), (3, (32, 64, 4, 2), True),
+                                                 (17, (16, 32, 4, 3), True)])
+def test_the_per_pair_down_launch_sums_the_k_experts_itself(tk, k, down_launch, bias):
+    # one program per (token, column tile) walks all k pairs' inter chunks (24 = 16 + a partial chunk,
+    # or one chunk of 64 with 40 masked), pair j in row j; k = 17 needs a 32-row tile
+    case = moe_case(3, 40, 20, 24, k, torch.float32, bias=bias)
+    _check(tk, case, "swigluoai" if bias else "silu", tiles=(1, 16, 16), method="gemv", down_launch=down_launch)
+
+
 @pytest.mark.parametrize("tokens", [3, 37])  # the default path and tiles: per-pair for 3 tokens, grouped for 37
 def test_routing_weights_in_fp32_and_the_default_choices(tk, tokens):
     x, w13, w2, ids, weights, b13, b2 = moe_case(tokens, 48, 5, 32, 2, torch.float16)
@@ -105,6 +115,42 @@ def test_the_one_program_sort_equals_the_torch_one(tk, tokens, k, experts, block
     want = tk.moe.sort_by_expert(ids, experts, block_m, "torch")
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+
+
+def router_logits(tokens, experts, dtype, seed=0):
+    """Logits without ties: each row a permutation of multiples of 1/16 (exact in fp16 and bf16)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = [(torch.randperm(experts, generator=g) - experts // 2) / 16 for _ in range(tokens)]
+    return torch.stack(rows).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("router,renormalize,experts,k", [("softmax", True, 60, 8), ("softmax", False, 128, 8),
+                                                          ("topk_softmax", False, 32, 4), ("softmax", True, 5, 5)])
+def test_router_topk_matches_the_reference(tk, router, renormalize, experts, k, dtype):
+    logits = router_logits(6, experts, dtype)
+    ids, weights = tk.router.moe_topk(logits, k, router, renormalize)
+    want_ids, want_weights = ref.moe_topk(logits, k, router, renormalize)
+    assert ids.dtype == torch.int64 and weights.dtype == dtype
+    assert torch.equal(ids, want_ids)
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=2 ** -10, atol=0)  # fp16: one ulp
+    torch.testing.assert_close(weights, want_weights, **tol)
+
+
+def test_router_ties_go_to_the_lower_expert_id(tk):
+    logits = torch.tensor([[0.5, 2.0, 1.0, 2.0, 1.0, 0.0]])
+    ids, weights = tk.router.moe_topk(logits, 3, "topk_softmax")
+    assert ids.tolist() == [[1, 3, 2]]
+    assert weights[0, 0] == weights[0, 1] > weights[0, 2]
+
+
+def test_router_refuses_bad_arguments(tk):
+    from tierkv.kernels import ShapeError
+
+    with pytest.raises(ShapeError, match="k .* must be an int in \\[1, 4\\]"):
+        tk.router.moe_topk(torch.zeros(2, 4), 5)
+    with pytest.raises(ShapeError, match="router 'sigmoid' is not one of"):
+        tk.router.moe_topk(torch.zeros(2, 4), 2, "sigmoid")
 
 
 leave_only_the_child_run(globals())

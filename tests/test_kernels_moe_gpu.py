@@ -1,6 +1,7 @@
 """The Triton fused_moe on a CUDA GPU in bf16, at the MoE shapes of Qwen3-30B-A3B and gpt-oss-20b,
 against the fp32 torch reference of the same inputs; and captured in a CUDA graph (no host sync),
-replayed with other routing."""
+replayed with other routing. The router top-k kernel (kernels/router.py) against its reference, in
+bf16 and fp32 and in a graph."""
 
 from __future__ import annotations
 
@@ -52,6 +53,58 @@ def test_bf16_matches_the_fp32_reference(shape, tokens, method):
     # the kernel is at least as close to the exact result as transformers' bf16 order is, and close outright
     assert _rel(got, want) <= max(1.5 * _rel(in_bf16, want), 5e-3)
     assert _rel(got, want) < 1e-2
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("down_launch", [(16, 128, 4, 3), (16, 512, 2, 5), (32, 256, 4, 4)])
+def test_the_per_pair_path_at_every_down_launch(shape, down_launch):
+    from tierkv.kernels import moe
+
+    x, w13, w2, ids, weights, act, b13, b2 = _case(shape, 3)
+    got = moe.fused_moe(x, w13, w2, ids, weights, act, b13, b2, method="gemv", down_launch=down_launch)
+    f32 = lambda t: None if t is None else t.float()  # noqa: E731
+    want = ref.fused_moe(x.float(), w13.float(), w2.float(), ids, weights.float(), act, f32(b13), f32(b2))
+    in_bf16 = ref.fused_moe(x, w13, w2, ids, weights, act, b13, b2)
+    assert _rel(got, want) <= max(1.5 * _rel(in_bf16, want), 5e-3)
+
+
+def _distinct_logits(tokens, experts, dtype, seed=0):
+    """Router logits without ties: each row a permutation of multiples of 1/16 (exact in bf16)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    order = torch.rand(tokens, experts, generator=g, device="cuda").argsort(dim=-1)
+    return ((order - experts // 2) / 16).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("router,renormalize,experts,k", [("softmax", True, 128, 8), ("softmax", False, 128, 8),
+                                                          ("topk_softmax", False, 32, 4), ("softmax", True, 256, 8)])
+@pytest.mark.parametrize("tokens", [1, 300])
+def test_router_topk_matches_the_reference(router, renormalize, experts, k, dtype, tokens):
+    from tierkv.kernels import router as triton_router
+
+    logits = _distinct_logits(tokens, experts, dtype)
+    ids, weights = triton_router.moe_topk(logits, k, router, renormalize)
+    want_ids, want_weights = ref.moe_topk(logits, k, router, renormalize)
+    assert torch.equal(ids, want_ids)
+    # fp32: 1e-6; bf16: one ulp (the exp may differ from torch's in the last fp32 bits)
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=2**-7, atol=0)
+    torch.testing.assert_close(weights, want_weights, **tol)
+
+
+def test_router_topk_runs_in_a_cuda_graph():
+    from tierkv.kernels import router as triton_router
+
+    logits = _distinct_logits(4, 128, torch.bfloat16)
+    triton_router.moe_topk(logits, 8, "softmax", True)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ids, weights = triton_router.moe_topk(logits, 8, "softmax", True)
+    logits.copy_(_distinct_logits(4, 128, torch.bfloat16, seed=1))
+    graph.replay()
+    want_ids, want_weights = triton_router.moe_topk(logits, 8, "softmax", True)
+    torch.cuda.synchronize()
+    assert torch.equal(ids, want_ids) and torch.equal(weights, want_weights)
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))

@@ -9,7 +9,7 @@ How to build one (helpers of other families, start here):
 
 Routers (`MoESpec.router`), each as transformers computes it:
 - "softmax" (qwen3_moe): logits = x @ gate.weight.T; softmax in fp32 over all experts; top-k; divided
-  by their sum if norm_topk_prob; cast to x's dtype.
+  by their sum if norm_topk_prob; cast to x's dtype. (This and the next: kernels.moe_topk, one launch.)
 - "topk_softmax" (gpt_oss): logits = x @ gate.weight.T + gate.bias; top-k of the logits; softmax over
   those k in x's dtype. Experts have biases and the "swigluoai" activation (clamped SwiGLU, alpha 1.702,
   limit 7.0).
@@ -149,21 +149,15 @@ class Router(nn.Module):
         self.e_score_correction_bias = nn.Parameter(torch.empty(spec.num_experts)) if grouped else None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        k = self.spec.num_experts_per_tok
-        if self.spec.router == "softmax":
-            logits = F.linear(x, self.weight)                                     # [T, E]
-            probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-            weights, ids = torch.topk(probs, k, dim=-1)                           # [T, k] each
-            if self.spec.norm_topk_prob:
-                weights = weights / weights.sum(dim=-1, keepdim=True)
-            return ids, weights.to(logits.dtype)
-        if self.spec.router == "topk_softmax":
-            logits = F.linear(x, self.weight, self.bias)                          # [T, E]
-            top, ids = torch.topk(logits, k, dim=-1)
-            return ids, torch.softmax(top, dim=-1, dtype=top.dtype)
-        return self._grouped_sigmoid(x)
+        spec = self.spec
+        if spec.router == "grouped_sigmoid":
+            return self._grouped_sigmoid(x)
+        logits = F.linear(x, self.weight, self.bias)                              # [T, E]
+        # softmax / top-k / renormalise: one Triton launch on CUDA, the torch reference on CPU
+        return kernels.moe_topk(logits, spec.num_experts_per_tok, spec.router, spec.norm_topk_prob)
 
     def _grouped_sigmoid(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # stays in torch (a dozen small launches): the group-limited choice has no Triton kernel yet
         spec = self.spec
         scores = F.linear(x.float(), self.weight.float()).sigmoid()             # [T, E] fp32
         choice = scores + self.e_score_correction_bias.float()
