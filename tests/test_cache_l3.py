@@ -372,3 +372,25 @@ def test_an_l3_read_into_an_l2_slot_waits_for_the_load_still_reading_it(tmp_path
         assert torch.equal(read_slots(cache, seq, 12), prefix_kv(LAYOUT, a)[:, :, :12])
         cache.free(seq)
         check_retrieve(cache, b, 12)  # and b's blocks landed whole
+
+
+def test_stats_keep_the_last_reads_estimate_and_actual_time_bounded(tmp_path):
+    from tierkv.l3_mover import RECENT_READS
+
+    doc = list(range(4 * 8 + 1))
+    with make([f"file://{tmp_path}?size=1MiB"], l1=16, l2=16) as cache:
+        store(cache, doc)
+        assert cache.flush(timeout=30)
+        assert cache.stats()["l3_reads"] == {"recent": [], "timed": 0, "abandoned": 0,
+                                             "mean_actual_over_estimate": None}
+        cache.evict("l1")
+        cache.evict("l2")
+        m = cache.match(doc)
+        for _ in range(RECENT_READS + 4):  # each read lands in L2, and is dropped for the next
+            assert cache.prefetch(m, 30, blocks=(0, 2)).wait(30)
+            cache.evict("l2")
+        reads = cache.stats()["l3_reads"]
+        assert len(reads["recent"]) == RECENT_READS and reads["timed"] == RECENT_READS + 4
+        assert all(r["blocks"] == 2 and r["estimate_s"] > 0 and r["actual_s"] > 0 and not r["abandoned"]
+                   for r in reads["recent"])
+        assert reads["mean_actual_over_estimate"] > 0

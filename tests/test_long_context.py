@@ -163,6 +163,46 @@ def test_an_l3_tail_is_read_while_the_head_is_recomputed(tiny_llama, tmp_path):
     assert cache.stats()["tiers"]["l3"]["blocks_out"] == 1 + (288 - start) // 16
 
 
+def test_a_late_l3_tail_is_abandoned_and_recomputed_never_waited_for_longer(tiny_llama, tmp_path):
+    import threading
+
+    (prompt,) = prompts(4, 300)  # 18 full blocks, then the token whose logits are computed
+    params = SamplingParams(temperature=0, max_tokens=8)
+    want = LLM(tiny_llama, device="cpu").generate(prompt, params, use_tqdm=False)[0].token_ids
+    bb = LLM(tiny_llama, device="cpu", l1=1 << 20).cache.layout.bytes_per_block
+    url = f"file://{tmp_path}?size=64MiB"
+    first = LLM(tiny_llama, device="cpu", l2=64 * bb, l3=[url])
+    first.generate(prompt, params, use_tqdm=False)
+    assert first.cache.flush(timeout=30)
+    first.close()
+
+    llm = LLM(tiny_llama, device="cpu", l2=64 * bb, l3=[url])  # a restart: only the disk has the prefix
+    cache, engine = llm.cache, llm.engine
+    l3 = cache.tiers.l3
+    l3.stores[0]._stats.sample_bandwidth(bb, 0.01, write=False)  # measured: 10 ms a block
+    engine.scheduler.recompute_seconds_per_token = 0.005 / 16  # recomputing one: 5 ms
+    gate = threading.Event()
+    l3._reader.submit(gate.wait)  # the disk stalls after the estimate: the tail's read comes late
+    try:
+        req = engine.add_request(prompt, params)
+        engine.step()  # admitted: the start is computed while the tail is (to be) read
+        start = req.adopt_at
+        assert req.tail is not None and 0 < start < 288
+        tail = req.tail
+        while engine.has_unfinished():
+            engine.step()
+        # it waited at the tail for no longer than recomputing the tail takes, then recomputed it
+        assert tail.give_up_at - tail.reached_at == pytest.approx((288 - start) * 0.005 / 16)
+        assert not tail.done() and req.output_ids == want and req.cached_tokens == 0
+    finally:
+        gate.set()
+    assert tail.wait(30)  # the abandoned read started nothing once the disk came back
+    reads = cache.stats()["l3_reads"]
+    assert reads["abandoned"] == 1 and reads["recent"][-1]["abandoned"]
+    assert reads["recent"][-1]["blocks"] == (288 - start) // 16 and reads["recent"][-1]["estimate_s"] > 0
+    assert cache.stats()["tiers"]["l3"]["blocks_out"] == 0 and cache.stats()["tiers"]["l3"]["errors"] == 0
+
+
 def test_a_prompt_larger_than_l1_and_l2_is_refused(tiny_llama):
     bb = LLM(tiny_llama, device="cpu", l1=1 << 20).cache.layout.bytes_per_block
     llm = LLM(tiny_llama, device="cpu", l1=4 * bb, l2=4 * bb)

@@ -97,5 +97,65 @@ def test_a_slow_l3_hit_becomes_a_tail_read_while_the_head_is_recomputed(tmp_path
         assert plan.fetch is None and plan.tail is not None and not plan.stream
         j, end = plan.tail
         assert plan.adopt_at == 4 * j and end == 40
-        # past the time recomputing the whole L3 part takes, no more of the tail is read
-        assert abs(plan.tail_deadline_s - (4 * end - plan.match.tokens) * per_token) < 1e-9
+        # no more of the tail is read `deadline_s` past the time recomputing the whole L3 part takes
+        assert abs(plan.tail_deadline_s - ((4 * end - plan.match.tokens) * per_token + 1.0)) < 1e-9
+
+
+def slow_disk(cache, seconds_per_block: float) -> None:
+    """A measured read-speed sample, as a slow disk's first read gives: one block took this long."""
+    cache.tiers.l3.stores[0]._stats.sample_bandwidth(BPB, seconds_per_block, write=False)
+
+
+def test_reads_queued_ahead_move_the_split_toward_recomputing_and_a_late_read_is_not_issued(tmp_path):
+    import threading
+
+    url = f"file://{tmp_path}?size=64MiB"
+    doc, other = list(range(4 * 40 + 1)), list(range(1000, 1000 + 4 * 40 + 1))
+    with make(l1=48, l2=48, l3=[url]) as first:
+        store(first, doc)
+        store(first, other)
+        assert first.flush(timeout=30)
+    with make(l1=48, l2=48, l3=[url]) as cache:
+        slow_disk(cache, 0.01)  # 10 ms a block; recomputing one takes 5 ms
+        per_token = 0.005 / 4
+
+        def split(plan):
+            assert plan.fetch is None and plan.match.tokens == 0
+            return plan.tail[0] if plan.tail is not None else 40
+
+        idle = split(cache.plan(doc, budget=10_000, recompute_seconds_per_token=per_token))
+        assert 26 <= idle <= 28  # [j, 40) read in (40 - j) x 10 ms while j x 5 ms are recomputed
+        l3 = cache.tiers.l3
+        gate = threading.Event()
+        l3._reader.submit(gate.wait)  # the reader is busy: reads queue behind it
+        try:
+            assert cache.prefetch(cache.match(other), 30, blocks=(0, 10)).num_blocks == 10
+            busy = split(cache.plan(doc, budget=10_000, recompute_seconds_per_token=per_token))
+            assert idle < busy <= 35  # 10 blocks ahead: (50 - j) x 10 ms against j x 5 ms
+            assert cache.prefetch(cache.match(other), 30, blocks=(10, 40)).num_blocks == 30
+            # 40 blocks ahead: no read of any part of doc would land before its recompute reaches it
+            late = cache.plan(doc, budget=10_000, recompute_seconds_per_token=per_token)
+            assert (late.fetch, late.tail, late.adopt_at, late.match.by_tier) == (
+                None, None, None, {"l1": 0, "l2": 0, "l3": 0})
+            # a disk far faster than recomputing, queue and all: read whole first, waited for no
+            # longer than recomputing it would take
+            fast = cache.plan(doc, budget=10_000, recompute_seconds_per_token=1.0, deadline_s=600)
+            assert fast.fetch == (0, 40) and fast.tail is None and fast.fetch_deadline_s == 4 * 40 * 1.0
+        finally:
+            gate.set()
+
+
+def test_a_disk_faster_than_recomputing_is_still_split_not_waited_for_whole(tmp_path):
+    # Reading the whole L3 run first and then computing nothing takes (40 blocks x 10 ms) 0.4 s;
+    # computing the start meanwhile ends both by ~0.27 s. Only a read faster than recomputing a
+    # single block is waited for whole (the test above).
+    url = f"file://{tmp_path}?size=64MiB"
+    doc = list(range(4 * 40 + 1))
+    with make(l1=48, l2=48, l3=[url]) as first:
+        store(first, doc)
+        assert first.flush(timeout=30)
+    with make(l1=48, l2=48, l3=[url]) as cache:
+        slow_disk(cache, 0.01)
+        plan = cache.plan(doc, budget=10_000, recompute_seconds_per_token=0.02 / 4)  # 20 ms a block
+        assert plan.fetch is None and plan.tail is not None
+        assert 13 <= plan.tail[0] <= 15 and plan.tail[1] == 40 and plan.adopt_at == 4 * plan.tail[0]

@@ -231,10 +231,12 @@ class Admission:
             fetch_deadline_s = min(deadline_s, m.by_tier["l3"] * recompute_seconds_per_token)
         tail, tail_deadline_s = None, 0.0
         if fetch is None and m.tail is not None and not stream:
-            # the start of the L3 part is recomputed while its end is read; past the time that
-            # recomputing all of it takes, the read is of no use to this request: none of it starts
+            # the start of the L3 part is recomputed while its end is read. The scheduler abandons
+            # the read once waiting for it would take longer than recomputing the tail
+            # (Scheduler._tail_on_its_way); this deadline only ends a read nobody abandons (an
+            # engine of its own): `deadline_s` past the time recomputing all of the part takes
             tail = m.tail
-            tail_deadline_s = (m.tail[1] * bs - m.tokens) * recompute_seconds_per_token
+            tail_deadline_s = (m.tail[1] * bs - m.tokens) * recompute_seconds_per_token + deadline_s
         reserve = min(num_tokens, m.tokens + min(budget, self.stream_window)) if stream else None
         return AdmissionPlan(
             match=m, stream=stream, reserve=reserve,
