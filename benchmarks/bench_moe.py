@@ -38,10 +38,13 @@ BATCHES = (1, 4, 256)
 # entries the down launch (BLOCK_N, BLOCK_K, warps, stages) at the default gate_up launch, so the
 # two kernels' bests are found separately; "grouped" at 16 rows with narrow column tiles too (more
 # programs at batch 1)
-SWEEP = ([("gemv", (1, n, k), 4, s, None) for n in (16, 32, 64) for k in (128, 256, 512) for s in (3, 5)]
-         + [("gemv", (1, 16, k), 2, 4, None) for k in (256, 512)]
+# (tiles past the H200's 227 KiB of shared memory left out: 2 * BLOCK_N * BLOCK_K * 2 bytes a stage)
+SWEEP = ([("gemv", (1, n, k), 4, s, None) for n, k in ((16, 128), (16, 256), (16, 512), (32, 128), (32, 256),
+                                                       (64, 128)) for s in (3, 5)]
+         + [("gemv", (1, n, k), w, 3, None) for n, k, w in ((32, 512, 4), (16, 256, 2), (16, 512, 2))]
          + [("gemv-down", None, None, None, (n, k, 4, s)) for n in (16, 32) for k in (128, 256, 512) for s in (3, 5)]
-         + [("gemv-down", None, None, None, (16, k, 2, 4)) for k in (256, 512)]
+         + [("gemv-down", None, None, None, launch) for launch in ((16, 512, 4, 4), (16, 1024, 4, 3), (16, 256, 2, 4),
+                                                                   (16, 512, 2, 4))]
          + [("grouped", (m, n, k), w, 3, None) for m in (16, 32, 64) for n in (64, 128) for k in (64, 128)
             for w in (4, 8)]
          + [("grouped", (16, n, k), 4, s, None) for n in (16, 32) for k in (128, 256) for s in (3, 5)])

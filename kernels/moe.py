@@ -138,7 +138,7 @@ def _gate_up_pair_kernel(X, W13, B13, Act, Ids, hidden, inter, top_k, stride_xt,
     pair, pid_n = tl.program_id(0).to(tl.int64), tl.program_id(1)
     expert = tl.load(Ids + pair).to(tl.int64)
     first = (tl.arange(0, 16) == 0)[:, None]                                               # [16, 1]
-    x_row = X + (pair // top_k) * stride_xt + tl.zeros((16, 1), dtype=tl.int64)
+    x_row = X + (pair // top_k) * stride_xt
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < inter
     w_gate = W13 + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn          # [1, BLOCK_N]
@@ -148,7 +148,8 @@ def _gate_up_pair_kernel(X, W13, B13, Act, Ids, hidden, inter, top_k, stride_xt,
     for k0 in range(0, hidden, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < hidden
-        a = tl.load(x_row + ks[None, :], mask=first & k_ok[None, :], other=0.0)          # [16, BLOCK_K]
+        x = tl.load(x_row + ks, mask=k_ok, other=0.0)                                    # [BLOCK_K]
+        a = tl.where(first, x[None, :], 0.0).to(x.dtype)                                 # [16, BLOCK_K]
         w_mask = k_ok[:, None] & col_ok[None, :]
         wg = tl.load(w_gate + ks[:, None], mask=w_mask, other=0.0)                     # [BLOCK_K, BLOCK_N]
         wu = tl.load(w_up + ks[:, None], mask=w_mask, other=0.0)
@@ -175,7 +176,7 @@ def _down_sum_kernel(Act, W2, B2, Weights, Ids, Out, hidden, inter, top_k, strid
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden
     w_cols = W2 + cols[None, :].to(tl.int64) * stride_wn                                 # [1, BLOCK_N]
-    a_rows = Act + (token * top_k + js[:, None]) * inter                                 # [BLOCK_J, 1]
+    act_rows = Act + token * top_k * inter
     chunks = tl.cdiv(inter, BLOCK_K)
     acc = tl.zeros((BLOCK_J, BLOCK_N), dtype=tl.float32)
     for i in range(0, top_k * chunks):
@@ -183,7 +184,8 @@ def _down_sum_kernel(Act, W2, B2, Weights, Ids, Out, hidden, inter, top_k, strid
         ks = (i - j * chunks) * BLOCK_K + tl.arange(0, BLOCK_K)
         k_ok = ks < inter
         expert = tl.sum(tl.where(js == j, experts, 0), axis=0)
-        a = tl.load(a_rows + ks[None, :], mask=(js == j)[:, None] & k_ok[None, :], other=0.0)   # [BLOCK_J, BLOCK_K]
+        row = tl.load(act_rows + j * inter + ks, mask=k_ok, other=0.0)                     # [BLOCK_K]
+        a = tl.where((js == j)[:, None], row[None, :], 0.0).to(row.dtype)                # [BLOCK_J, BLOCK_K]
         wd = tl.load(w_cols + expert * stride_we + ks[:, None], mask=k_ok[:, None] & col_ok[None, :],
                      other=0.0)                                                        # [BLOCK_K, BLOCK_N]
         acc = tl.dot(a, wd, acc, input_precision=DOT_PREC)
@@ -294,9 +296,10 @@ def _gemv_launch(pairs: int, inter: int, device: torch.device) -> tuple[int, int
     return 1, 16, 256
 
 
-# (BLOCK_N, BLOCK_K, num_warps, num_stages) of the per-pair path's down launch (one program per
-# token and 16 output columns, the narrowest tl.dot takes, so that even batch 1 has hidden / 16 of them)
-DOWN_LAUNCH = (16, 256, 4, 4)
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) of the per-pair path's down launch: one program per token
+# and 16 output columns (the narrowest tl.dot takes), so batch 1 has only hidden / 16 programs, about
+# one per SM: each keeps 3 stages of 16 KB of weights in flight to stream HBM alone
+DOWN_LAUNCH = (16, 512, 4, 4)
 
 
 def _tiles(pairs: int, experts: int) -> tuple[int, int, int]:
