@@ -133,8 +133,10 @@ def test_decode_that_outgrows_l1_streams_instead_of_stopping(tiny_llama):
     assert llm.cache.streamer.bytes_read > 0
 
 
-def test_an_l3_tail_is_read_while_the_head_is_recomputed(tiny_llama, tmp_path):
-    (prompt,) = prompts(3, 300)  # 18 full blocks, then the token whose logits are computed
+def restarted_on_disk(tiny_llama, tmp_path, seed: int):
+    """A 300-token prompt (18 full blocks, then the token whose logits are computed), its greedy
+    tokens computed with no cache, and an engine restarted on a disk L3 that alone holds its prefix."""
+    (prompt,) = prompts(seed, 300)
     params = SamplingParams(temperature=0, max_tokens=8)
     want = LLM(tiny_llama, device="cpu").generate(prompt, params, use_tqdm=False)[0].token_ids
     bb = LLM(tiny_llama, device="cpu", l1=1 << 20).cache.layout.bytes_per_block
@@ -143,8 +145,11 @@ def test_an_l3_tail_is_read_while_the_head_is_recomputed(tiny_llama, tmp_path):
     first.generate(prompt, params, use_tqdm=False)
     assert first.cache.flush(timeout=30)
     first.close()
+    return prompt, params, want, LLM(tiny_llama, device="cpu", l2=64 * bb, l3=[url])
 
-    llm = LLM(tiny_llama, device="cpu", l2=64 * bb, l3=[url])  # a restart: only the disk has the prefix
+
+def test_an_l3_tail_is_read_while_the_head_is_recomputed(tiny_llama, tmp_path):
+    prompt, params, want, llm = restarted_on_disk(tiny_llama, tmp_path, 3)
     cache, engine = llm.cache, llm.engine
     assert cache.prefetch(cache.match(prompt), 30, blocks=(0, 1)).wait(30)  # one read: the disk's speed
     # recomputing a block costs half of reading one: read the end while the start is computed
@@ -166,20 +171,10 @@ def test_an_l3_tail_is_read_while_the_head_is_recomputed(tiny_llama, tmp_path):
 def test_a_late_l3_tail_is_abandoned_and_recomputed_never_waited_for_longer(tiny_llama, tmp_path):
     import threading
 
-    (prompt,) = prompts(4, 300)  # 18 full blocks, then the token whose logits are computed
-    params = SamplingParams(temperature=0, max_tokens=8)
-    want = LLM(tiny_llama, device="cpu").generate(prompt, params, use_tqdm=False)[0].token_ids
-    bb = LLM(tiny_llama, device="cpu", l1=1 << 20).cache.layout.bytes_per_block
-    url = f"file://{tmp_path}?size=64MiB"
-    first = LLM(tiny_llama, device="cpu", l2=64 * bb, l3=[url])
-    first.generate(prompt, params, use_tqdm=False)
-    assert first.cache.flush(timeout=30)
-    first.close()
-
-    llm = LLM(tiny_llama, device="cpu", l2=64 * bb, l3=[url])  # a restart: only the disk has the prefix
+    prompt, params, want, llm = restarted_on_disk(tiny_llama, tmp_path, 4)
     cache, engine = llm.cache, llm.engine
     l3 = cache.tiers.l3
-    l3.stores[0]._stats.sample_bandwidth(bb, 0.01, write=False)  # measured: 10 ms a block
+    l3.stores[0]._stats.sample_bandwidth(cache.layout.bytes_per_block, 0.01, write=False)  # measured: 10 ms a block
     engine.scheduler.recompute_seconds_per_token = 0.005 / 16  # recomputing one: 5 ms
     gate = threading.Event()
     l3._reader.submit(gate.wait)  # the disk stalls after the estimate: the tail's read comes late

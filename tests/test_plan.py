@@ -84,12 +84,19 @@ def test_an_l3_hit_is_fetched_before_admission(tmp_path):
     cache.close()
 
 
-def test_a_slow_l3_hit_becomes_a_tail_read_while_the_head_is_recomputed(tmp_path):
+def on_disk(tmp_path, *docs) -> str:
+    """An L3 directory holding `docs`, written by a cache that is gone: a restart finds them there alone."""
     url = f"file://{tmp_path}?size=64MiB"
-    doc = list(range(4 * 40 + 1))
     with make(l1=48, l2=48, l3=[url]) as first:
-        store(first, doc)
+        for doc in docs:
+            store(first, doc)
         assert first.flush(timeout=30)
+    return url
+
+
+def test_a_slow_l3_hit_becomes_a_tail_read_while_the_head_is_recomputed(tmp_path):
+    doc = list(range(4 * 40 + 1))
+    url = on_disk(tmp_path, doc)
     with make(l1=48, l2=48, l3=[url]) as cache:
         assert cache.prefetch(cache.match(doc), 30, blocks=(0, 1)).wait(30)  # one read: speed measured
         per_token = cache.tiers.load_seconds("l3", 39) / 39 / 2 / 4  # recompute at half the read cost
@@ -109,12 +116,8 @@ def slow_disk(cache, seconds_per_block: float) -> None:
 def test_reads_queued_ahead_move_the_split_toward_recomputing_and_a_late_read_is_not_issued(tmp_path):
     import threading
 
-    url = f"file://{tmp_path}?size=64MiB"
     doc, other = list(range(4 * 40 + 1)), list(range(1000, 1000 + 4 * 40 + 1))
-    with make(l1=48, l2=48, l3=[url]) as first:
-        store(first, doc)
-        store(first, other)
-        assert first.flush(timeout=30)
+    url = on_disk(tmp_path, doc, other)
     with make(l1=48, l2=48, l3=[url]) as cache:
         slow_disk(cache, 0.01)  # 10 ms a block; recomputing one takes 5 ms
         per_token = 0.005 / 4
@@ -149,12 +152,8 @@ def test_a_disk_faster_than_recomputing_is_still_split_not_waited_for_whole(tmp_
     # Reading the whole L3 run first and then computing nothing takes (40 blocks x 10 ms) 0.4 s;
     # computing the start meanwhile ends both by ~0.27 s. Only a read faster than recomputing a
     # single block is waited for whole (the test above).
-    url = f"file://{tmp_path}?size=64MiB"
     doc = list(range(4 * 40 + 1))
-    with make(l1=48, l2=48, l3=[url]) as first:
-        store(first, doc)
-        assert first.flush(timeout=30)
-    with make(l1=48, l2=48, l3=[url]) as cache:
+    with make(l1=48, l2=48, l3=[on_disk(tmp_path, doc)]) as cache:
         slow_disk(cache, 0.01)
         plan = cache.plan(doc, budget=10_000, recompute_seconds_per_token=0.02 / 4)  # 20 ms a block
         assert plan.fetch is None and plan.tail is not None
