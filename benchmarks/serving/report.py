@@ -11,7 +11,7 @@ from pathlib import Path
 
 from common import write_results
 
-from .presets import GiB
+from .presets import H200, GiB
 from .ratios import ratios
 
 
@@ -104,7 +104,10 @@ def plot(out: dict, path: Path) -> None:
 
 def save(out: dict, a) -> Path:
     out["ratios"] = ratios(out["workload"]["name"], out["configs"])
-    path = write_results(f"bench_serving_{out['workload']['name']}", out, a.out)
+    name = out["workload"]["name"]
+    if name == "long_doc" and not a.smoke and a.ld_doc_tokens != H200["ld_doc_tokens"]:
+        name += f"_{a.ld_doc_tokens // 1000}k"  # a 32K-document run keeps the 8K one's file
+    path = write_results(f"bench_serving_{name}", out, a.out)
     if not a.no_plot:
         plot(out, path.with_suffix(".png"))
     return path
