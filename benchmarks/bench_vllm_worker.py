@@ -62,14 +62,14 @@ class Harness:
         self.pages = vllm_pages(order, 2 * blocks + 1)
         for t in self.pages.values():
             t.normal_()
-        self.worker = WorkerSide(opts)
+        self.worker = WorkerSide([opts])  # one KV-cache group
         self.worker.register(self.pages)
         self.names = list(self.pages)
         self.round = 0
 
     def work(self) -> StepWork:
         batch, moves = self.decider.take_moves()
-        return StepWork(batch=batch, moves=moves)
+        return StepWork(batch=batch, moves=[moves])
 
     def save(self) -> tuple[float, list[int]]:
         """A step that computed a fresh prompt of `blocks` blocks: seconds of its wait_for_save."""
@@ -101,7 +101,7 @@ class Harness:
         t = time.perf_counter()
         issued.record()
         self.worker.load(work)
-        copies = self.worker.loads  # the step's Transfer: an event per group of layers
+        copies = self.worker.loads[0]  # the step's Transfer: an event per group of layers
         # when each group's copy ended: a timing event on a side stream that waits for the group's
         # event (tierkv's own events are made without timing, which costs them nothing)
         side, copies_end = torch.cuda.Stream(), []

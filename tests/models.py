@@ -98,9 +98,9 @@ def save_word_tokenizer(path: Path, vocab: int) -> Path:
     return path
 
 
-def save_tiny_checkpoint(kind: str, path: Path, seed: int = 0, **overrides) -> Path:
+def save_tiny_checkpoint(kind: str, path: Path, seed: int = 0, std: float = 0.3, **overrides) -> Path:
     """Build a tiny random-weight model of `kind` and save it as a HF directory at `path`;
-    `overrides` replace config fields (e.g. vocab_size=509)."""
+    `overrides` replace config fields (e.g. vocab_size=509); `std`: the weights' (randomize_)."""
     from transformers import AutoModelForCausalLM
 
     config = tiny_config(kind)
@@ -108,7 +108,7 @@ def save_tiny_checkpoint(kind: str, path: Path, seed: int = 0, **overrides) -> P
         setattr(config, key, value)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    randomize_(model, seed)
+    randomize_(model, seed, std)
     model.save_pretrained(path, safe_serialization=True)
     return path
 

@@ -8,6 +8,7 @@ usage: python vllm_driver.py '<json>'   with keys:
          | {"spoil_disk": dir, "how": "flip" | "truncate" | "delete", "count": n}
          | {"flush_redis": url}: empty that Redis
          | {"stats": true}: tierkv's counters (in-process engines only: VLLM_ENABLE_V1_MULTIPROCESSING=0)
+         | {"kv_groups": true}: whether vLLM's hybrid KV-cache manager is on, and its KV-cache groups
 """
 
 import json
@@ -58,7 +59,19 @@ def stats(llm):
     c = side.cache.stats()
     return {"hit_tokens": c["hit_tokens"], "l3_errors": c["tiers"]["l3"]["errors"],
             "preemptions": side.preemptions, "resumed_hit_tokens": side.resumed_hit_tokens,
-            "by_tier": {t: c["tiers"][t]["hit_tokens"] for t in ("l2", "l3")}}
+            "by_tier": {t: c["tiers"][t]["hit_tokens"] for t in ("l2", "l3")},
+            # each KV-cache group's cache: the blocks and bytes it loaded from L2
+            "groups": [{k: g.stats()["tiers"]["l2"][k] for k in ("blocks_out", "bytes_out")} for g in side.caches]}
+
+
+def kv_groups(llm):
+    """Whether vLLM runs its hybrid KV-cache manager, and each KV-cache group's kind and layers."""
+    config = llm.llm_engine.vllm_config
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    groups = [] if core is None else [
+        {"kind": type(g.kv_cache_spec).__name__, "window": getattr(g.kv_cache_spec, "sliding_window", None),
+         "layers": list(g.layer_names)} for g in core.scheduler.kv_cache_config.kv_cache_groups]
+    return {"hybrid_manager": not config.scheduler_config.disable_hybrid_kv_cache_manager, "groups": groups}
 
 
 def main() -> None:
@@ -85,6 +98,8 @@ def main() -> None:
             seen.append(redis.Redis.from_url(step["flush_redis"]).flushdb())
         elif "stats" in step:
             seen.append(stats(llm))
+        elif "kv_groups" in step:
+            seen.append(kv_groups(llm))
     print("DRIVER_RESULT " + json.dumps(seen), flush=True)
 
 

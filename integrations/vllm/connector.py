@@ -2,7 +2,8 @@
 
 vLLM builds one in its scheduler process (role SCHEDULER) and one in each worker (role WORKER);
 each call goes to that role's half: scheduler_side.py decides, worker_side.py copies. This file
-only maps vLLM's method names and arguments onto them.
+only maps vLLM's method names and arguments onto them. It supports vLLM's hybrid KV-cache manager
+(SupportsHMA): each KV-cache group gets a cache of its own (options.per_group).
 """
 
 from __future__ import annotations
@@ -10,7 +11,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from . import options
@@ -20,7 +26,7 @@ from .stats import TierKVPromMetrics, TierKVStats
 log = logging.getLogger(__name__)
 
 
-class TierKVConnector(KVConnectorBase_V1):
+class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
     _cache_hit_source = CacheHitSource.HOST
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
@@ -38,12 +44,12 @@ class TierKVConnector(KVConnectorBase_V1):
                          "load is recomputed", transfer.kv_load_failure_policy)
                 transfer.kv_load_failure_policy = "recompute"
             events = vllm_config.kv_events_config
-            self.scheduler = SchedulerSide(options.parse(vllm_config, kv_cache_config.num_blocks),
-                                           events=events is not None and events.enable_kv_cache_events)
+            groups = options.per_group(options.parse(vllm_config, kv_cache_config.num_blocks), kv_cache_config)
+            self.scheduler = SchedulerSide(groups, events=events is not None and events.enable_kv_cache_events)
         else:
             from .worker_side import WorkerSide
 
-            self.worker = WorkerSide(options.parse(vllm_config))
+            self.worker = WorkerSide(options.per_group(options.parse(vllm_config), kv_cache_config))
 
     # ------------------------------------------------------------------ scheduler role
 
@@ -51,7 +57,7 @@ class TierKVConnector(KVConnectorBase_V1):
         return self.scheduler.matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        self.scheduler.allocated(request, list(blocks.get_block_ids()[0]), num_external_tokens)
+        self.scheduler.allocated(request, blocks.get_block_ids(), num_external_tokens)
 
     def build_connector_meta(self, scheduler_output) -> StepWork:
         return self.scheduler.step(scheduler_output)
@@ -62,6 +68,9 @@ class TierKVConnector(KVConnectorBase_V1):
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
         self.scheduler.finished(request)
         return False, None  # its copies ran within the steps that recorded them
+
+    def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
+        return self.request_finished(request, [])  # (vLLM's hybrid manager calls this one)
 
     def reset_cache(self) -> bool:
         return self.scheduler.reset()
@@ -112,6 +121,13 @@ class TierKVConnector(KVConnectorBase_V1):
         work = self._connector_metadata
         done = set(work.loaded_async) if isinstance(work, StepWork) else set()
         return None, done or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        # with several KV-cache groups a failed load is a whole request (vLLM recomputes it)
+        _, done = self.get_finished(finished_req_ids)
+        work = self._connector_metadata
+        failed = set(work.failed_async) if isinstance(work, StepWork) else set()
+        return KVConnectorTransferResults(finished_recving=set(done or ()), failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         work = self._connector_metadata

@@ -4,7 +4,9 @@ say, the KVLayout of vLLM's pages, and the name (namespace) under which the bloc
 Both vLLM processes (the scheduler's and each worker's) build the same answer from the same
 vllm_config, so their caches agree on every slot without talking. Under tensor parallelism a
 block holds every rank's KV heads (each rank copies its slice): L2 and L3 hold whole-model
-blocks, named as a single-GPU engine names them, so TP sizes share them. Never imports torch kernels,
+blocks, named as a single-GPU engine names them, so TP sizes share them. With vLLM's hybrid KV-cache
+manager (several KV-cache groups, each with its own block ids), each group gets options of its own
+(`per_group`): its layers, its share of L2, and a name of its own. Never imports torch kernels,
 never moves bytes.
 """
 
@@ -22,6 +24,8 @@ from tierkv.layout import KVLayout
 # kv_connector_extra_config keys, under tierkv-serve's flag names
 OPTIONS = ("l2", "l3", "eviction", "write_policy", "kv_offload_dtype", "model")
 DEFAULT_L2 = "4GiB"
+NULL_BLOCK = 0  # vLLM's null block (BlockPool.null_block): a position a sliding window left, no memory
+GROUP_KINDS = ("FullAttentionSpec", "SlidingWindowSpec")  # the KV-cache group specs the connector stores
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,8 @@ class ConnectorOptions:
     kv_format: str  # "" where vLLM's pages hold plain K and V (CUDA), else what they hold (CPU)
     kv_layout: str  # tiers.gpu.KV_LAYOUTS name of the registered tensors
     engine_blocks: int  # vLLM's KV blocks (0 on a worker, which needs no count)
+    layer_names: tuple[str, ...] = ()  # the KV-cache group's layers, in order; (): every registered layer
+    window: int | None = None  # the group's sliding window in tokens (None: full attention)
 
 
 def parse(vllm_config, num_blocks: int = 0) -> ConnectorOptions:
@@ -80,6 +86,40 @@ def parse(vllm_config, num_blocks: int = 0) -> ConnectorOptions:
     return ConnectorOptions(cache=cache, model=extra.get("model") or default_model(vllm_config), layout=layout,
                             whole=replace(layout, num_kv_heads=total_heads), tp_size=tp, kv_format=kv_format,
                             kv_layout="vllm_cpu" if on_cpu else "vllm_paged", engine_blocks=num_blocks)
+
+
+def per_group(opts: ConnectorOptions, kv_cache_config) -> list[ConnectorOptions]:
+    """The options of each of vLLM's KV-cache groups. One group (vLLM's hybrid manager off, or a
+    model of one layer kind): `opts` itself, one cache over every layer, named as ever. Several
+    (the hybrid manager on a model with sliding-window and full-attention layers): each group's
+    blocks have block ids of their own, so each gets a cache of its own, over its layers, with
+    its share of L2 (by layers) in a shared memory file of its own, its blocks named apart by
+    the group's place and window (L2 and L3 objects are per group)."""
+    groups = list(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else []
+    if len(groups) <= 1:
+        return [opts]
+    total = sum(len(g.layer_names) for g in groups)
+    out = []
+    for i, group in enumerate(groups):
+        spec, n = group.kv_cache_spec, len(group.layer_names)
+        kind = type(spec).__name__
+        if kind not in GROUP_KINDS:
+            raise ConfigError(f"TierKVConnector stores KV-cache groups of {' and '.join(GROUP_KINDS)}; this model's "
+                              f"group {i} is a {kind}: run it without the connector")
+        layout = opts.layout
+        found = (spec.num_kv_heads, spec.head_size, getattr(spec, "head_size_v", spec.head_size), spec.dtype,
+                 spec.block_size)
+        if found != (layout.num_kv_heads, layout.head_dim, layout.head_dim, layout.dtype, layout.block_size):
+            raise ConfigError(f"KV-cache group {i} ({kind}) has pages of kv heads, head size K/V, dtype, block size "
+                              f"{found}, not the model's {layout.num_kv_heads, layout.head_dim, layout.head_dim, layout.dtype, layout.block_size}: "
+                              "TierKVConnector stores one page shape per model")
+        window = spec.sliding_window if kind == "SlidingWindowSpec" else None
+        tag = f"g{i}" + (f"w{window}" if window else "")
+        cache = replace(opts.cache, l2=opts.cache.l2 * n // total, l2_file=f"{opts.cache.l2_file}-{tag}")
+        out.append(replace(opts, cache=cache, layout=replace(layout, num_layers=n),
+                           whole=replace(opts.whole, num_layers=n), layer_names=tuple(group.layer_names), window=window,
+                           kv_format="-".join(x for x in (opts.kv_format, tag) if x)))
+    return out
 
 
 def _cpu_isa(dtype: torch.dtype, layout: KVLayout) -> str:

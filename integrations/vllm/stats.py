@@ -18,9 +18,12 @@ TIERS = ("l2", "l3")  # the connector's tiers (vLLM's own blocks are L1)
 FIELDS = sorted({key for key, _ in TIER_COUNTER_METRICS.values()})
 
 
-def snapshot(counters: CacheCounters) -> dict[str, int]:
-    """The counters as a flat {"<tier>.<field>": value}."""
-    return {f"{t}.{f}": getattr(counters.tiers[t], f) for t in TIERS for f in FIELDS}
+def snapshot(counters: list[CacheCounters]) -> dict[str, int]:
+    """The counters as a flat {"<tier>.<field>": value}, summed over the caches of vLLM's KV-cache
+    groups but for the hit tokens, which are the first's (the lead group's: each group serves the
+    same hit, a sliding-window group loading only part of it)."""
+    return {f"{t}.{f}": sum(getattr(c.tiers[t], f) for c in (counters[:1] if f == "hit_tokens" else counters))
+            for t in TIERS for f in FIELDS}
 
 
 @dataclass
@@ -44,7 +47,7 @@ class TierKVStats(KVConnectorStats):
 class StatsReporter:
     """The growth of the counters since the last report (None when nothing grew)."""
 
-    def __init__(self, counters: CacheCounters) -> None:
+    def __init__(self, counters: list[CacheCounters]) -> None:
         self.counters = counters
         self.last = snapshot(counters)
 

@@ -86,21 +86,23 @@ class DevicePool:
         self._adopt(layout, torch.empty(shape, dtype=layout.dtype, device=device), None, "tierkv")
 
     @classmethod
-    def of_buffers(cls, layout: KVLayout, buffers, kv_layout: str) -> DevicePool:
+    def of_buffers(cls, layout: KVLayout, buffers, kv_layout: str, *, claim: bool = True) -> DevicePool:
         """An engine's own KV tensors as L1, in the layout `kv_layout` names (see KV_LAYOUTS):
         a tensor for "tierkv"; a list (or a dict in layer order, as vLLM's register_kv_caches
         gets) of one tensor per layer otherwise. Their shapes, dtype and device are checked
-        against `layout`; their blocks' contents are the engine's."""
+        against `layout`; their blocks' contents are the engine's. `claim=False`: the memory is
+        claimed already, by a pool over all of it (vLLM's KV-cache groups are views of shared
+        buffers, and one allocator hands out their block ids: a pool per group would clash)."""
         pool = cls.__new__(cls)
         if kv_layout not in KV_LAYOUTS:
             raise ConfigError(f"kv_layout {kv_layout!r} is unknown; accepted: "
                               + "; ".join(f"{k!r} ({describe_layout(k)})" for k in KV_LAYOUTS))
         if kv_layout == "tierkv":
             kv = _checked([buffers] if isinstance(buffers, torch.Tensor) else buffers, layout, kv_layout)[0]
-            pool._adopt(layout, kv, None, kv_layout)
+            pool._adopt(layout, kv, None, kv_layout, claim)
         else:
             layers = _checked(list(buffers.values()) if isinstance(buffers, Mapping) else buffers, layout, kv_layout)
-            pool._adopt(layout, None, layers, kv_layout)
+            pool._adopt(layout, None, layers, kv_layout, claim)
         if layout.block_size == layout.num_kv_heads:
             # Token-major (NHD) and head-major (HND) buffers then have one shape: the declared
             # order cannot be checked, and a wrong one reads every block out transposed.
@@ -109,7 +111,7 @@ class DevicePool:
         return pool
 
     def _adopt(self, layout: KVLayout, kv: torch.Tensor | None, layers: list[torch.Tensor] | None,
-               kv_layout: str) -> None:
+               kv_layout: str, claim: bool = True) -> None:
         self.layout, self.kv_layout = layout, kv_layout
         # kv: the pool in tierkv's layout, which its attention kernels and streaming read; None
         # when an engine's buffers have another layout (only the moves below reach them)
@@ -123,7 +125,8 @@ class DevicePool:
         self.device = planes[0].device
         self.planes = PlaneTable(planes)  # [2 * layers] x [N, bs, H, D]
         self.num_blocks = self.planes.num_blocks
-        self._claim([kv] if kv is not None else layers)
+        if claim:
+            self._claim([kv] if kv is not None else layers)
         if layout.windows:
             # A hit loads the window layers of its last blocks only (Admission.allocate): the
             # older blocks' window layers keep what the slot held, which attention reads masked
