@@ -35,19 +35,21 @@ SMOKE_SHAPES = {"qwen3-like": (64, 8, 2, 32, False), "gpt-oss-like": (64, 4, 2, 
 BATCHES = (1, 4, 256)
 # (path, (BLOCK_M, BLOCK_N, BLOCK_K), num_warps, num_stages, gemv's down launch or None) tried by --sweep.
 # "gemv" entries vary the gate_up launch at the default down launch (moe.DOWN_LAUNCH), "gemv-down"
-# entries the down launch (BLOCK_N, BLOCK_K, warps, stages) at the default gate_up launch, so the
-# two kernels' bests are found separately; "grouped" at 16 rows with narrow column tiles too (more
-# programs at batch 1)
+# entries the down launch (BLOCK_N, BLOCK_K, warps, stages, splits of the intermediate dim; None: as
+# many as moe.DOWN_PROGRAMS_PER_SM asks) at the default gate_up launch, so the two kernels' bests are
+# found separately; "grouped" at 16 rows for batch 1 (the two best at 49b6372), every tile for 256
 # (tiles past the H200's 227 KiB of shared memory left out: 2 * BLOCK_N * BLOCK_K * 2 bytes a stage)
-SWEEP = ([("gemv", (1, n, k), 4, s, None) for n, k in ((16, 128), (16, 256), (16, 512), (32, 128), (32, 256),
-                                                       (64, 128)) for s in (3, 5)]
-         + [("gemv", (1, n, k), w, 3, None) for n, k, w in ((32, 512, 4), (16, 256, 2), (16, 512, 2))]
-         + [("gemv-down", None, None, None, (n, k, 4, s)) for n in (16, 32) for k in (128, 256, 512) for s in (3, 5)]
-         + [("gemv-down", None, None, None, launch) for launch in ((16, 512, 4, 4), (16, 1024, 4, 3), (16, 256, 2, 4),
-                                                                   (16, 512, 2, 4))]
-         + [("grouped", (m, n, k), w, 3, None) for m in (16, 32, 64) for n in (64, 128) for k in (64, 128)
-            for w in (4, 8)]
-         + [("grouped", (16, n, k), 4, s, None) for n in (16, 32) for k in (128, 256) for s in (3, 5)])
+SWEEP = ([("gemv", (1, n, k), 4, s, None) for n, k, s in ((16, 128, 3), (16, 256, 3), (32, 128, 3), (32, 128, 5),
+                                                          (32, 256, 3), (64, 128, 3), (64, 128, 5), (64, 256, 3))]
+         + [("gemv", (1, 16, 256), 2, 4, None)]
+         + [("gemv-down", None, None, None, (n, k, 4, 3, splits)) for n in (16, 32, 64) for k in (128, 256)
+            for splits in (None, 1, 2, 4)]
+         + [("gemv-down", None, None, None, launch) for launch in ((32, 256, 4, 4, None), (32, 128, 4, 5, None),
+                                                                   (16, 256, 2, 3, None), (64, 256, 8, 3, None),
+                                                                   (32, 512, 4, 3, 1))]
+         + [("grouped", (16, n, 128), 4, 3, None) for n in (32, 64)]
+         + [("grouped", (m, n, k), w, 3, None) for m in (32, 64) for n in (64, 128) for k in (64, 128)
+            for w in (4, 8)])
 SWEPT_BATCHES = (1, 256)  # batch 4 is timed at the defaults only
 SMALL_BATCH = 16  # up to this batch: the per-pair path and 16-row grouped tiles; above: no per-pair, no narrow tiles
 # each timed call runs this many layers, each with its own weights, as a decode step does: the

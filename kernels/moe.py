@@ -16,10 +16,12 @@ The grouped path (see reference.fused_moe for the maths and the weight layout):
 The per-pair path, for a few tokens (decode at batch 1): the sort's launches would cost more than
 reading the experts, and the k experts of a token are distinct anyway, so each (token, expert) pair
 reads its expert's weights directly, in two launches: gate_up with the activation per (pair, column
-tile), then per (token, column tile) the down products of all k pairs, weighted and summed (step 4
-inside the kernel). Both are tl.dot loops over a 16-row tile whose other rows are zeros: the
-compiler pipelines a dot loop's loads (several weight tiles in flight), which is what reading HBM at
-its speed takes; the tensor cores' wasted rows cost nothing at batch 1.
+tile), then down per (pair, column tile, intermediate chunk), enough programs for several per SM;
+each leaves an fp32 partial and the last of a (token, column tile)'s programs to arrive (an atomic
+counter) weights, rounds and sums them in a fixed order (step 4 inside the launch, deterministic).
+Both are tl.dot loops over a 16-row tile whose other rows are zeros: the compiler pipelines a dot
+loop's loads (several weight tiles in flight), which is what reading HBM at its speed takes; the
+tensor cores' wasted rows cost nothing at batch 1.
 Rounding follows transformers where it matters (the GEMM outputs are rounded to the dtype before
 the activation, the weighted expert output before the sum); the sum over k is in fp32, so bf16 results
 can differ from the reference by an ulp. This file never reads tensor contents on the host.
@@ -128,14 +130,20 @@ def _down_kernel(Act, W2, B2, Weights, Out, SortedPairs, TileExpert, NumPadded,
 
 
 @triton.jit
-def _gate_up_pair_kernel(X, W13, B13, Act, Ids, hidden, inter, top_k, stride_xt, stride_we, stride_wn, stride_be,
-                         alpha, limit, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, DOT_PREC: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gate_up_pair_kernel(X, W13, B13, Act, Ids, Arrived, arrived_count, hidden, inter, top_k, stride_xt, stride_we,
+                         stride_wn, stride_be, alpha, limit, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+                         DOT_PREC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # program (p, n): pair p (token p // k, its expert Ids[p]), act columns [n * BLOCK_N, +BLOCK_N). The
     # token's x is row 0 of a 16-row tile (tl.dot's smallest; the other rows are zeros and read nothing):
     # a dot loop, which the compiler pipelines (weight tiles of later steps in flight), unlike a
     # multiply-reduce loop, whose one tile at a time left HBM idle
     pair, pid_n = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    if (pair == 0) & (pid_n == 0):
+        # zero the down launch's arrival counters: this launch runs before it on the same stream, so
+        # the down launch needs no memset of its own (one launch fewer per layer)
+        for i in range(0, arrived_count, 1024):
+            offs = i + tl.arange(0, 1024)
+            tl.store(Arrived + offs, tl.zeros((1024,), dtype=tl.int32), mask=offs < arrived_count)
     expert = tl.load(Ids + pair).to(tl.int64)
     first = (tl.arange(0, 16) == 0)[:, None]                                               # [16, 1]
     x_row = X + (pair // top_k) * stride_xt
@@ -162,40 +170,56 @@ def _gate_up_pair_kernel(X, W13, B13, Act, Ids, hidden, inter, top_k, stride_xt,
 
 
 @triton.jit
-def _down_sum_kernel(Act, W2, B2, Weights, Ids, Out, hidden, inter, top_k, stride_we, stride_wn, stride_be,
-                     HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr,
-                     BLOCK_J: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # program (t, n): token t's output columns [n * BLOCK_N, +BLOCK_N), all k of its pairs: pair j's
-    # act row sits in row j of the tile (the other rows zero), so one dot loop over (j, inter chunk)
-    # leaves pair j's expert output in row j of the accumulator; the epilogue weights each row,
-    # rounds it like transformers, and sums the k rows in fp32 (no [T * k, H] buffer, no reduce launch)
-    token, pid_n = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    js = tl.arange(0, BLOCK_J)
-    j_ok = js < top_k
-    experts = tl.load(Ids + token * top_k + js, mask=j_ok, other=0).to(tl.int64)          # [BLOCK_J]
+def _down_pair_kernel(Act, W2, B2, Weights, Ids, Out, Partial, Arrived, hidden, inter, top_k, chunk,
+                      stride_we, stride_wn, stride_be, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr,
+                      SPLITS: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_S: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # program (p * SPLITS + s, n): pair p's down product over the intermediate chunk s ([s * chunk,
+    # +chunk)) for output columns [n * BLOCK_N, +BLOCK_N): batch 1 gets k * SPLITS * hidden / BLOCK_N
+    # programs (several per SM, each a short pipelined dot loop), where one program per column tile
+    # walking all k experts had about one per SM. Each writes its fp32 partial row to Partial; the
+    # last of a (token, column tile)'s k * SPLITS programs to arrive (an atomic counter, zeroed by
+    # the gate_up launch) sums them in a fixed order (splits, then weighted pairs), so the result
+    # does not depend on which program came last: deterministic, and one launch
+    pid, pid_n = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    pair, split = pid // SPLITS, pid % SPLITS
+    token = pair // top_k
+    expert = tl.load(Ids + pair).to(tl.int64)
+    first = (tl.arange(0, 16) == 0)[:, None]                                               # [16, 1]
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden
-    w_cols = W2 + cols[None, :].to(tl.int64) * stride_wn                                 # [1, BLOCK_N]
-    act_rows = Act + token * top_k * inter
-    chunks = tl.cdiv(inter, BLOCK_K)
-    acc = tl.zeros((BLOCK_J, BLOCK_N), dtype=tl.float32)
-    for i in range(0, top_k * chunks):
-        j = i // chunks
-        ks = (i - j * chunks) * BLOCK_K + tl.arange(0, BLOCK_K)
+    w = W2 + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn                 # [1, BLOCK_N]
+    act_row = Act + pair * inter
+    acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+    start = split * chunk
+    for k0 in range(start, tl.minimum(start + chunk, inter), BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < inter
-        expert = tl.sum(tl.where(js == j, experts, 0), axis=0)
-        row = tl.load(act_rows + j * inter + ks, mask=k_ok, other=0.0)                     # [BLOCK_K]
-        a = tl.where((js == j)[:, None], row[None, :], 0.0).to(row.dtype)                # [BLOCK_J, BLOCK_K]
-        wd = tl.load(w_cols + expert * stride_we + ks[:, None], mask=k_ok[:, None] & col_ok[None, :],
-                     other=0.0)                                                        # [BLOCK_K, BLOCK_N]
+        row = tl.load(act_row + ks, mask=k_ok, other=0.0)                                  # [BLOCK_K]
+        a = tl.where(first, row[None, :], 0.0).to(row.dtype)                              # [16, BLOCK_K]
+        wd = tl.load(w + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
         acc = tl.dot(a, wd, acc, input_precision=DOT_PREC)
-    dtype = Out.dtype.element_ty
-    if HAS_BIAS:
-        acc += tl.load(B2 + experts[:, None] * stride_be + cols[None, :], mask=j_ok[:, None] & col_ok[None, :],
-                       other=0.0).to(tl.float32)
-    weight = tl.load(Weights + token * top_k + js, mask=j_ok, other=0.0).to(tl.float32)   # [BLOCK_J]
-    weighted = (acc.to(dtype).to(tl.float32) * weight[:, None]).to(dtype).to(tl.float32)  # rows past k: 0
-    tl.store(Out + token * hidden + cols, tl.sum(weighted, axis=0).to(dtype), mask=col_ok)
+    tl.store(Partial + pid * hidden + cols, tl.sum(acc, axis=0), mask=col_ok)            # rows 1.. are zeros
+    # every thread's store before the counter's release (the CUDA semaphore pattern: barrier, then
+    # one thread's acq_rel atomic); the last arriver's acquire then sees all partials
+    tl.debug_barrier()
+    arrived = tl.atomic_add(Arrived + token * tl.num_programs(1) + pid_n, 1, sem="acq_rel", scope="gpu")
+    if arrived == top_k * SPLITS - 1:
+        js, ss = tl.arange(0, BLOCK_J), tl.arange(0, BLOCK_S)
+        j_ok = js < top_k
+        rows = token * top_k * SPLITS + js[:, None, None] * SPLITS + ss[None, :, None]     # [BLOCK_J, BLOCK_S, 1]
+        ok = j_ok[:, None, None] & (ss < SPLITS)[None, :, None] & col_ok[None, None, :]
+        parts = tl.load(Partial + rows * hidden + cols[None, None, :], mask=ok, other=0.0, volatile=True)
+        out = tl.sum(parts, axis=1)                                                       # [BLOCK_J, BLOCK_N]
+        dtype = Out.dtype.element_ty
+        if HAS_BIAS:
+            experts = tl.load(Ids + token * top_k + js, mask=j_ok, other=0).to(tl.int64)
+            out += tl.load(B2 + experts[:, None] * stride_be + cols[None, :], mask=j_ok[:, None] & col_ok[None, :],
+                           other=0.0).to(tl.float32)
+        weight = tl.load(Weights + token * top_k + js, mask=j_ok, other=0.0).to(tl.float32)   # [BLOCK_J]
+        # like transformers: the expert output rounded, weighted, rounded again; then summed in fp32
+        weighted = (out.to(dtype).to(tl.float32) * weight[:, None]).to(dtype).to(tl.float32)  # rows past k: 0
+        tl.store(Out + token * hidden + cols, tl.sum(weighted, axis=0).to(dtype), mask=col_ok)
 
 
 def padded_rows(pairs: int, experts: int, block_m: int) -> int:
@@ -287,19 +311,29 @@ def sort_by_expert(topk_ids: torch.Tensor, experts: int, block_m: int, method: s
     return sorted_pairs, tile_expert, padded_end[-1:]
 
 
-def _gemv_launch(pairs: int, inter: int, device: torch.device) -> tuple[int, int, int]:
-    """(unused, BLOCK_N, BLOCK_K) of the per-pair gate_up launch: the widest column tile that still
-    gives two programs per SM (batch 1 launches only k pairs' worth)."""
-    for block_n in (64, 32):
-        if pairs * triton.cdiv(inter, block_n) >= 2 * sm_count(device):
-            return 1, block_n, 256
-    return 1, 16, 256
+# (unused, BLOCK_N, BLOCK_K) of the per-pair gate_up launch (4 warps, 3 stages): within 2% of the
+# best gate_up launch of bench_moe's sweep on the H200 at 49b6372 for both Qwen3-30B and gpt-oss-20b
+# (the 16-column tiles it replaced were 7-10% slower)
+GATE_UP_TILES = (1, 32, 128)
 
 
-# (BLOCK_N, BLOCK_K, num_warps, num_stages) of the per-pair path's down launch: one program per token
-# and 16 output columns (the narrowest tl.dot takes), so batch 1 has only hidden / 16 programs, about
-# one per SM: each keeps 3 stages of 16 KB of weights in flight to stream HBM alone
-DOWN_LAUNCH = (16, 512, 4, 4)
+# (BLOCK_N, BLOCK_K, num_warps, num_stages, splits) of the per-pair path's down launch; splits None:
+# as many intermediate chunks as it takes to give DOWN_PROGRAMS_PER_SM programs per SM (batch 1 has only
+# k * hidden / BLOCK_N (pair, column tile) programs: 512 for Qwen3-30B, 360 for gpt-oss-20b)
+DOWN_LAUNCH = (32, 256, 4, 3, None)
+DOWN_PROGRAMS_PER_SM = 4
+
+
+def _down_chunk(pairs: int, hidden: int, inter: int, launch: tuple, device: torch.device) -> tuple[int, int]:
+    """(chunk, splits) of the down launch: intermediate columns per program and programs per pair."""
+    block_n, block_k, _, _, splits = launch
+    if splits is None:
+        splits = 1
+        programs = pairs * triton.cdiv(hidden, block_n)
+        while programs * splits < DOWN_PROGRAMS_PER_SM * sm_count(device) and inter >= 2 * splits * block_k:
+            splits *= 2
+    chunk = triton.cdiv(triton.cdiv(inter, splits), block_k) * block_k   # whole BLOCK_K steps
+    return chunk, triton.cdiv(inter, chunk)
 
 
 def _tiles(pairs: int, experts: int) -> tuple[int, int, int]:
@@ -331,7 +365,7 @@ def fused_moe(x, w13, w2, topk_ids, topk_weights, activation="silu", b13=None, b
     method = method or ("gemv" if tokens <= GEMV_MAX_TOKENS else "grouped")
     if method == "gemv":
         return _gemv(x, w13, w2, topk_ids, topk_weights, activation, b13, b2, alpha, limit,
-                     tiles or _gemv_launch(tokens * k, inter, x.device), num_warps, num_stages,
+                     tiles or GATE_UP_TILES, num_warps, num_stages,
                      down_launch or DOWN_LAUNCH)
     return _grouped(x, w13, w2, topk_ids, topk_weights, activation, b13, b2, alpha, limit,
                     tiles or _tiles(tokens * k, experts), num_warps, num_stages)
@@ -343,20 +377,24 @@ def _gemv(x, w13, w2, topk_ids, topk_weights, activation, b13, b2, alpha, limit,
     inter, (_, block_n, block_k) = two_inter // 2, tiles
     ids, weights = topk_ids.reshape(-1), topk_weights.reshape(-1)
     prec = dot_precision(x.dtype)
+    down_n, down_k, down_warps, down_stages, _ = down_launch
+    chunk, splits = _down_chunk(tokens * k, hidden, inter, down_launch, x.device)
+    down_tiles = triton.cdiv(hidden, down_n)
     act = torch.empty((tokens * k, inter), dtype=x.dtype, device=x.device)
+    partial = torch.empty((tokens * k * splits, hidden), dtype=torch.float32, device=x.device)
+    arrived = torch.empty(tokens * down_tiles, dtype=torch.int32, device=x.device)  # zeroed by gate_up
     out = torch.empty_like(x)
     _gate_up_pair_kernel[(tokens * k, triton.cdiv(inter, block_n))](
-        x, w13, b13 if b13 is not None else w13, act, ids, hidden, inter, k, x.stride(0), w13.stride(0),
-        w13.stride(1), b13.stride(0) if b13 is not None else 0, float(alpha), float(limit),
+        x, w13, b13 if b13 is not None else w13, act, ids, arrived, arrived.numel(), hidden, inter, k, x.stride(0),
+        w13.stride(0), w13.stride(1), b13.stride(0) if b13 is not None else 0, float(alpha), float(limit),
         HAS_BIAS=b13 is not None, ACTIVATION=_ACTIVATIONS[activation], DOT_PREC=prec, BLOCK_N=block_n,
         BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
     )
-    down_n, down_k, down_warps, down_stages = down_launch
-    _down_sum_kernel[(tokens, triton.cdiv(hidden, down_n))](
-        act, w2, b2 if b2 is not None else w2, weights, ids, out, hidden, inter, k, w2.stride(0), w2.stride(1),
-        b2.stride(0) if b2 is not None else 0, HAS_BIAS=b2 is not None, DOT_PREC=prec,
-        BLOCK_J=max(16, triton.next_power_of_2(k)), BLOCK_N=down_n, BLOCK_K=down_k, num_warps=down_warps,
-        num_stages=down_stages,
+    _down_pair_kernel[(tokens * k * splits, down_tiles)](
+        act, w2, b2 if b2 is not None else w2, weights, ids, out, partial, arrived, hidden, inter, k, chunk,
+        w2.stride(0), w2.stride(1), b2.stride(0) if b2 is not None else 0, HAS_BIAS=b2 is not None, DOT_PREC=prec,
+        SPLITS=splits, BLOCK_J=triton.next_power_of_2(k), BLOCK_S=triton.next_power_of_2(splits), BLOCK_N=down_n,
+        BLOCK_K=down_k, num_warps=down_warps, num_stages=down_stages,
     )
     return out
 

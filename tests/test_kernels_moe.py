@@ -79,13 +79,43 @@ def test_one_token_and_runs_longer_than_a_tile(tk, method):
     _check(tk, moe_case(40, 32, 6, 16, 2, torch.float32, skew=True), tiles=(16, 16, 32), method=method)
 
 
-@pytest.mark.parametrize("k,down_launch,bias", [(3, (16, 16, 4, 1), False), (3, (32, 64, 4, 2), True),
-                                                 (17, (16, 32, 4, 3), True)])
+@pytest.mark.parametrize("k,down_launch,bias", [(3, (16, 16, 4, 1, 1), False), (3, (32, 64, 4, 2, 1), True),
+                                                 (17, (16, 32, 4, 3, 1), True)])
 def test_the_per_pair_down_launch_sums_the_k_experts_itself(tk, k, down_launch, bias):
-    # one program per (token, column tile) walks all k pairs' inter chunks (24 = 16 + a partial chunk,
-    # or one chunk of 64 with 40 masked), pair j in row j; k = 17 needs a 32-row tile
+    # one program per (pair, column tile) over the whole intermediate dim (24 = 16 + a partial chunk,
+    # or one chunk of 64 with 40 masked); the last to arrive sums the k pairs (k = 17: 32 rows)
     case = moe_case(3, 40, 20, 24, k, torch.float32, bias=bias)
     _check(tk, case, "swigluoai" if bias else "silu", tiles=(1, 16, 16), method="gemv", down_launch=down_launch)
+
+
+@pytest.mark.parametrize("k,splits,bias", [(3, 2, False), (3, 3, True), (5, 4, True), (17, 2, False)])
+def test_the_per_pair_down_launch_splits_the_intermediate_dim(tk, k, splits, bias):
+    # inter 40 in BLOCK_K 16 steps: 2 splits are chunks of 32 and 8, 3 of 16, 16, 8; 4 ask for 10 each,
+    # which whole steps make 3 chunks of 16, 16, 8 (BLOCK_S 4 with one row masked); each (pair, chunk)
+    # program leaves an fp32 partial, the last of the token's k * splits sums them
+    case = moe_case(2, 40, 20, 40, k, torch.float32, bias=bias)
+    _check(tk, case, "swigluoai" if bias else "silu", tiles=(1, 16, 16), method="gemv",
+           down_launch=(16, 16, 4, 2, splits))
+
+
+def test_the_gate_up_launch_zeroes_the_down_launchs_counters(tk):
+    # the down launch's arrival counters come from torch.empty: the gate_up launch before it zeroes
+    # them (all 1100 here: more than its 1024-wide stores), else no program would see itself last
+    x, w13, w2, ids, _, _, _ = moe_case(1, 32, 4, 16, 2, torch.float32)
+    act = torch.empty(2, 16)
+    arrived = torch.full((1100,), 7, dtype=torch.int32)
+    tk.moe._gate_up_pair_kernel[(2, 1)](x, w13, w13, act, ids.reshape(-1), arrived, arrived.numel(), 32, 16, 2,
+                                        x.stride(0), w13.stride(0), w13.stride(1), 0, 1.702, 7.0, HAS_BIAS=False,
+                                        ACTIVATION=0, DOT_PREC="ieee", BLOCK_N=16, BLOCK_K=16)
+    assert int(arrived.abs().sum()) == 0
+
+
+def test_the_default_down_launch_splits_until_every_sm_has_programs(tk):
+    # 4 SMs under the interpreter: 16 programs wanted; 1 pair * 2 column tiles of 32 doubles to 8 splits
+    # (inter 2048 holds 8 chunks of 256), while 8 pairs * 64 tiles need none
+    assert tk.moe._down_chunk(1, 64, 2048, (32, 256, 4, 3, None), torch.device("cpu")) == (256, 8)
+    assert tk.moe._down_chunk(8, 2048, 768, (32, 256, 4, 3, None), torch.device("cpu")) == (768, 1)
+    assert tk.moe._down_chunk(1, 64, 300, (32, 256, 4, 3, None), torch.device("cpu")) == (512, 1)
 
 
 @pytest.mark.parametrize("tokens", [3, 37])  # the default path and tiles: per-pair for 3 tokens, grouped for 37
