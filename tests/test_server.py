@@ -359,6 +359,22 @@ def test_bad_input_gets_an_openai_error_and_the_server_keeps_answering(server, p
     still_answers(server)
 
 
+def test_a_long_token_id_prompt_is_checked_whole(server):
+    """A token-id prompt's checks run on the event loop (no hop to the tokenizing thread), and still
+    cover every id: one past the vocabulary at the end of a context-long prompt, a negative one, and
+    one id too many for the context each get a 400 that says what to change; the same ids within
+    bounds are served."""
+    ids = [(7 * i) % VOCAB for i in range(CONTEXT - 2)]  # room for one output token
+    body = {"model": MODEL, "max_tokens": 1}
+    err = assert_error(post(server, "/v1/completions", {**body, "prompt": ids[:-1] + [VOCAB]}), 400)
+    assert f"[0, {VOCAB})" in err["message"]
+    assert_error(post(server, "/v1/completions", {**body, "prompt": ids[:-1] + [-1]}), 400, "prompt")
+    err = assert_error(post(server, "/v1/completions", {**body, "prompt": ids + [1, 2]}), 400, "prompt")
+    assert err["code"] == "context_length_exceeded" and f"has {CONTEXT} tokens" in err["message"]
+    r = post(server, "/v1/completions", {**body, "prompt": ids})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(ids)
+
+
 def test_api_key_guards_every_v1_route_but_not_health(server):
     routes = [("GET", "/v1/models"), ("GET", "/v1/cache/stats"), ("POST", "/v1/completions"),
               ("POST", "/v1/chat/completions"), ("GET", "/v1/nowhere")]

@@ -251,7 +251,8 @@ def create_app(engine: AsyncEngine, served: Served, *, api_key: str | None = Non
         try:
             public, rid = request_ids(request.scope, chat)  # the response's id (X-Request-Id), the engine's
             accept(body)
-            prompt_ids, params = await tokenizing.run(prepare(body, names, max_model_len))
+            encode = prepare(body, names, max_model_len)
+            prompt_ids, params = await tokenizing.run(encode, tokenizes=encode.tokenizes)
             stream = await engine.submit(prompt_ids, params, request_id=rid, cache_salt=body.cache_salt,
                                          priority=body.priority, arrival=arrival)
         except Exception as err:  # noqa: BLE001 (every failure becomes an error response)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel
@@ -66,11 +67,21 @@ def _params(req: _Sampling, max_tokens: int | None, logprobs: int | None) -> dic
     )
 
 
-# (tokenizer or None) -> (prompt ids, SamplingParams)
-Encode = Callable[[Any], tuple[list[int], SamplingParams]]
+@dataclass(frozen=True, slots=True)
+class Encode:
+    """(tokenizer or None) -> (prompt ids, SamplingParams). `tokenizes`: whether it uses the
+    tokenizer; one that does not (a token-id prompt) is O(1) Python work (Tokenizing.run does it
+    on the event loop, with no hop to the tokenizing thread)."""
+
+    fn: Callable[[Any], tuple[list[int], SamplingParams]]
+    tokenizes: bool
+
+    def __call__(self, tokenizer) -> tuple[list[int], SamplingParams]:
+        return self.fn(tokenizer)
 
 
-def _encoder(prompt: Callable[[Any], list[int]], params: dict, max_model_len: int, param: str) -> Encode:
+def _encoder(prompt: Callable[[Any], list[int]], params: dict, max_model_len: int, param: str,
+             tokenizes: bool = True) -> Encode:
     """The function that tokenizes the prompt (with the server's copy of the tokenizer, on its own
     thread: never the engine's), checks the context budget and builds the SamplingParams."""
 
@@ -91,7 +102,7 @@ def _encoder(prompt: Callable[[Any], list[int]], params: dict, max_model_len: in
                            param="max_tokens", code="context_length_exceeded")
         return ids, SamplingParams(**params)
 
-    return encode
+    return Encode(encode, tokenizes)
 
 
 def prepare_completion(req: CompletionRequest, served_names: list[str], max_model_len: int) -> Encode:
@@ -105,7 +116,8 @@ def prepare_completion(req: CompletionRequest, served_names: list[str], max_mode
     else:
         ids = list(prompt)
         tokens = lambda tokenizer: ids
-    return _encoder(tokens, _params(req, req.max_tokens, req.logprobs), max_model_len, "prompt")
+    return _encoder(tokens, _params(req, req.max_tokens, req.logprobs), max_model_len, "prompt",
+                    tokenizes=isinstance(prompt, str))
 
 
 def text_tokens(tokenizer, text: str, max_model_len: int, add_special_tokens: bool = True,

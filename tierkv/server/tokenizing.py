@@ -32,11 +32,17 @@ class Tokenizing:
         self.refusal = refusal
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierkv-tokenize")
 
-    async def run(self, fn: Callable[[Tokenizer | None], Any]) -> Any:
-        """`fn(tokenizer)` on the tokenizing thread; tokenizer is None for a model without one."""
+    async def run(self, fn: Callable[[Tokenizer | None], Any], *, tokenizes: bool = True) -> Any:
+        """`fn(tokenizer)` on the tokenizing thread; tokenizer is None for a model without one.
+        `tokenizes=False`: `fn` never touches the tokenizer and is O(1) Python work (a token-id
+        prompt's checks), done here on the event loop: the hop to the thread and back costs ~0.1 ms on
+        an idle host and several on a busy one, and would queue it behind another request's long
+        text."""
         def job():
             if (refused := self.refusal()) is not None:
                 raise refused
             return fn(self.tokenizer)
 
+        if not tokenizes:
+            return job()
         return await asyncio.get_running_loop().run_in_executor(self.pool, job)

@@ -182,7 +182,8 @@ def add_worker_routes(app: FastAPI, engine: AsyncEngine, served: Served, *, toke
 
     async def _render(body, prepare, chat: bool) -> dict:
         accept(body)
-        ids, params = await tokenizing.run(prepare(body, names, served.max_model_len))
+        encode = prepare(body, names, served.max_model_len)
+        ids, params = await tokenizing.run(encode, tokenizes=encode.tokenizes)
         if params.max_tokens is None:  # what the engine grants: the rest of the context
             params = dataclasses.replace(params, max_tokens=served.max_model_len - len(ids))
         stream_options = body.stream_options.model_dump() if body.stream and body.stream_options else None
