@@ -9,6 +9,7 @@ before any work with a message that says what to change.
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -306,3 +307,24 @@ def test_several_l2_hits_are_admitted_in_one_step_beside_a_decode(tiny_llama, de
     while engine.has_unfinished():
         engine.step()
     assert [h.output_ids for h in hits] == [o.token_ids for o in ref]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run through the device tool)")
+def test_the_recompute_cost_counts_the_gpu_time_of_a_step_not_each_requests_wait(tiny_llama):
+    # Load-or-recompute weighs a slow tier's read against what recomputing a token costs the GPU.
+    # Eight prompts computed in one step: the estimate times the tokens computed can never exceed
+    # the wall time they took. Timing each request from admission to its first token (as the engine
+    # did before) charged every request the whole step, eight times the truth here, and under load
+    # made a disk that reads slower than the GPU recomputes look worth reading.
+    llm = LLM(tiny_llama, device="cuda", enable_prefix_caching=False, max_num_batched_tokens=4096, max_num_seqs=8)
+    prompts = random_prompts(512, [500] * 8, seed=3)
+    one = SamplingParams(temperature=0, max_tokens=1)
+    llm.generate(prompts, one, use_tqdm=False)  # compile and warm up
+    scheduler = llm.engine.scheduler
+    scheduler.recompute_seconds_per_token = None
+    t = time.perf_counter()
+    llm.generate(prompts, one, use_tqdm=False)
+    wall = time.perf_counter() - t
+    assert scheduler.recompute_seconds_per_token is not None  # the step measured it
+    assert 0 < scheduler.recompute_seconds_per_token * 8 * 500 <= wall

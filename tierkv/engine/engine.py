@@ -43,10 +43,10 @@ from .workers import Workers, own_l1_blocks
 
 log = logging.getLogger(__name__)
 
-# Load-or-recompute needs the cost of recomputing a token before the first prefill measures it:
+# Load-or-recompute needs the cost of recomputing a token before the first prefill step measures it:
 # on a GPU, 2 FLOPs per weight at a dense bf16 rate a real prefill reaches (H100/H200 class).
 GPU_PREFILL_FLOPS = 4e14
-PREFILL_SAMPLE_TOKENS = 256  # prompts computing at least this many tokens measure the prefill cost
+PREFILL_SAMPLE_TOKENS = 256  # steps computing at least this many tokens measure the recompute cost
 
 
 class Engine:
@@ -289,6 +289,7 @@ class Engine:
     def _postprocess(self, launched: LaunchedStep) -> list[RequestOutput]:
         """Apply a launched step's sampled tokens: logprobs, detokenizing, stop checks, finishing."""
         out = launched.result()  # waits for that step only; the one launched after it keeps running
+        self._measure_recompute(launched)
         if out is None:
             return []
         token_ids = out.token_ids.tolist()
@@ -302,7 +303,6 @@ class Engine:
                 continue  # aborted, or stopped by its previous token, while this one was computed
             if req.first_token_time is None:
                 req.first_token_time = now
-                self._measure_prefill(req)
                 prompts_done += len(req.prompt_ids) if req.index == 0 else 0  # n choices share one prompt
             else:
                 self.stats.inter_token.observe(now - req.last_token_time)
@@ -334,14 +334,17 @@ class Engine:
             self.stats.iteration_tokens.observe(prompts_done + len(outputs))
         return outputs
 
-    def _measure_prefill(self, req: Request) -> None:
-        """Fold a finished prefill (admission to first token) into the recompute cost per token
-        that load-or-recompute weighs; long prompts only, where that cost is what it decides on."""
-        tokens = len(req.prompt_ids) - (req.cached_tokens or 0)
-        if tokens < PREFILL_SAMPLE_TOKENS or req.admitted is None or self.lm.device.type != "cuda":
+    def _measure_recompute(self, launched: LaunchedStep) -> None:
+        """Fold a prefill-sized step's GPU seconds per computed token into the recompute cost that
+        load-or-recompute weighs. Timed on the GPU, step by step, so that requests sharing the GPU
+        do not count as compute: timing a request from admission to its first token (as this did
+        before) grew with the load and made slow tiers look worth reading under it."""
+        if launched.computed_tokens < PREFILL_SAMPLE_TOKENS:
+            return  # decode-sized steps: their fixed costs are not what a prefill's tokens cost
+        seconds = launched.gpu_seconds()
+        if seconds is None:
             return  # CPU runs (tests, tiny models) always load what the cache holds
-        # the time it stood waiting for an L3 read is no compute
-        per_token = (req.first_token_time - req.admitted - req.waited_s) / tokens
+        per_token = seconds / launched.computed_tokens
         old = self.scheduler.recompute_seconds_per_token
         self.scheduler.recompute_seconds_per_token = per_token if old is None else old + 0.2 * (per_token - old)
 

@@ -35,8 +35,11 @@ class LaunchedStep:
     waits for the step and returns the sampler's output on the host.
     """
 
-    def __init__(self, requests: list[Request], out: SamplerOutput | None, device: torch.device) -> None:
+    def __init__(self, requests: list[Request], out: SamplerOutput | None, device: torch.device,
+                 started: torch.cuda.Event | None = None, computed_tokens: int = 0) -> None:
         self.requests = requests  # the rows that sampled, in order
+        self.computed_tokens = computed_tokens  # tokens the forward ran, every request's together
+        self._started = started  # recorded before the step's first kernel (CUDA), when it is timed
         self.token_ids = out.token_ids if out is not None else None  # [n] int64, on the device
         self._host = None if out is None else SamplerOutput(*(_to_host(t) for t in (
             out.token_ids, out.logprobs, out.top_ids, out.top_logprobs)))
@@ -44,12 +47,19 @@ class LaunchedStep:
         # of its inputs (whose pinned buffers are refilled two steps later).
         self._done = None
         if device.type == "cuda":
-            self._done = torch.cuda.Event()
+            self._done = torch.cuda.Event(enable_timing=started is not None)
             self._done.record(torch.cuda.current_stream(device))
 
     def ready(self) -> bool:
         """Whether `result` would return at once (always on a CPU, where `run` computed the step)."""
         return self._done is None or self._done.query()
+
+    def gpu_seconds(self) -> float | None:
+        """Seconds the GPU spent on this step, from its first kernel to its last copy (after
+        `result`); None on a CPU or when the step was not timed."""
+        if self._started is None or self._done is None:
+            return None
+        return self._started.elapsed_time(self._done) / 1e3
 
     def result(self) -> SamplerOutput | None:
         """The sampled tokens (and log-probabilities) on the host; blocks until the step is done."""
@@ -137,6 +147,12 @@ class ModelRunner:
         `previous`: the step launched before this one, whose sampled tokens may not have reached
         the host yet (this step's pending tokens are read from them on the device).
         """
+        # A step that waits for no load is timed on the GPU: its seconds per computed token are the
+        # cost of recomputing one, whatever else shares the GPU (engine._measure_recompute).
+        started = None
+        if self.device.type == "cuda" and not any(r.seq.pending for r in step.requests):
+            started = torch.cuda.Event(enable_timing=True)
+            started.record(torch.cuda.current_stream(self.device))
         built = self.prepare(step, previous)
         if self.send_plan is not None:  # tensor parallel: the other ranks repeat this step
             self.send_plan(self._plan(built, step))
@@ -169,7 +185,7 @@ class ModelRunner:
                 num_output=[len(r.output_ids) + r.pending for r in sampling], eos_token_ids=self.eos_token_ids,
             )
             out = self.sampler(logits, batch)
-        return LaunchedStep(sampling, out, self.device)
+        return LaunchedStep(sampling, out, self.device, started, sum(step.num_new))
 
     def _forward(self, built: BuiltStep) -> torch.Tensor:
         logits = self.graphs.run(built.input_ids, built.positions, self.cache.l1.kv, built.meta)  # None: not a graph step

@@ -194,8 +194,6 @@ class Scheduler:
 
     def _adopt(self, req: Request) -> None:
         """`req` computed up to its L3 tail: take what of the tail has landed in L2 by now."""
-        if req.tail.reached_at is not None:  # it waited: no compute time (see Engine._measure_prefill)
-            req.waited_s += time.monotonic() - req.tail.reached_at
         before = dict(req.seq.cached_by_tier)
         gained = self.cache.adopt(req.seq, req.tokens(0, len(req.prompt_ids))) * self.cache.block_size
         req.num_computed += gained
