@@ -361,6 +361,43 @@ def test_kv_format_names_blocks_apart(tmp_path, written_as):
             assert reader.match(PROMPT).tokens == (12 if read_as == written_as else 0), read_as
 
 
+def test_a_hybrid_model_keeps_one_cache_per_group_of_layers(tmp_path):
+    """A model whose layers form groups (full attention, a sliding window: vLLM's hybrid KV-cache
+    groups) keeps one cache per group, named apart by kv_format, each following the group's own
+    block ids: a hit loads the full group's whole prefix and the window group's blocks its window
+    still reads (-1 where the engine keeps none), and one group's blocks are never another's, even
+    in a shared L3 and with equal shapes (docs/custom_engine.md, "Hybrid models")."""
+    url = f"file://{tmp_path}/l3"
+    groups = {"g0": None, "g1w4": 4}  # the full group, and a group of 4-token windows
+    caches = {tag: engine_cache(CacheConfig(l2=l2_bytes(8), l3=[url], write_policy="write_through"), kv_format=tag)
+              for tag in groups}
+    engines = {tag: Engine(cache.l2) for tag, cache in caches.items()}
+    saved = {tag: engines[tag].save(caches[tag], PROMPT, [0, 1, 2, 3]) for tag in groups}
+    more = PROMPT + [7, 8, 9]  # the same prefix, longer: block 3 onwards is computed
+    # the engine's blocks for it: every position in the full group; in the window group only those
+    # the window of its first computed token (position 12) still reads: block 2 (tokens 8..11)
+    slots = {"g0": [10, 11, 12, 13], "g1w4": [-1, -1, 12, 13]}
+    for tag, cache in caches.items():
+        seq = cache.allocate(more, slots=slots[tag])
+        assert seq.num_cached_tokens == 12
+        moves = engines[tag].step(cache)
+        loaded = [b for kind, _, dst in moves if kind == L2_TO_L1 for b in dst]
+        assert loaded == [b for b in slots[tag][:3] if b >= 0]
+        assert same(engines[tag].blocks(loaded), {n: t[[slots[tag][:3].index(b) for b in loaded]]
+                                                  for n, t in saved[tag].items()})
+        cache.free(seq)
+    for cache in caches.values():
+        assert cache.flush(10)
+        cache.close()
+    alone = list(range(700, 700 + 3 * BS + 1))  # computed by the full group only
+    with engine_cache(CacheConfig(l2=l2_bytes(8), l3=[url]), kv_format="g0") as full:
+        Engine(full.l2).save(full, alone, [0, 1, 2, 3])
+        assert full.flush(10)
+    with engine_cache(CacheConfig(l2=l2_bytes(8), l3=[url]), kv_format="g1w4") as window:
+        assert window.match(PROMPT).tokens == 12  # its own blocks, from L3
+        assert window.match(alone).tokens == 0  # the full group's blocks are not its
+
+
 # ---------------------------------------------------------------------------- misuse
 
 def test_calls_the_engine_owned_mode_refuses_say_what_to_do():
