@@ -1,6 +1,6 @@
 """tierkv.kernels: the GPU kernels (paged attention, KV writes, block copies, fp8 KV
 (de)quantisation, the decoder's fused RMSNorm / RoPE / SiLU-mul, the mixture-of-experts layer and
-its router's top-k, the sampler's top-k/top-p filter), dispatched by device.
+its router's top-k, the sampler's top-k/top-p filter, a linear layer for a few rows), dispatched by device.
 
 Triton kernels run on CUDA tensors and the torch reference everywhere else. The environment
 variable TIERKV_KERNELS=reference|triton forces one implementation (triton on CPU means the
@@ -46,6 +46,7 @@ __all__ = [
     "mla_decode",
     "fused_moe",
     "moe_topk",
+    "linear",
 ]
 
 # public name -> module of this package that holds its Triton version; a name missing here
@@ -70,6 +71,7 @@ _TRITON_HOME: dict[str, str] = {
     "mla_decode": "mla",
     "fused_moe": "moe",
     "moe_topk": "router",
+    "linear": "linear",
 }
 
 
@@ -259,3 +261,9 @@ def moe_topk(logits: torch.Tensor, k: int, router: str = "softmax", renormalize:
     "softmax" (Qwen3-MoE: softmax over all, top k, renormalised if `renormalize`) or "topk_softmax"
     (gpt-oss: top k logits, softmax over them). See reference.moe_topk; one launch on CUDA."""
     return _impl("moe_topk", logits)(logits, k, router, renormalize)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """torch.nn.functional.linear(x, weight, bias); on CUDA, x [M, K] with a few rows (decode at
+    batch 1..4) goes through one split-K Triton launch (kernels/linear.py), the rest through torch."""
+    return _impl("linear", x)(x, weight, bias)

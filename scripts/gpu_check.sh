@@ -4,12 +4,13 @@
 # own time limit, so one failure never costs the others. Everything lands in $OUT (log, JSON, PNG).
 #   parts: tests (pytest -m gpu, or the files in GPU_TESTS; all 175 took ~430 s at 995d4e8, over two calls; TESTS_LIMIT s allowed, 480), kernels, throughput, latency,
 #          long_context, serving, tiers (bench_tiers: disk, and Redis/S3 when .devsvc/ is carried),
-#          families (bench_families: MoE / sliding-window shapes, decode and a 100K L2 hit), moe, mla
+#          families (bench_families: MoE / sliding-window shapes, decode and a 100K L2 hit), moe, mla,
+#          linear (bench_linear: the small-M linear against cuBLAS)
 # The device has no redis-server or SeaweedFS: scripts/device_services.sh packs them into .devsvc/
 # (carry it, with the .whl/ files of boto3, botocore, s3transfer, jmespath and redis).
 # Usage (device tool, carry [".whl"]): TIERKV_COMMIT=<sha sent> bash scripts/gpu_check.sh tests kernels throughput
 # (the device's copy of .git can lag the tree it runs: without TIERKV_COMMIT the JSONs may name an older commit)
-# Extra arguments per benchmark: KERNELS_ARGS, THROUGHPUT_ARGS, LATENCY_ARGS, LONG_ARGS, SERVING_ARGS.
+# Extra arguments per benchmark: KERNELS_ARGS, THROUGHPUT_ARGS, LATENCY_ARGS, LONG_ARGS, SERVING_ARGS, LINEAR_ARGS.
 # throughput with its HF peer on all 256 prompts takes ~6 min: give it a call of its own.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -63,6 +64,7 @@ part() {  # part NAME SECONDS COMMAND...
       serving) part serving 540 python3 benchmarks/bench_serving.py --out "$OUT" ${SERVING_ARGS:-} ;;
       families) part families 540 python3 benchmarks/bench_families.py --out "$OUT" ${FAMILIES_ARGS:---hit} ;;
       moe) part moe 240 python3 benchmarks/bench_moe.py --out "$OUT" ${MOE_ARGS:-} ;;
+      linear) part linear 180 python3 benchmarks/bench_linear.py --out "$OUT" ${LINEAR_ARGS:-} ;;
       mla) part mla 240 python3 benchmarks/bench_mla_decode.py --out "$OUT" ${MLA_ARGS:-} ;;
       tiers) if services; then part tiers 420 python3 benchmarks/bench_tiers.py --out "$OUT" ${TIERS_ARGS:-}
              else part tiers 420 python3 benchmarks/bench_tiers.py --no-services --out "$OUT" ${TIERS_ARGS:-}; fi ;;

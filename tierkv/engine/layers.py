@@ -1,6 +1,6 @@
 """Building blocks shared by the decoder (model.py), its attention variants (mla.py) and MoE:
-the RMSNorm in transformers' rounding order, the row-parallel Linear of tensor parallelism, and
-YaRN's attention temperature (RoPE and MLA's softmax scale both use it).
+the RMSNorm in transformers' rounding order, the Linear that takes kernels.linear (its row-parallel
+form for tensor parallelism), and YaRN's attention temperature (RoPE and MLA's softmax scale both use it).
 
 They hold weights and call kernels; they never know which model they sit in.
 """
@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tierkv import kernels
@@ -33,7 +32,15 @@ class RMSNorm(nn.Module):
         return kernels.rms_norm(x, self.weight, self.eps, residual)
 
 
-class RowParallelLinear(nn.Linear):
+class Linear(nn.Linear):
+    """nn.Linear through kernels.linear: at decode's few rows on CUDA one split-K Triton launch
+    (cuBLAS reads these weights at half the HBM's speed there), else torch's linear."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(Linear):
     """A Linear whose input features are split over the ranks (o_proj, down_proj): each rank
     multiplies its slice, one all-reduce sums the partials, and only then is the bias (whole on
     every rank) added, so that it counts once and not `size` times."""
@@ -45,7 +52,7 @@ class RowParallelLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.tp.enabled:
             return super().forward(x)
-        out = self.tp.all_reduce(F.linear(x, self.weight))  # [T, out], summed over the ranks
+        out = self.tp.all_reduce(kernels.linear(x, self.weight))  # [T, out], summed over the ranks
         return out if self.bias is None else out + self.bias
 
 
