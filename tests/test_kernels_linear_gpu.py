@@ -43,7 +43,8 @@ def test_bf16_matches_torch_linear(shape, m, launch):
     assert got.dtype == torch.bfloat16 and got.shape == in_bf16.shape
     # one rounding of an fp32 sum: as close to the exact result as cuBLAS's bf16 output is
     assert _rel(got, want) <= max(1.5 * _rel(in_bf16, want), 4e-3)
-    assert int(linear._counters[x.device].abs().sum()) == 0   # left zeroed for the next call
+    counters = linear._counters.get(x.device)  # made by the first call that splits K
+    assert counters is None or int(counters.abs().sum()) == 0   # left zeroed for the next call
 
 
 def test_the_same_bits_every_call_and_in_a_cuda_graph():
