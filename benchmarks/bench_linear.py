@@ -5,7 +5,7 @@ For the dense GEMMs of a batch-1..4 decode step of Qwen3-30B-A3B (qkv 2048 -> 51
 bias, router 2880 -> 32 with bias), bf16, random weights: graph-replayed milliseconds of LAYERS calls,
 each on its own weights (so they do not sit in the 50 MB L2 between replays), for both, and the
 weight bytes per second of each against a d2d copy of 2 GiB (the HBM ceiling of this run).
-With --sweep, batch 1 is also timed at every launch of SWEEP, to pick kernels/linear.py's LAUNCH from;
+With --sweep, batch 1 is also timed at every launch of SWEEP, to pick kernels/small_linear.py's LAUNCH from;
 the best is printed. Writes benchmarks/results/bench_linear-<machine>.json (or --out DIR).
 Usage: python benchmarks/bench_linear.py [--out DIR] [--reps N] [--sweep]
        python benchmarks/bench_linear.py --smoke   (CPU: tiny shapes under torch, checks the script)
@@ -55,10 +55,10 @@ def run(shapes: dict, reps: int, smoke: bool, do_sweep: bool) -> dict:
             x = torch.randn(batch, k, generator=gen, device=device).to(dtype)
 
             def ours(**launch):
-                from tierkv.kernels import linear
+                from tierkv.kernels import small_linear
 
                 for w, b in weights:
-                    out = linear.linear(x, w, b, **launch) if launch else kernels.linear(x, w, b)
+                    out = small_linear.linear(x, w, b, **launch) if launch else kernels.linear(x, w, b)
                 return out
 
             def torchs():

@@ -71,7 +71,7 @@ _TRITON_HOME: dict[str, str] = {
     "mla_decode": "mla",
     "fused_moe": "moe",
     "moe_topk": "router",
-    "linear": "linear",
+    "linear": "small_linear",
 }
 
 
@@ -265,5 +265,5 @@ def moe_topk(logits: torch.Tensor, k: int, router: str = "softmax", renormalize:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """torch.nn.functional.linear(x, weight, bias); on CUDA, x [M, K] with a few rows (decode at
-    batch 1..4) goes through one split-K Triton launch (kernels/linear.py), the rest through torch."""
+    batch 1..4) goes through one split-K Triton launch (kernels/small_linear.py), the rest through torch."""
     return _impl("linear", x)(x, weight, bias)

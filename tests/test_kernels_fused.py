@@ -293,6 +293,17 @@ def test_every_fused_kernel_has_a_triton_home(name):
     assert callable(getattr(module, name))
 
 
+def test_no_triton_module_hides_a_public_kernel():
+    # Importing package.sub sets the package's attribute `sub`: a Triton module named like a
+    # public entry (kernels/linear.py for kernels.linear) replaced the function with the module on
+    # the first CUDA call, and every engine on a GPU then failed ("'module' object is not callable").
+    pytest.importorskip("triton")
+    for home in set(K._TRITON_HOME.values()):
+        importlib.import_module(f"tierkv.kernels.{home}")
+    hidden = [name for name in K.__all__ if not callable(getattr(K, name)) or isinstance(getattr(K, name), type(K))]
+    assert not hidden, f"tierkv.kernels names that are modules, not functions: {hidden}"
+
+
 def _bad_rms_norm():
     x = torch.randn(3, 8).to(torch.bfloat16)
     w = torch.ones(8, dtype=torch.bfloat16)

@@ -1,4 +1,4 @@
-"""The small-M Triton linear (kernels/linear.py) on a CUDA GPU in bf16 at the decode shapes of
+"""The small-M Triton linear (kernels/small_linear.py) on a CUDA GPU in bf16 at the decode shapes of
 Qwen3-30B-A3B and gpt-oss-20b (qkv, o_proj, router), against torch's linear in fp32 and bf16, and
 captured in a CUDA graph (replayed with other inputs)."""
 
@@ -34,16 +34,16 @@ def _rel(got, want):
 @pytest.mark.parametrize("m", [1, 3, 4])
 @pytest.mark.parametrize("launch", [None, (16, 128, 4, 3, 1), (64, 256, 4, 3, 8)])
 def test_bf16_matches_torch_linear(shape, m, launch):
-    from tierkv.kernels import linear
+    from tierkv.kernels import small_linear
 
     x, w, b = _case(shape, m)
-    got = linear.linear(x, w, b, launch=launch)
+    got = small_linear.linear(x, w, b, launch=launch)
     want = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
     in_bf16 = torch.nn.functional.linear(x, w, b)
     assert got.dtype == torch.bfloat16 and got.shape == in_bf16.shape
     # one rounding of an fp32 sum: as close to the exact result as cuBLAS's bf16 output is
     assert _rel(got, want) <= max(1.5 * _rel(in_bf16, want), 4e-3)
-    counters = linear._counters.get(x.device)  # made by the first call that splits K
+    counters = small_linear._counters.get(x.device)  # made by the first call that splits K
     assert counters is None or int(counters.abs().sum()) == 0   # left zeroed for the next call
 
 
