@@ -1,4 +1,4 @@
-"""bench_linear: kernels.linear (the small-M Triton linear) against torch's linear (cuBLAS) at decode rows.
+"""bench_linear: the small-M Triton linear (kernels/small_linear.py) against torch's linear (cuBLAS) at decode rows.
 
 For the dense GEMMs of a batch-1..4 decode step of Qwen3-30B-A3B (qkv 2048 -> 5120, o_proj 4096 ->
 2048, router 2048 -> 128) and gpt-oss-20b (qkv 2880 -> 5120 with bias, o_proj 4096 -> 2880 with
@@ -58,7 +58,7 @@ def run(shapes: dict, reps: int, smoke: bool, do_sweep: bool) -> dict:
                 from tierkv.kernels import small_linear
 
                 for w, b in weights:
-                    out = small_linear.linear(x, w, b, **launch) if launch else kernels.linear(x, w, b)
+                    out = small_linear.linear(x, w, b, **launch) if x.is_cuda else kernels.linear(x, w, b)  # CPU: --smoke
                 return out
 
             def torchs():

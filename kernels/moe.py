@@ -311,16 +311,18 @@ def sort_by_expert(topk_ids: torch.Tensor, experts: int, block_m: int, method: s
     return sorted_pairs, tile_expert, padded_end[-1:]
 
 
-# (unused, BLOCK_N, BLOCK_K) of the per-pair gate_up launch (4 warps, 3 stages): within 2% of the
-# best gate_up launch of bench_moe's sweep on the H200 at 49b6372 for both Qwen3-30B and gpt-oss-20b
-# (the 16-column tiles it replaced were 7-10% slower)
-GATE_UP_TILES = (1, 32, 128)
+# (unused, BLOCK_N, BLOCK_K) of the per-pair gate_up launch (4 warps, 3 stages): bench_moe's sweep on
+# the H200 at 9cecb1f, batch 1, the whole fused_moe: 0.1145 ms per 4 layers of Qwen3-30B (the best,
+# 64-column tiles, 0.1132) and the best for gpt-oss-20b, 0.2515 ms (32 x 128: 0.1346 and 0.2595)
+GATE_UP_TILES = (1, 32, 256)
 
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages, splits) of the per-pair path's down launch; splits None:
 # as many intermediate chunks as it takes to give DOWN_PROGRAMS_PER_SM programs per SM (batch 1 has only
-# k * hidden / BLOCK_N (pair, column tile) programs: 512 for Qwen3-30B, 360 for gpt-oss-20b)
-DOWN_LAUNCH = (32, 256, 4, 3, None)
+# k * hidden / BLOCK_N (pair, column tile) programs: 256 for Qwen3-30B, 180 for gpt-oss-20b at 64).
+# The H200 sweep at 9cecb1f found no split best on both shapes: 0.1241 ms per 4 Qwen3-30B layers (the
+# best) and 0.2388 for gpt-oss-20b (best 0.2384), against 0.1344 and 0.2594 for (32, 256, 4, 3, None)
+DOWN_LAUNCH = (64, 256, 4, 3, 1)
 DOWN_PROGRAMS_PER_SM = 4
 
 

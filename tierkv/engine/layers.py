@@ -33,8 +33,8 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Linear):
-    """nn.Linear through kernels.linear: at decode's few rows on CUDA one split-K Triton launch
-    (cuBLAS reads these weights at half the HBM's speed there), else torch's linear."""
+    """nn.Linear through kernels.linear, the one place that picks its implementation (torch's for
+    now; a split-K Triton launch for decode's few rows on CUDA once measured: kernels/small_linear.py)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.linear(x, self.weight, self.bias)
