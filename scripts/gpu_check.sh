@@ -5,12 +5,14 @@
 #   parts: tests (pytest -m gpu, or the files in GPU_TESTS; all 175 took ~430 s at 995d4e8, over two calls; TESTS_LIMIT s allowed, 480), kernels, throughput, latency,
 #          long_context, serving, tiers (bench_tiers: disk, and Redis/S3 when .devsvc/ is carried),
 #          families (bench_families: MoE / sliding-window shapes, decode and a 100K L2 hit), moe, mla,
-#          linear (bench_linear: the small-M linear against cuBLAS)
+#          linear (bench_linear: the small-M linear against cuBLAS),
+#          fleet (bench_routers --gpu: replicas on one GPU behind vllm-router; carry .fleet from
+#          scripts/device_fleet.sh, which holds redis and every wheel it needs; FLEET_LIMIT s, 540)
 # The device has no redis-server or SeaweedFS: scripts/device_services.sh packs them into .devsvc/
 # (carry it, with the .whl/ files of boto3, botocore, s3transfer, jmespath and redis).
 # Usage (device tool, carry [".whl"]): TIERKV_COMMIT=<sha sent> bash scripts/gpu_check.sh tests kernels throughput
 # (the device's copy of .git can lag the tree it runs: without TIERKV_COMMIT the JSONs may name an older commit)
-# Extra arguments per benchmark: KERNELS_ARGS, THROUGHPUT_ARGS, LATENCY_ARGS, LONG_ARGS, SERVING_ARGS, LINEAR_ARGS.
+# Extra arguments per benchmark: KERNELS_ARGS, THROUGHPUT_ARGS, LATENCY_ARGS, LONG_ARGS, SERVING_ARGS, LINEAR_ARGS, FLEET_ARGS.
 # throughput with its HF peer on all 256 prompts takes ~6 min: give it a call of its own.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -21,24 +23,35 @@ LOG="$OUT/gpu_check.log"
 
 install() {
   echo "== $(date -u) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null)"
-  if ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  # the carried wheels, .whl/ and .fleet/ (scripts/device_fleet.sh), each file name once
+  local wheels
+  wheels=$(ls .whl/*.whl .fleet/*.whl 2>/dev/null | awk -F/ '!seen[$NF]++')
+  if [ -n "$wheels" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $wheels
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH
   fi
   python3 -m pip install -q --no-deps --no-build-isolation -e . || exit 1
   python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 }
 
-services() {  # unpack the carried redis-server, redis-cli and weed onto PATH; false if not carried
-  [ -f .devsvc/redis.tar.xz ] && [ -f .devsvc/weed.xz ] || return 1
+redis_up() {  # unpack a carried redis-server and redis-cli (.devsvc/ or .fleet/) onto PATH; false if none
+  local tarball
+  tarball=$(ls .devsvc/redis.tar.xz .fleet/redis.tar.xz 2>/dev/null | head -1)
+  [ -n "$tarball" ] || return 1
   mkdir -p /tmp/svc/real /tmp/svc/bin
-  tar -C /tmp/svc/real -xJf .devsvc/redis.tar.xz && xz -dc .devsvc/weed.xz > /tmp/svc/bin/weed && chmod +x /tmp/svc/bin/weed
+  tar -C /tmp/svc/real -xJf "$tarball" || return 1
   for b in redis-server redis-cli; do  # their libraries for them alone: Python keeps the system's
     printf '#!/bin/sh\nLD_LIBRARY_PATH=/tmp/svc/real/lib exec /tmp/svc/real/bin/%s "$@"\n' "$b" > /tmp/svc/bin/$b
     chmod +x /tmp/svc/bin/$b
   done
   export PATH=/tmp/svc/bin:$PATH
-  redis-server --version && weed version
+  redis-server --version
+}
+
+services() {  # redis and weed (bench_tiers), unpacked onto PATH; false if either is not carried
+  [ -f .devsvc/weed.xz ] && redis_up || return 1
+  xz -dc .devsvc/weed.xz > /tmp/svc/bin/weed && chmod +x /tmp/svc/bin/weed
+  weed version
 }
 
 part() {  # part NAME SECONDS COMMAND...
@@ -66,6 +79,9 @@ part() {  # part NAME SECONDS COMMAND...
       moe) part moe 240 python3 benchmarks/bench_moe.py --out "$OUT" ${MOE_ARGS:-} ;;
       linear) part linear 180 python3 benchmarks/bench_linear.py --out "$OUT" ${LINEAR_ARGS:-} ;;
       mla) part mla 240 python3 benchmarks/bench_mla_decode.py --out "$OUT" ${MLA_ARGS:-} ;;
+      # replicas of a Qwen3-0.6B-shaped model behind vllm-router, kv_aware vs round_robin (carry .fleet)
+      fleet) if redis_up; then part fleet ${FLEET_LIMIT:-540} python3 benchmarks/bench_routers.py --out "$OUT" ${FLEET_ARGS:---gpu --budget-s 150}
+             else echo "fleet: no redis-server carried: bash scripts/device_fleet.sh here, carry [\".fleet\"]"; fi ;;
       tiers) if services; then part tiers 420 python3 benchmarks/bench_tiers.py --out "$OUT" ${TIERS_ARGS:-}
              else part tiers 420 python3 benchmarks/bench_tiers.py --no-services --out "$OUT" ${TIERS_ARGS:-}; fi ;;
       *) echo "unknown part $p" ;;

@@ -1,7 +1,8 @@
 """tierkv-serve behind real routers: three replicas of the bundled model sharing one Redis L3
 (write-through), behind vllm-router with kv_aware (fed by tierkv's KV-cache events and replay
-sockets), cache_aware and round_robin, and behind sglang-router with cache_aware; then a rolling
-update under load.
+sockets), cache_aware and round_robin, and behind sglang-router with cache_aware; the token-id,
+streamed workload of the fleet on one GPU (bench_routers --gpu) through kv_aware and round_robin;
+then a rolling update under load.
 
 One fleet serves the whole module (the rolling update, which replaces a replica, runs last). The
 fleet, the multi-round workload and the hit fractions are benchmarks/bench_routers.py's: its
@@ -96,6 +97,31 @@ def test_the_fractions_and_rates_are_written(compared, tmp_path):
         r = out["results"][policy]
         assert r["requests"] == WORK.conversations * WORK.rounds and r["requests_per_s"] > 0
         assert 0 < r["hit_fraction"] < 1 and r["local_fraction"] + r["l3_fraction"] == pytest.approx(r["hit_fraction"])
+
+
+def test_token_workload_streams_through_both_routers_and_reports_ttft(fleet, workdir, tmp_path):
+    """The --gpu fleet's path on this fleet: the token-id multi-round workload (what a model
+    without a tokenizer gets), streamed through vllm-router's kv_aware and round_robin from empty
+    caches. Every request completes with its tokens and a TTFT; kv_aware keeps the conversations on
+    the replicas that hold them; the JSON has each policy's throughput and TTFT percentiles, the
+    kv_aware / round_robin ratios, and a PNG beside it."""
+    work = bench_routers.TokenWorkload(conversations=4, rounds=3, system_tokens=32, context_tokens=128,
+                                       question_tokens=12, answer_tokens=4, stagger_s=0.2,
+                                       vocab=49152)  # the bundled model's
+    assert all(len(p) % bench_routers.BLOCK_SIZE == 12 for p in work.prompts(0))  # each on a block boundary + a question
+    results = bench_routers.compare(fleet, work, workdir, ("kv_aware", "round_robin"), one_server=False)
+    kv, rr = results["kv_aware"], results["round_robin"]
+    for r in (kv, rr):
+        assert r["failed"] == 0 and r["complete"] and r["requests"] == 12, r["errors"]
+        assert r["output_tokens_per_s"] == pytest.approx(12 * 4 / r["wall_s"])
+        assert 0 < r["ttft_s"]["p50"] <= r["ttft_s"]["p90"] and r["ttft_hit_rounds_s"]["p90"] > 0
+    assert kv["local_fraction"] > rr["local_fraction"] + 0.1, (kv, rr)
+    path = bench_routers.report(results, work, 3, tmp_path, bench_routers.REPLICA_ARGS, name="routers_fleet")
+    out = json.loads(path.read_text())
+    assert path.name.startswith("routers_fleet-") and path.with_suffix(".png").stat().st_size > 0
+    assert out["workload_kv_tokens"] == 32 + 4 * (128 + 3 * (12 + 4))
+    assert out["kv_aware_vs_round_robin"]["throughput"] == pytest.approx(kv["requests_per_s"] / rr["requests_per_s"])
+    assert out["kv_aware_vs_round_robin"]["p90_ttft"] == pytest.approx(kv["ttft_s"]["p90"] / rr["ttft_s"]["p90"])
 
 
 def test_sglang_router_cache_aware_completes_every_request(fleet, workdir):
