@@ -108,13 +108,15 @@ def test_token_workload_streams_through_both_routers_and_reports_ttft(fleet, wor
     work = bench_routers.TokenWorkload(conversations=4, rounds=3, system_tokens=32, context_tokens=128,
                                        question_tokens=12, answer_tokens=4, stagger_s=0.2,
                                        vocab=49152)  # the bundled model's
-    assert all(len(p) % bench_routers.BLOCK_SIZE == 12 for p in work.prompts(0))  # each on a block boundary + a question
+    # each prompt: the last history's whole blocks, then a question
+    assert [len(p) % bench_routers.BLOCK_SIZE for p in work.prompts(0)] == [12, 12, 12]
     results = bench_routers.compare(fleet, work, workdir, ("kv_aware", "round_robin"), one_server=False)
     kv, rr = results["kv_aware"], results["round_robin"]
     for r in (kv, rr):
         assert r["failed"] == 0 and r["complete"] and r["requests"] == 12, r["errors"]
         assert r["output_tokens_per_s"] == pytest.approx(12 * 4 / r["wall_s"])
         assert 0 < r["ttft_s"]["p50"] <= r["ttft_s"]["p90"] and r["ttft_hit_rounds_s"]["p90"] > 0
+        assert r["l3_keys_at_start"] == 0  # the flush between policies left the shared L3 empty
     assert kv["local_fraction"] > rr["local_fraction"] + 0.1, (kv, rr)
     path = bench_routers.report(results, work, 3, tmp_path, bench_routers.REPLICA_ARGS, name="routers_fleet")
     out = json.loads(path.read_text())
