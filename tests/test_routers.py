@@ -118,6 +118,8 @@ def test_token_workload_streams_through_both_routers_and_reports_ttft(fleet, wor
         assert 0 < r["ttft_s"]["p50"] <= r["ttft_s"]["p90"] and r["ttft_hit_rounds_s"]["p90"] > 0
         assert r["l3_keys_at_start"] == 0  # the flush between policies left the shared L3 empty
     assert kv["local_fraction"] > rr["local_fraction"] + 0.1, (kv, rr)
+    # it matched the token ids against the replicas' events: what it credited is what they found
+    assert kv["router_credited_tokens"] == pytest.approx(kv["cached_tokens"], rel=0.1), kv
     path = bench_routers.report(results, work, 3, tmp_path, bench_routers.REPLICA_ARGS, name="routers_fleet")
     out = json.loads(path.read_text())
     assert path.name.startswith("routers_fleet-") and path.with_suffix(".png").stat().st_size > 0
