@@ -26,8 +26,8 @@ overflows one replica (L1 8 GiB, L2 10 GiB, which holds a copy of L1's blocks) a
 fleet's four. Per policy: requests/s,
 output tok/s, p50/p90 TTFT (all rounds, and the hit rounds, 1 on, alone: round 0 is cold under
 any router) and the hit fractions as above; the kv_aware / round_robin ratios (the anchor: llm-d's
-event-fed routing published 2x the throughput of random routing, p90 TTFT 0.54 s against 92.6 s,
-open loop past saturation; this closed loop cannot queue that far). Writes
+event-fed routing published 2x the throughput of random routing, p90 TTFT 0.54 s against 92.6 s;
+a TTFT of 92.6 s is queueing, which this closed loop, one request per user at a time, bounds). Writes
 routers_fleet-<machine>.json and a PNG beside it.
 
     # here, once: redis-server, the router's and the server's wheels into .fleet/ (~32 MB)
