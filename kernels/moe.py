@@ -69,6 +69,16 @@ def _tile(TileExpert, SortedPairs, pid_m, num_pairs, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
+def _gate_up_dots(a, w_gate, w_up, ks, k_ok, col_ok, acc_gate, acc_up, DOT_PREC: tl.constexpr):
+    """One BLOCK_K step of gate/up: rows a [M, BLOCK_K] times the expert's gate and up weights at
+    ks [BLOCK_K] x the tile's columns (w_gate, w_up: [1, BLOCK_N] pointers), into the fp32 accumulators."""
+    w_mask = k_ok[:, None] & col_ok[None, :]
+    wg = tl.load(w_gate + ks[:, None], mask=w_mask, other=0.0)                         # [BLOCK_K, BLOCK_N]
+    wu = tl.load(w_up + ks[:, None], mask=w_mask, other=0.0)
+    return tl.dot(a, wg, acc_gate, input_precision=DOT_PREC), tl.dot(a, wu, acc_up, input_precision=DOT_PREC)
+
+
+@triton.jit
 def _gate_up_kernel(X, W13, B13, Act, SortedPairs, TileExpert, NumPadded,
                     hidden, inter, top_k, num_pairs,
                     stride_xt, stride_we, stride_wn, stride_be, alpha, limit,
@@ -90,11 +100,7 @@ def _gate_up_kernel(X, W13, B13, Act, SortedPairs, TileExpert, NumPadded,
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < hidden
         a = tl.load(X + tokens[:, None] * stride_xt + ks[None, :], mask=real[:, None] & k_ok[None, :], other=0.0)
-        w_mask = k_ok[:, None] & col_ok[None, :]
-        wg = tl.load(w_gate + ks[:, None], mask=w_mask, other=0.0)                     # [BLOCK_K, BLOCK_N]
-        wu = tl.load(w_up + ks[:, None], mask=w_mask, other=0.0)
-        acc_gate = tl.dot(a, wg, acc_gate, input_precision=DOT_PREC)
-        acc_up = tl.dot(a, wu, acc_up, input_precision=DOT_PREC)
+        acc_gate, acc_up = _gate_up_dots(a, w_gate, w_up, ks, k_ok, col_ok, acc_gate, acc_up, DOT_PREC)
     act = _activate(acc_gate, acc_up, B13, expert, stride_be, cols[None, :], col_ok[None, :], inter, alpha, limit,
                     Act.dtype.element_ty, HAS_BIAS, ACTIVATION)
     tl.store(Act + rows[:, None].to(tl.int64) * inter + cols[None, :], act, mask=col_ok[None, :])
@@ -158,11 +164,7 @@ def _gate_up_pair_kernel(X, W13, B13, Act, Ids, Arrived, arrived_count, hidden, 
         k_ok = ks < hidden
         x = tl.load(x_row + ks, mask=k_ok, other=0.0)                                    # [BLOCK_K]
         a = tl.where(first, x[None, :], 0.0).to(x.dtype)                                 # [16, BLOCK_K]
-        w_mask = k_ok[:, None] & col_ok[None, :]
-        wg = tl.load(w_gate + ks[:, None], mask=w_mask, other=0.0)                     # [BLOCK_K, BLOCK_N]
-        wu = tl.load(w_up + ks[:, None], mask=w_mask, other=0.0)
-        acc_gate = tl.dot(a, wg, acc_gate, input_precision=DOT_PREC)
-        acc_up = tl.dot(a, wu, acc_up, input_precision=DOT_PREC)
+        acc_gate, acc_up = _gate_up_dots(a, w_gate, w_up, ks, k_ok, col_ok, acc_gate, acc_up, DOT_PREC)
     act = _activate(acc_gate, acc_up, B13, expert, stride_be, cols[None, :], col_ok[None, :], inter, alpha, limit,
                     Act.dtype.element_ty, HAS_BIAS, ACTIVATION)                        # [16, BLOCK_N], row 0 real
     tl.store(Act + pair * inter + tl.zeros((16, 1), dtype=tl.int64) + cols[None, :], act,
