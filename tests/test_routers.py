@@ -5,8 +5,8 @@ streamed workload of the fleet on one GPU (bench_routers --gpu) through kv_aware
 then a rolling update under load.
 
 One fleet serves the whole module (the rolling update, which replaces a replica, runs last). The
-fleet, the multi-round workload and the hit fractions are benchmarks/bench_routers.py's: its
-figures from one run are benchmarks/results/routers-cpu.json.
+fleet and the workloads are benchmarks/routers/'s, the hit fractions benchmarks/bench_routers.py's:
+its figures from one run are benchmarks/results/routers-cpu.json.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_routers  # noqa: E402
-from bench_routers import Fleet, Ports, Router, Workload, converse  # noqa: E402
+from routers.fleet import REPLICA_ARGS, Fleet, Ports, Router  # noqa: E402
+from routers.workloads import BLOCK_SIZE, WORDS, TokenWorkload, Workload, converse  # noqa: E402
 from services import unavailable  # noqa: E402
 from tierkv.server.async_engine import CLOSE_S  # noqa: E402
 
@@ -105,11 +106,11 @@ def test_token_workload_streams_through_both_routers_and_reports_ttft(fleet, wor
     caches. Every request completes with its tokens and a TTFT; kv_aware keeps the conversations on
     the replicas that hold them; the JSON has each policy's throughput and TTFT percentiles, the
     kv_aware / round_robin ratios, and a PNG beside it."""
-    work = bench_routers.TokenWorkload(conversations=4, rounds=3, system_tokens=32, context_tokens=128,
+    work = TokenWorkload(conversations=4, rounds=3, system_tokens=32, context_tokens=128,
                                        question_tokens=12, answer_tokens=4, stagger_s=0.2,
                                        vocab=49152)  # the bundled model's
     # each prompt: the last history's whole blocks, then a question
-    assert [len(p) % bench_routers.BLOCK_SIZE for p in work.prompts(0)] == [12, 12, 12]
+    assert [len(p) % BLOCK_SIZE for p in work.prompts(0)] == [12, 12, 12]
     results = bench_routers.compare(fleet, work, workdir, ("kv_aware", "round_robin"), one_server=False)
     kv, rr = results["kv_aware"], results["round_robin"]
     for r in (kv, rr):
@@ -120,7 +121,7 @@ def test_token_workload_streams_through_both_routers_and_reports_ttft(fleet, wor
     assert kv["local_fraction"] > rr["local_fraction"] + 0.1, (kv, rr)
     # it matched the token ids against the replicas' events: what it credited is what they found
     assert kv["router_credited_tokens"] == pytest.approx(kv["cached_tokens"], rel=0.1), kv
-    path = bench_routers.report(results, work, 3, tmp_path, bench_routers.REPLICA_ARGS, name="routers_fleet")
+    path = bench_routers.report(results, work, 3, tmp_path, REPLICA_ARGS, name="routers_fleet")
     out = json.loads(path.read_text())
     assert path.name.startswith("routers_fleet-") and path.with_suffix(".png").stat().st_size > 0
     assert out["workload_kv_tokens"] == 32 + 4 * (128 + 3 * (12 + 4))
@@ -144,7 +145,7 @@ def test_sglang_router_cache_aware_spreads_users_of_one_system_prompt(fleet, wor
     first replica's, and it balances only past 64 requests of difference); with the thresholds
     docs/deploy.md gives, every replica serves some of them."""
     fleet.reset()
-    system = "You are the support agent of a storage product. " + " ".join(bench_routers.WORDS * 3)
+    system = "You are the support agent of a storage product. " + " ".join(WORDS * 3)
     work = Workload(conversations=12, rounds=1, first_words=20, stagger_s=0.0)
     before = fleet.counters()
     with Router("sglang", "cache_aware", fleet.live, fleet.model, workdir / "sglang-spread.log",
@@ -214,7 +215,7 @@ def test_a_rolling_update_under_load_fails_no_request(fleet, workdir):
                            histories=known)
         c = new.counters()
         assert first.error is None and first.cached_tokens > 0, first
-        assert c["requests"] == 1 and bench_routers.BLOCK_SIZE * c["l3_read"] >= first.cached_tokens, c
+        assert c["requests"] == 1 and BLOCK_SIZE * c["l3_read"] >= first.cached_tokens, c
 
         stop, load = threading.Event(), {}
         runner = threading.Thread(target=lambda: load.setdefault("turns", converse(
@@ -224,7 +225,7 @@ def test_a_rolling_update_under_load_fails_no_request(fleet, workdir):
             time.sleep(2)
             assert httpx.post(router.url + "/add_worker", params={"url": new.url}, timeout=30).status_code == 200
             # a long prompt on the old replica: once it is in the engine (its headers are out), SIGTERM
-            prompt = " ".join(random.Random(7).choice(bench_routers.WORDS) for _ in range(LONG_WORDS))
+            prompt = " ".join(random.Random(7).choice(WORDS) for _ in range(LONG_WORDS))
             with httpx.stream("POST", old.url + "/v1/completions", timeout=120, json={
                     "model": fleet.model, "prompt": prompt, "max_tokens": 8, "stream": True}) as r:
                 assert r.status_code == 200
