@@ -12,7 +12,7 @@
 # (carry it, with the .whl/ files of boto3, botocore, s3transfer, jmespath and redis).
 # Usage (device tool, carry [".whl"]): TIERKV_COMMIT=<sha sent> bash scripts/gpu_check.sh tests kernels throughput
 # (the device's copy of .git can lag the tree it runs: without TIERKV_COMMIT the JSONs may name an older commit)
-# Extra arguments per benchmark: KERNELS_ARGS, THROUGHPUT_ARGS, LATENCY_ARGS, LONG_ARGS, SERVING_ARGS, LINEAR_ARGS, FLEET_ARGS.
+# Extra arguments per part: TESTS_ARGS (e.g. "-n 6 --dist loadfile" with pytest-xdist's wheels in .whl/), KERNELS_ARGS, THROUGHPUT_ARGS, LATENCY_ARGS, LONG_ARGS, SERVING_ARGS, LINEAR_ARGS, FLEET_ARGS.
 # throughput with its HF peer on all 256 prompts takes ~6 min: give it a call of its own.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -68,7 +68,7 @@ part() {  # part NAME SECONDS COMMAND...
   for p in "$@"; do
     case $p in
       # the files that hold GPU tests (the others may import what the device lacks: zmq, kubernetes_validate)
-      tests) part tests ${TESTS_LIMIT:-480} python3 -m pytest -m gpu -q -p no:cacheprovider --durations=10 \
+      tests) part tests ${TESTS_LIMIT:-480} python3 -m pytest -m gpu -q -p no:cacheprovider --durations=10 ${TESTS_ARGS:-} \
                ${GPU_TESTS:-$(grep -l "pytest.mark.gpu" tests/test_*.py)} ;;
       kernels) part kernels 300 python3 benchmarks/bench_kernels.py --out "$OUT" ${KERNELS_ARGS:-} ;;
       throughput) part throughput 540 python3 benchmarks/bench_throughput.py --out "$OUT" ${THROUGHPUT_ARGS:-} ;;
