@@ -27,6 +27,7 @@ def test_strided_copies_both_ways_on_a_side_stream():
     host = torch.randint(0, 256, (blocks, row), dtype=torch.uint8).pin_memory()
     dev = torch.zeros((blocks, row), dtype=torch.uint8, device="cuda")
     stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())  # the zeros above are the default stream's work
     with torch.cuda.stream(stream):
         dma.copy(dev[1].data_ptr() + 1024, host[1].data_ptr() + 1024, 2048, 4, dst_pitch=row, src_pitch=row,
                  stream=stream.cuda_stream)
