@@ -71,8 +71,7 @@ _TRITON_HOME: dict[str, str] = {
     "mla_decode": "mla",
     "fused_moe": "moe",
     "moe_topk": "router",
-    # "linear": "small_linear" once measured: kernels/small_linear.py has never run on a GPU (the
-    # session that wrote it ran out of H200 time), so the engine keeps torch's linear until then
+    # no "linear": torch's serves every device (see `linear`)
 }
 
 
@@ -265,7 +264,9 @@ def moe_topk(logits: torch.Tensor, k: int, router: str = "softmax", renormalize:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """torch.nn.functional.linear(x, weight, bias), the decoder's linear layers' one entry. For now
-    torch's on every device: the split-K Triton launch for a few rows (kernels/small_linear.py) is
-    dispatched to once it has been measured and tested on a GPU (see _TRITON_HOME)."""
+    """torch.nn.functional.linear(x, weight, bias), the decoder's linear layers' one entry: torch's
+    (cuBLAS) on every device. A split-K Triton linear for one to four rows did not beat cuBLAS on the
+    H200 where the bytes are (batch 1, torch vs its best launch: Qwen3-30B-A3B qkv 0.129 vs 0.143 ms,
+    o 0.152 vs 0.146; gpt-oss-20b qkv 0.166 vs 0.184, o 0.193 vs 0.165; routers 0.075-0.095 vs
+    0.058-0.062), so it was removed (benchmarks/results/bench_linear-h200-sweep-427c339.json)."""
     return _impl("linear", x)(x, weight, bias)

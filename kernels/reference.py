@@ -310,7 +310,7 @@ def _rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ weight [N, K].T + bias [N]: torch's own linear (the Triton one serves few rows)."""
+    """x [..., K] @ weight [N, K].T + bias [N]: torch's own linear."""
     return torch.nn.functional.linear(x, weight, bias)
 
 

@@ -5,14 +5,13 @@
 #   parts: tests (pytest -m gpu, or the files in GPU_TESTS; all 175 took ~430 s at 995d4e8, over two calls; TESTS_LIMIT s allowed, 480), kernels, throughput, latency,
 #          long_context, serving, tiers (bench_tiers: disk, and Redis/S3 when .devsvc/ is carried),
 #          families (bench_families: MoE / sliding-window shapes, decode and a 100K L2 hit), moe, mla,
-#          linear (bench_linear: the small-M linear against cuBLAS),
 #          fleet (bench_routers --gpu: replicas on one GPU behind vllm-router; carry .fleet from
 #          scripts/device_fleet.sh, which holds redis and every wheel it needs; FLEET_LIMIT s, 540)
 # The device has no redis-server or SeaweedFS: scripts/device_services.sh packs them into .devsvc/
 # (carry it, with the .whl/ files of boto3, botocore, s3transfer, jmespath and redis).
 # Usage (device tool, carry [".whl"]): TIERKV_COMMIT=<sha sent> bash scripts/gpu_check.sh tests kernels throughput
 # (the device's copy of .git can lag the tree it runs: without TIERKV_COMMIT the JSONs may name an older commit)
-# Extra arguments per part: TESTS_ARGS (e.g. "-n 6 --dist loadfile" with pytest-xdist's wheels in .whl/), KERNELS_ARGS, THROUGHPUT_ARGS, LATENCY_ARGS, LONG_ARGS, SERVING_ARGS, LINEAR_ARGS, FLEET_ARGS.
+# Extra arguments per part: TESTS_ARGS (e.g. "-n 6 --dist loadfile" with pytest-xdist's wheels in .whl/), KERNELS_ARGS, THROUGHPUT_ARGS, LATENCY_ARGS, LONG_ARGS, SERVING_ARGS, FLEET_ARGS.
 # throughput with its HF peer on all 256 prompts takes ~6 min: give it a call of its own.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -77,7 +76,6 @@ part() {  # part NAME SECONDS COMMAND...
       serving) part serving 540 python3 benchmarks/bench_serving.py --out "$OUT" ${SERVING_ARGS:-} ;;
       families) part families 540 python3 benchmarks/bench_families.py --out "$OUT" ${FAMILIES_ARGS:---hit} ;;
       moe) part moe 240 python3 benchmarks/bench_moe.py --out "$OUT" ${MOE_ARGS:-} ;;
-      linear) part linear 180 python3 benchmarks/bench_linear.py --out "$OUT" ${LINEAR_ARGS:-} ;;
       mla) part mla 240 python3 benchmarks/bench_mla_decode.py --out "$OUT" ${MLA_ARGS:-} ;;
       # replicas of a Qwen3-0.6B-shaped model behind vllm-router, kv_aware vs round_robin (carry .fleet)
       fleet) if redis_up; then part fleet ${FLEET_LIMIT:-540} python3 benchmarks/bench_routers.py --out "$OUT" ${FLEET_ARGS:---gpu --budget-s 150}

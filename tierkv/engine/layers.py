@@ -33,8 +33,7 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Linear):
-    """nn.Linear through kernels.linear, the one place that picks its implementation (torch's for
-    now; a split-K Triton launch for decode's few rows on CUDA once measured: kernels/small_linear.py)."""
+    """nn.Linear through kernels.linear, the one place that picks its implementation."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.linear(x, self.weight, self.bias)
