@@ -103,8 +103,15 @@ def stats_delta(before: dict | None, after: dict | None) -> dict | None:
     """Per tier, what happened between two stats snapshots: hit tokens (the cache counts every
     lookup, and a request waiting for room is looked up again each step, so these are good as
     fractions, not per request), bytes read out (L2: loads into L1 over PCIe; L3: disk reads) and
-    bytes written in."""
+    bytes written in; under "l3", "reads": its reads' count, abandoned ones and actual/estimate."""
     if before is None or after is None:
         return None
-    return {t: {k: after["tiers"][t][k] - before["tiers"][t][k] for k in ("hit_tokens", "bytes_out", "bytes_in")}
-            for t in ("l1", "l2", "l3")}
+    out = {t: {k: after["tiers"][t][k] - before["tiers"][t][k] for k in ("hit_tokens", "bytes_out", "bytes_in")}
+           for t in ("l1", "l2", "l3")}
+    reads, was = after.get("l3_reads"), before.get("l3_reads")
+    if reads and was:  # the point's L3 reads against their estimates, and the recompute cost they were weighed with
+        out["l3"]["reads"] = {"timed": reads["timed"] - was["timed"], "abandoned": reads["abandoned"] - was["abandoned"],
+                              "mean_actual_over_estimate": reads["mean_actual_over_estimate"],
+                              "recent": reads["recent"][-8:],
+                              "recompute_seconds_per_token": after.get("recompute_seconds_per_token")}
+    return out

@@ -385,6 +385,8 @@ class Engine:
         counters: the workers count the L1/L2 moves they repeated, so a rank that fell out of step
         shows there. L3 figures are rank 0's alone: it reads and writes every rank's heads."""
         out = self.cache.stats()
+        # what load-or-recompute weighs each L3 read's estimate against (None until measured)
+        out["recompute_seconds_per_token"] = self.scheduler.recompute_seconds_per_token
         if self.workers is None:
             return out
         ranks = [copy.deepcopy(out["tiers"])] + [s["tiers"] for s in self.workers.stats()]
