@@ -69,6 +69,42 @@ def test_l1_eviction_demotes_to_l2_and_l2_hits_load_back():
     assert stats["l1"]["evictions"] >= 2 and stats["l2"]["blocks_out"] >= 2
 
 
+def test_l2_gives_up_its_copies_of_l1_blocks_before_blocks_it_alone_holds():
+    """A block loaded up from L2 stays in L2 too; when L2 needs room, that copy goes before a
+    block that L2 alone holds (which LRU would take: it was used longer ago), so L1 and L2
+    together keep every prefix."""
+    cache = make(l1=12, l2=8, write_policy="write_back")
+    a, b, c = (list(range(k, k + 17)) for k in (0, 100, 200))  # 4 full blocks each
+    store(cache, a)
+    store(cache, b)
+    cache.evict("l1")  # L2 (8 blocks) now holds a and b; L1 nothing
+    for _ in range(2):  # a is loaded up (L1 and L2 hold it), then used again: the most recent
+        cache.free(cache.allocate(a))
+        if _ == 0:
+            store(cache, c)
+    store(cache, list(range(300, 333)))  # 8 blocks: L1 demotes c, the least recent, into a full L2
+    assert cache.match(a).by_tier == {"l1": 16, "l2": 0, "l3": 0}
+    assert cache.match(b).by_tier == {"l1": 0, "l2": 16, "l3": 0}  # LRU alone would have dropped b
+    assert cache.match(c).by_tier == {"l1": 0, "l2": 16, "l3": 0}
+    assert cache.stats()["tiers"]["l2"]["drops"] == 0  # a's L2 copy went; L1 still has a
+
+
+def test_a_block_leaving_l1_keeps_its_l2_copy_while_others_are_demoted_beside_it():
+    """Blocks evicted from L1 together: one whose L2 copy exists is no longer a copy of an L1
+    block, so the room that the others' demotion needs comes from L2's policy, not from it."""
+    cache = make(l1=8, l2=8, write_policy="write_back")
+    a, b, c = (list(range(k, k + 17)) for k in (0, 100, 200))
+    store(cache, a)
+    store(cache, b)
+    cache.evict("l1")
+    cache.free(cache.allocate(a))  # a: in L1 and L2, and the most recent in both
+    store(cache, c)
+    cache.evict("l1")  # a leaves L1 (its L2 copy stays), c is demoted: b, the least recent, goes
+    assert cache.match(a).by_tier == {"l1": 0, "l2": 16, "l3": 0}
+    assert cache.match(c).by_tier == {"l1": 0, "l2": 16, "l3": 0}
+    assert cache.match(b).tokens == 0
+
+
 def test_write_through_copies_at_once_and_eviction_drops_nothing():
     cache = make(l1=2, l2=8, write_policy="write_through")
     store(cache, list(range(9)))

@@ -6,11 +6,16 @@ walk is a run of dict hits that stops at the first miss. Each entry keeps the bl
 hash, namespace and token ids, and a hit counts only if they equal the query's, so a hash
 collision (accidental or crafted by another tenant) is a miss, never someone else's KV.
 Each block placed in or taken out of a tier is recorded in `events` when someone listens.
+L2 gives up first its copies of blocks that L1 holds too (oldest first), before its policy's
+choice: such a copy adds nothing that L1 lacks, while a block held in L2 alone is a hit that
+would otherwise be lost. Without this, every block loaded up from L2 (and every block read up
+from L3 through L2) stays in both tiers, and L2 holds less that L1 does not.
 This file does bookkeeping only: it never touches tensors or moves data.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +62,9 @@ class BlockIndex:
     collisions: int = 0
     removals: int = 0  # entries dropped from the index so far: a walk done before is still valid while unchanged
     events: BlockEvents | None = None  # where tier changes are recorded, when someone publishes them
+    # hashes of blocks L1 and L2 both held when entered, oldest first: L2's first victims (stale
+    # ones, no longer in both or held, are skipped when reached)
+    l2_copies: OrderedDict[int, None] = field(default_factory=OrderedDict)
 
     def __post_init__(self) -> None:
         self.policies = {tier: make_policy(self.eviction) for tier in TIERS}
@@ -106,6 +114,19 @@ class BlockIndex:
             entry.l2 = slot
         pinned = tier == "l1" and entry.ref > 0
         self.policies[tier].insert(entry.hash, priority=entry.priority, pinned=pinned)
+        self._note_copy(entry)
+
+    def leaving_l1(self, entries: list[BlockEntry]) -> None:
+        """`entries` are being evicted from L1: their L2 slots are no copies now but the blocks
+        themselves, so L2 must not give them up to make room for the others' demotion."""
+        for e in entries:
+            self.l2_copies.pop(e.hash, None)
+
+    def _note_copy(self, entry: BlockEntry) -> None:
+        """Queue `entry`'s L2 slot as a first victim if L1 holds the block too."""
+        if entry.l1 >= 0 and entry.l2 >= 0 and not entry.held:
+            self.l2_copies[entry.hash] = None
+            self.l2_copies.move_to_end(entry.hash)
 
     def unplace(self, entry: BlockEntry, tier: str) -> int:
         """`entry` leaves `tier`; returns the slot it held. An entry in no tier leaves the index."""
@@ -129,12 +150,20 @@ class BlockIndex:
         self.removals += len(self.entries)
         self.entries.clear()
         self.policies = {tier: make_policy(self.eviction) for tier in TIERS}
+        self.l2_copies.clear()
         if self.events is not None:
             self.events.cleared()
         return slots
 
     def victim(self, tier: str) -> BlockEntry | None:
-        """The next block the policy of `tier` gives up, already out of the policy, or None."""
+        """The next block `tier` gives up, already out of its policy, or None: in L2, a copy of
+        an L1 block first (see the module docstring), else the policy's choice."""
+        while tier == "l2" and self.l2_copies:
+            h, _ = self.l2_copies.popitem(last=False)
+            e = self.entries.get(h)
+            if e is not None and e.l1 >= 0 and e.l2 >= 0 and not e.held:
+                self.policies["l2"].remove(h)
+                return e
         h = self.policies[tier].evict()
         if h is None:
             return None
@@ -164,6 +193,7 @@ class BlockIndex:
             e.held -= 1
             if e.held == 0 and e.l2 >= 0:
                 self.policies["l2"].unpin(e.hash)
+                self._note_copy(e)
 
     def touch(self, entry: BlockEntry, priority: int = 0) -> None:
         entry.hits += 1

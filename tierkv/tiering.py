@@ -226,6 +226,7 @@ class Tiering:
         return load
 
     def _evict_l1(self, victims: list[BlockEntry]) -> None:
+        self.index.leaving_l1(victims)
         copied = self.write_down([e for e in victims if e.l2 < 0 and self._admits(e)])
         # a victim still being copied down (write-through, a layer-by-layer save) keeps its slot
         # until that copy has read it (the fence below orders after every copy when there are new ones)
