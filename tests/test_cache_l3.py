@@ -321,6 +321,32 @@ def test_reads_queued_on_l3_count_in_its_load_estimate(tmp_path):
         assert l3.queued_reads == 0
 
 
+def test_reads_slower_than_their_estimates_scale_the_next_estimates_up(tmp_path):
+    # A read also waits for what the store's speed does not see (copies out of its L2 slots, writes
+    # on the same device): once reads take longer than estimated, load-or-recompute must expect it.
+    import threading
+
+    url = f"file://{tmp_path}?size=64MiB"
+    doc = list(range(4 * 40 + 1))
+    with make([url], l1=48, l2=48) as first:
+        store(first, doc)
+        assert first.flush(timeout=30)
+    with make([url], l1=48, l2=48) as cache:
+        l3 = cache.tiers.l3
+        assert l3.estimate_seconds(10) == l3.stores[0].estimate_load_seconds(10)  # nothing timed yet
+        gate = threading.Event()
+        l3._reader.submit(gate.wait)  # something the estimate does not know of holds the reader
+        p = cache.prefetch(cache.match(doc), 30)
+        time.sleep(0.3)
+        gate.set()
+        assert p.wait(30)
+        cache.match(doc)  # takes the finished read in
+        reads = cache.stats()["l3_reads"]
+        assert reads["recent"][-1]["actual_s"] > 0.3 > reads["recent"][-1]["estimate_s"]
+        assert l3.estimate_seconds(10) > 1.5 * l3.stores[0].estimate_load_seconds(10)
+        assert reads["estimate_scale"] == l3.estimate_scale > 1.5
+
+
 class DeferredTransfer:
     """A copy that runs only when someone waits for it, as a CUDA copy is still in flight after
     it was issued: on a CPU the moves are synchronous, and the race below could not happen."""
@@ -382,7 +408,7 @@ def test_stats_keep_the_last_reads_estimate_and_actual_time_bounded(tmp_path):
         store(cache, doc)
         assert cache.flush(timeout=30)
         assert cache.stats()["l3_reads"] == {"recent": [], "timed": 0, "abandoned": 0,
-                                             "mean_actual_over_estimate": None}
+                                             "mean_actual_over_estimate": None, "estimate_scale": 1.0}
         cache.evict("l1")
         cache.evict("l2")
         m = cache.match(doc)

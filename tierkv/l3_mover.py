@@ -32,6 +32,11 @@ log = logging.getLogger(__name__)
 
 READ_PIECE_BLOCKS = 32  # a read goes to the stores this many blocks at a time: an abandoned one stops between
 RECENT_READS = 16  # reads whose estimate and actual time the stats keep
+# Each timed read moves the estimates' scale by (actual / estimate) ** SCALE_STEP, within
+# SCALE_BOUNDS: a read also waits for the copies out of its L2 slots, for writes sharing the
+# device, for the GIL, none of which the store's bytes-per-second sees (long_doc at 8K on the H200:
+# reads took 1.9-2.1x their estimates at steady load, 4.9x while the write-back of a warm-up ran).
+SCALE_STEP, SCALE_BOUNDS = 0.2, (0.25, 16.0)
 
 
 @dataclass(slots=True, eq=False)
@@ -74,6 +79,7 @@ class L3Mover:
         # (blocks, estimated s, actual s, abandoned) of the last reads, for stats(): appended by the reader thread
         self._timed: deque[tuple[int, float, float, bool]] = deque(maxlen=RECENT_READS)
         self._ratio_sum, self._ratio_count, self._abandoned = 0.0, 0, 0
+        self.estimate_scale = 1.0  # what reads took over what the store's speed promised: set by the reader thread
 
     @property
     def chunk_blocks(self) -> int:
@@ -151,6 +157,9 @@ class L3Mover:
         """Keep the read's estimate against its actual time (reader thread; stats() reads them)."""
         actual = time.monotonic() - job.submitted
         self._timed.append((len(job.ids), job.estimate_s, actual, job.abandoned))
+        if job.estimate_s > 0:  # an abandoned read took at least this long: it counts too
+            scale = self.estimate_scale * (actual / job.estimate_s) ** SCALE_STEP
+            self.estimate_scale = min(max(scale, SCALE_BOUNDS[0]), SCALE_BOUNDS[1])
         if job.abandoned:
             self._abandoned += 1
         elif job.estimate_s > 0:
@@ -217,8 +226,9 @@ class L3Mover:
         """Expected seconds to read `num_blocks` from the first store (where reads go first), after
         the reads queued before them: under load, load-or-recompute then sees a busy disk as
         slow (it had counted each read as if it had the disk alone, and requests queued on a
-        saturated one while the GPU idled: long-doc, H200)."""
-        return self.stores[0].estimate_load_seconds(self.queued_reads + num_blocks)
+        saturated one while the GPU idled: long-doc, H200). Scaled by what the last reads took
+        against their estimates (`estimate_scale`)."""
+        return self.stores[0].estimate_load_seconds(self.queued_reads + num_blocks) * self.estimate_scale
 
     @property
     def read_measured(self) -> bool:
@@ -237,6 +247,7 @@ class L3Mover:
             "timed": self._ratio_count,
             "abandoned": self._abandoned,
             "mean_actual_over_estimate": self._ratio_sum / self._ratio_count if self._ratio_count else None,
+            "estimate_scale": self.estimate_scale,
         }
 
     def close(self) -> None:
