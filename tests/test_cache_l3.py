@@ -294,10 +294,12 @@ def test_a_prefix_recomputed_though_l3_holds_it_is_not_written_again(tmp_path, p
         check_retrieve(cache, longer, 52)  # and what L3 holds is the prompt's KV, all 13 blocks
 
 
-def test_reads_queued_on_l3_count_in_its_load_estimate(tmp_path):
+def test_reads_queued_on_l3_and_reads_slower_than_estimated_count_in_its_load_estimate(tmp_path):
     # One thread reads L3 for every request, in order: a read submitted behind others lands after
     # them. Load-or-recompute must see that wait, or requests queue on a busy disk while the GPU,
-    # which could recompute their prefixes, idles.
+    # which could recompute their prefixes, idles. A read also waits for what the store's speed
+    # does not see (copies out of its L2 slots, writes on the same device): once reads take longer
+    # than estimated, the next estimates expect it.
     import threading
 
     url = f"file://{tmp_path}?size=64MiB"
@@ -311,36 +313,16 @@ def test_reads_queued_on_l3_count_in_its_load_estimate(tmp_path):
         l3._reader.submit(gate.wait)  # the reader is busy: the next read waits its turn
         try:
             alone = l3.estimate_seconds(10)
+            assert alone == l3.stores[0].estimate_load_seconds(10)  # no read timed yet: unscaled
             p = cache.prefetch(cache.match(doc), 30)
             assert p.num_blocks == 40 and l3.queued_reads == 40
             assert l3.estimate_seconds(10) == l3.stores[0].estimate_load_seconds(50) > alone
+            time.sleep(0.3)  # what holds the reader is nothing the estimate knew of
         finally:
             gate.set()
         assert p.wait(30)
         cache.match(doc)  # takes the finished read in
         assert l3.queued_reads == 0
-
-
-def test_reads_slower_than_their_estimates_scale_the_next_estimates_up(tmp_path):
-    # A read also waits for what the store's speed does not see (copies out of its L2 slots, writes
-    # on the same device): once reads take longer than estimated, load-or-recompute must expect it.
-    import threading
-
-    url = f"file://{tmp_path}?size=64MiB"
-    doc = list(range(4 * 40 + 1))
-    with make([url], l1=48, l2=48) as first:
-        store(first, doc)
-        assert first.flush(timeout=30)
-    with make([url], l1=48, l2=48) as cache:
-        l3 = cache.tiers.l3
-        assert l3.estimate_seconds(10) == l3.stores[0].estimate_load_seconds(10)  # nothing timed yet
-        gate = threading.Event()
-        l3._reader.submit(gate.wait)  # something the estimate does not know of holds the reader
-        p = cache.prefetch(cache.match(doc), 30)
-        time.sleep(0.3)
-        gate.set()
-        assert p.wait(30)
-        cache.match(doc)  # takes the finished read in
         reads = cache.stats()["l3_reads"]
         assert reads["recent"][-1]["actual_s"] > 0.3 > reads["recent"][-1]["estimate_s"]
         assert l3.estimate_seconds(10) > 1.5 * l3.stores[0].estimate_load_seconds(10)
