@@ -228,7 +228,11 @@ class L3Mover:
         slow (it had counted each read as if it had the disk alone, and requests queued on a
         saturated one while the GPU idled: long-doc, H200). Scaled by what the last reads took
         against their estimates (`estimate_scale`)."""
-        return self.stores[0].estimate_load_seconds(self.queued_reads + num_blocks) * self.estimate_scale
+        return self.seconds_to_read(self.queued_reads + num_blocks)
+
+    def seconds_to_read(self, num_blocks: int) -> float:
+        """Expected seconds for the first store to read `num_blocks` once their read starts (scaled)."""
+        return self.stores[0].estimate_load_seconds(num_blocks) * self.estimate_scale
 
     @property
     def read_measured(self) -> bool:

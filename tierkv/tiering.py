@@ -71,9 +71,19 @@ class Prefetch:
         self._tiering, self._job = tiering, job
         # time.monotonic() by which the read is expected to have landed (its queue included)
         self.expected_at = 0.0 if job is None else job.submitted + job.estimate_s
-        # set by a caller that waits for it: since when, and when it stops waiting
+        # set by a caller that waits for it: since when, when it stops waiting, and when it did
         self.reached_at: float | None = None
         self.give_up_at: float | None = None
+        self.abandoned_at: float | None = None
+
+    def expected_by(self, now: float) -> float:
+        """When the read is expected to land, as seen at `now`: its estimate when it was queued,
+        or later where the blocks it has not started on could not be read by then from now (a
+        read running late: one stuck behind writes, say, shows it before its estimate ends)."""
+        if self._job is None:
+            return 0.0
+        left = len(self._job.ids) - self._job.tried  # (the reader thread moves `tried` on)
+        return max(self.expected_at, now + self._tiering.l3.seconds_to_read(left)) if left else self.expected_at
 
     def abandon(self) -> None:
         """Start no more of the read: the caller recomputes what has not arrived (see L3Mover.abandon)."""

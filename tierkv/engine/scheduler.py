@@ -177,9 +177,10 @@ class Scheduler:
 
     def _tail_on_its_way(self, req: Request) -> bool:
         """Whether `req`, which computed up to its L3 tail, waits for it this step. It waits only
-        while the read is expected to land sooner than recomputing the tail would end, and never
-        longer than that recompute takes: a read that turns out late is abandoned then, and what
-        of it has landed is taken, the rest recomputed."""
+        while the read is expected (`Prefetch.expected_by`: from what of it is left to read) to
+        land sooner than recomputing the tail would end, and never longer than that recompute
+        takes: a read that turns out late is abandoned as soon as that shows, and what of it has
+        landed is taken, the rest recomputed."""
         tail = req.tail
         if tail.done():
             return False
@@ -187,8 +188,9 @@ class Scheduler:
         if tail.give_up_at is None:  # it reached the tail just now
             recompute_s = tail.num_blocks * self.cache.block_size * (self.recompute_seconds_per_token or 0.0)
             tail.reached_at, tail.give_up_at = now, now + recompute_s
-        if max(now, tail.expected_at) < tail.give_up_at:
+        if max(now, tail.expected_by(now)) < tail.give_up_at:
             return True
+        tail.abandoned_at = now
         tail.abandon()
         return False
 
