@@ -329,6 +329,37 @@ def test_reads_queued_on_l3_and_reads_slower_than_estimated_count_in_its_load_es
         assert reads["estimate_scale"] == l3.estimate_scale > 1.5
 
 
+def test_writes_wait_for_the_reads_in_flight(tmp_path):
+    # A request waits for an L3 read; a write only frees L2. On one device a write beside a read
+    # slows the read (on the H200, reads took 4.9x their estimates while a warm-up's write-back
+    # ran), so a write piece starts only once no read is in flight, or after WRITE_YIELD_S.
+    import threading
+
+    from tierkv.l3_mover import WRITE_YIELD_S
+
+    doc, other = list(range(4 * 8 + 1)), list(range(500, 500 + 4 * 8 + 1))
+    url = f"file://{tmp_path}?size=64MiB"
+    with make([url], l1=16, l2=16) as first:
+        store(first, doc)
+        assert first.flush(timeout=30)
+    with make([url], l1=16, l2=16, write_policy="write_through") as cache:
+        l3 = cache.tiers.l3
+        puts = lambda: cache.stats()["l3_stores"][0]["puts"]  # noqa: E731
+        gate = threading.Event()
+        l3._reader.submit(gate.wait)  # the device is busy reading: the read below is in flight
+        try:
+            p = cache.prefetch(cache.match(doc), 30)
+            assert p.num_blocks == 8
+            store(cache, other)  # write-through: its 8 blocks go to L3 at once
+            time.sleep(WRITE_YIELD_S / 3)
+            assert puts() == 0  # the write waits for the read
+        finally:
+            gate.set()
+        assert p.wait(30) and cache.flush(timeout=30)
+        assert puts() == 8
+        check_retrieve(cache, other, 32)
+
+
 class DeferredTransfer:
     """A copy that runs only when someone waits for it, as a CUDA copy is still in flight after
     it was issued: on a CPU the moves are synchronous, and the race below could not happen."""

@@ -2,7 +2,9 @@
 
 One writer and one reader thread call the stores' batched, internally parallel APIs on L2 slots
 that the caller holds for them, and post each finished job to a queue the caller drains (a long
-queue of writes never delays a read). A read is estimated when it is queued (behind the reads
+queue of writes never delays a read). Writes go in pieces, each started only when no read is in
+flight (or after WRITE_YIELD_S): a request waits for a read, while a write only frees L2, and
+on one device a write running beside a read slows it. A read is estimated when it is queued (behind the reads
 ahead of it), read in pieces so that it can be abandoned between them, and timed: the last reads'
 estimate against actual time is kept for the cache's stats. Under tensor parallelism (an `exchange`,
 engine/head_exchange.py) the stores take whole-model blocks: a write joins the other ranks' KV
@@ -30,13 +32,16 @@ from .transfer import DONE, Transfer
 
 log = logging.getLogger(__name__)
 
-READ_PIECE_BLOCKS = 32  # a read goes to the stores this many blocks at a time: an abandoned one stops between
+PIECE_BLOCKS = 32  # a read goes to the stores this many blocks at a time (an abandoned one stops between), a write at least this many
 RECENT_READS = 16  # reads whose estimate and actual time the stats keep
 # Each timed read moves the estimates' scale by (actual / estimate) ** SCALE_STEP, within
 # SCALE_BOUNDS: a read also waits for the copies out of its L2 slots, for writes sharing the
 # device, for the GIL, none of which the store's bytes-per-second sees (long_doc at 8K on the H200:
 # reads took 1.9-2.1x their estimates at steady load, 4.9x while the write-back of a warm-up ran).
 SCALE_STEP, SCALE_BOUNDS = 0.2, (0.25, 16.0)
+# Longest a write piece waits for the reads in flight before it starts anyway: writes hold their
+# L2 slots until done, so they must not starve while reads keep coming.
+WRITE_YIELD_S = 1.0
 
 
 @dataclass(slots=True, eq=False)
@@ -80,6 +85,8 @@ class L3Mover:
         self._timed: deque[tuple[int, float, float, bool]] = deque(maxlen=RECENT_READS)
         self._ratio_sum, self._ratio_count, self._abandoned = 0.0, 0, 0
         self.estimate_scale = 1.0  # what reads took over what the store's speed promised: set by the reader thread
+        self._reads = 0  # read jobs submitted and not yet read: a write piece waits for 0 (`_reads_done`)
+        self._reads_done = threading.Condition()
 
     @property
     def chunk_blocks(self) -> int:
@@ -120,6 +127,8 @@ class L3Mover:
                     after=after, submitted=time.monotonic(), estimate_s=self.estimate_seconds(len(ids)))
         self.in_flight += 1
         self.queued_reads += len(ids)
+        with self._reads_done:
+            self._reads += 1
         self._reader.submit(self._run, job, self._get, None)
         return job
 
@@ -138,6 +147,9 @@ class L3Mover:
             job.ok = [False] * len(job.ids)
         if job.kind == "get":
             self._time(job)
+            with self._reads_done:
+                self._reads -= 1
+                self._reads_done.notify_all()
         job.finished.set()
         self._finished.put(job)
         self._signal.set()
@@ -149,9 +161,22 @@ class L3Mover:
         else:
             bufs = [self.l2.kv[s] if isinstance(s, int) else s for s in job.slots]  # [layers, 2, bs, h, d] each, contiguous
         ok = [False] * len(job.ids)
-        for store in self.stores:
-            ok = [a or b for a, b in zip(ok, store.put_many(job.ids, bufs))]
+        for piece in self._write_pieces(job.ids):
+            with self._reads_done:  # the reads in flight go first (WRITE_YIELD_S at most)
+                self._reads_done.wait_for(lambda: self._reads == 0, timeout=WRITE_YIELD_S)
+            for store in self.stores:
+                ok[piece] = [a or b for a, b in zip(ok[piece], store.put_many(job.ids[piece], bufs[piece]))]
         return ok
+
+    def _write_pieces(self, ids: list[BlockId]) -> list[slice]:
+        """A write's blocks in pieces of PIECE_BLOCKS or more, cut only where a chunk object
+        starts (a chain position that is a multiple of chunk_blocks), so each chunk is put whole."""
+        k, pieces, start = self.chunk_blocks, [], 0
+        for i in range(1, len(ids)):
+            if i - start >= PIECE_BLOCKS and ids[i].pos % k == 0:
+                pieces.append(slice(start, i))
+                start = i
+        return pieces + [slice(start, len(ids))] if ids else pieces
 
     def _time(self, job: L3Job) -> None:
         """Keep the read's estimate against its actual time (reader thread; stats() reads them)."""
@@ -184,11 +209,11 @@ class L3Mover:
         (an abandoned job starts no more pieces), stopping at the first piece with a miss: a block
         after a miss could not be reached anyway."""
         ok = [False] * len(job.ids)
-        for i in range(0, len(job.ids), READ_PIECE_BLOCKS):
+        for i in range(0, len(job.ids), PIECE_BLOCKS):
             if job.deadline is not None and time.monotonic() >= job.deadline:
                 break
-            part = slice(i, i + READ_PIECE_BLOCKS)
-            job.tried = min(len(job.ids), i + READ_PIECE_BLOCKS)
+            part = slice(i, i + PIECE_BLOCKS)
+            job.tried = min(len(job.ids), i + PIECE_BLOCKS)
             ok[part] = self.read(job.ids[part], bufs[part], job.deadline)
             if not all(ok[part]):
                 break
