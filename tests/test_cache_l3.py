@@ -331,8 +331,8 @@ def test_reads_queued_on_l3_and_reads_slower_than_estimated_count_in_its_load_es
 
 def test_writes_wait_for_the_reads_in_flight(tmp_path):
     # A request waits for an L3 read; a write only frees L2. On one device a write beside a read
-    # slows the read (on the H200, reads took 4.9x their estimates while a warm-up's L3 writes
-    # drained), so a write piece starts only once no read is in flight, or after WRITE_YIELD_S.
+    # slows the read (on the H200, reads took 4.9x their estimates in a point that wrote 12.8 GB
+    # to the same disk), so a write piece starts only once no read is in flight, or after WRITE_YIELD_S.
     import threading
 
     from tierkv.l3_mover import WRITE_YIELD_S

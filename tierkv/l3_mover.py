@@ -37,7 +37,7 @@ RECENT_READS = 16  # reads whose estimate and actual time the stats keep
 # Each timed read moves the estimates' scale by (actual / estimate) ** SCALE_STEP, within
 # SCALE_BOUNDS: a read also waits for the copies out of its L2 slots, for writes sharing the
 # device, for the GIL, none of which the store's bytes-per-second sees (long_doc at 8K on the H200:
-# reads took 1.9-2.1x their estimates at steady load, 4.9x while the warm-up's L3 writes drained).
+# reads took 1.9-2.1x their estimates at steady load, 4.9x in a point that wrote 12.8 GB to the same disk).
 SCALE_STEP, SCALE_BOUNDS = 0.2, (0.25, 16.0)
 # Longest a write piece waits for the reads in flight before it starts anyway: writes hold their
 # L2 slots until done, so they must not starve while reads keep coming.

@@ -40,10 +40,8 @@ async def prime(h: Http, src: Source, concurrency: int, settle_s: float) -> dict
     first point finds the cache as a running server would. The first prefix is sent again last:
     the rest pushed it out of L1 where they outgrow it, so its reload pays the lower tier's
     one-time costs (kernel compilation) here rather than in the first point. Then wait, at most
-    `settle_s`, until the disk tier's writes stop (the priming's writes would compete with the
-    sweep's reads). Judged by the stores' own put counts too: the cache's bytes written grow only
-    when the engine takes finished writes in, which an idle server does not do (the H200 runs
-    stopped settling after 4 s with 9.9 GB written, and wrote 12.8 GB more in the first point)."""
+    `settle_s`, until the disk tier's written bytes stop growing (the priming's writes would
+    compete with the sweep's reads)."""
     slots, t, prompts = asyncio.Semaphore(concurrency), time.perf_counter(), src.prime_prompts()
 
     async def one(prompt: list[int]):
@@ -53,16 +51,12 @@ async def prime(h: Http, src: Source, concurrency: int, settle_s: float) -> dict
     results = await asyncio.gather(*(one(p) for p in prompts))
     reload = await send(h, prompts[0], 1) if prompts else None
     sent_s, written, end = time.perf_counter() - t, None, time.perf_counter() + settle_s
-    seen = None
     while time.perf_counter() < end:
         stats = await cache_stats(h)
-        if not stats:
+        now = stats["tiers"]["l3"]["bytes_in"] if stats else None
+        if now == written or not now:  # steady, or nothing written (no disk tier)
             break
-        written = stats["tiers"]["l3"]["bytes_in"]
-        now = (written, sum(store.get("puts", 0) for store in stats.get("l3_stores") or []))
-        if now == seen or not any(now):  # steady, or nothing written (no disk tier)
-            break
-        seen = now
+        written = now
         await asyncio.sleep(1.0)
     return dict(prompts=len(results), tokens=sum(r.prompt_tokens for r in results),
                 errors=sum(r.error is not None for r in results), seconds=sent_s,
