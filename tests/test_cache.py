@@ -89,6 +89,19 @@ def test_l2_gives_up_its_copies_of_l1_blocks_before_blocks_it_alone_holds():
     assert cache.stats()["tiers"]["l2"]["drops"] == 0  # a's L2 copy went; L1 still has a
 
 
+def test_l2_gives_up_the_least_recently_used_of_its_copies_of_l1_blocks_first():
+    """Among L2's copies of L1 blocks, the one used longest ago goes first: a prefix in use keeps
+    its copy (and a router fed by KV events is not told it left a tier while it is hot)."""
+    cache = make(l1=16, l2=8, write_policy="write_through")
+    a, b, c = (list(range(k, k + 17)) for k in (0, 100, 200))
+    store(cache, a)
+    store(cache, b)  # L1 holds a and b, L2 their copies (full): a's made first
+    cache.free(cache.allocate(a))  # a is used again
+    store(cache, c)  # written through: L2 makes room from its copies, b's (used longest ago)
+    in_l2 = lambda tokens: [e.l2 >= 0 for e in cache.match(tokens).blocks]  # noqa: E731
+    assert in_l2(a) == [True] * 4 and in_l2(b) == [False] * 4 and in_l2(c) == [True] * 4
+
+
 def test_a_block_leaving_l1_keeps_its_l2_copy_while_others_are_demoted_beside_it():
     """Blocks evicted from L1 together: one whose L2 copy exists is no longer a copy of an L1
     block, so the room that the others' demotion needs comes from L2's policy, not from it."""

@@ -6,9 +6,9 @@ walk is a run of dict hits that stops at the first miss. Each entry keeps the bl
 hash, namespace and token ids, and a hit counts only if they equal the query's, so a hash
 collision (accidental or crafted by another tenant) is a miss, never someone else's KV.
 Each block placed in or taken out of a tier is recorded in `events` when someone listens.
-L2 gives up first its copies of blocks that L1 holds too (oldest first), before its policy's
-choice: such a copy adds nothing that L1 lacks, while a block held in L2 alone is a hit that
-would otherwise be lost. Without this, every block loaded up from L2 (and every block read up
+L2 gives up first its copies of blocks that L1 holds too (least recently used first), before
+its policy's choice: such a copy adds nothing that L1 lacks, while a block held in L2 alone is a
+hit that would otherwise be lost. Without this, every block loaded up from L2 (and every block read up
 from L3 through L2) stays in both tiers, and L2 holds less that L1 does not.
 This file does bookkeeping only: it never touches tensors or moves data.
 """
@@ -62,7 +62,7 @@ class BlockIndex:
     collisions: int = 0
     removals: int = 0  # entries dropped from the index so far: a walk done before is still valid while unchanged
     events: BlockEvents | None = None  # where tier changes are recorded, when someone publishes them
-    # hashes of blocks L1 and L2 both held when entered, oldest first: L2's first victims (stale
+    # hashes of blocks L1 and L2 both hold, least recently used first: L2's first victims (stale
     # ones, no longer in both or held, are skipped when reached)
     l2_copies: OrderedDict[int, None] = field(default_factory=OrderedDict)
 
@@ -201,6 +201,8 @@ class BlockIndex:
         for tier in TIERS:
             if entry.slot(tier) >= 0:
                 self.policies[tier].touch(entry.hash, priority=priority)
+        if entry.hash in self.l2_copies:  # a copy in use goes last among the copies
+            self.l2_copies.move_to_end(entry.hash)
 
     def evictable(self, tier: str) -> int:
         return len(self.policies[tier])
