@@ -46,7 +46,6 @@ __all__ = [
     "mla_decode",
     "fused_moe",
     "moe_topk",
-    "linear",
 ]
 
 # public name -> module of this package that holds its Triton version; a name missing here
@@ -71,7 +70,6 @@ _TRITON_HOME: dict[str, str] = {
     "mla_decode": "mla",
     "fused_moe": "moe",
     "moe_topk": "router",
-    # no "linear": torch's serves every device (see `linear`)
 }
 
 
@@ -261,12 +259,3 @@ def moe_topk(logits: torch.Tensor, k: int, router: str = "softmax", renormalize:
     "softmax" (Qwen3-MoE: softmax over all, top k, renormalised if `renormalize`) or "topk_softmax"
     (gpt-oss: top k logits, softmax over them). See reference.moe_topk; one launch on CUDA."""
     return _impl("moe_topk", logits)(logits, k, router, renormalize)
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """torch.nn.functional.linear(x, weight, bias), the decoder's linear layers' one entry: torch's
-    (cuBLAS) on every device. A split-K Triton linear for one to four rows did not beat cuBLAS on the
-    H200 where the bytes are (batch 1, torch vs its best launch: Qwen3-30B-A3B qkv 0.129 vs 0.143 ms,
-    o 0.152 vs 0.146; gpt-oss-20b qkv 0.166 vs 0.184, o 0.193 vs 0.165; routers 0.075-0.095 vs
-    0.058-0.062), so it was removed (benchmarks/results/bench_linear-h200-sweep-427c339.json)."""
-    return _impl("linear", x)(x, weight, bias)

@@ -152,7 +152,7 @@ class Router(nn.Module):
         spec = self.spec
         if spec.router == "grouped_sigmoid":
             return self._grouped_sigmoid(x)
-        logits = kernels.linear(x, self.weight, self.bias)                        # [T, E]
+        logits = F.linear(x, self.weight, self.bias)                              # [T, E]
         # softmax / top-k / renormalise: one Triton launch on CUDA, the torch reference on CPU
         return kernels.moe_topk(logits, spec.num_experts_per_tok, spec.router, spec.norm_topk_prob)
 
