@@ -218,10 +218,16 @@ def rms_norm(
     return _impl("rms_norm", x)(x, weight, eps, residual, unit_offset)
 
 
-def rope_kv_write(q, k, v, cos, sin, kv: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+def rope_kv_write(
+    q, k, v, cos, sin, kv: torch.Tensor, slot_mapping: torch.Tensor,
+    q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 1e-6,
+    unit_offset: bool = False,
+) -> torch.Tensor:
     """RoPE on q [T, Hq, D] and k [T, Hkv, D] with cos, sin [T, D]; rotated k and v [T, Hkv, D] go
-    into kv [num_blocks, 2, bs, Hkv, D] at slot_mapping [T] (-1 = skip). Returns rotated q [T, Hq, D]."""
-    return _impl("rope_kv_write", kv)(q, k, v, cos, sin, kv, slot_mapping)
+    into kv [num_blocks, 2, bs, Hkv, D] at slot_mapping [T] (-1 = skip). Returns rotated q [T, Hq, D].
+    q_norm, k_norm [D] (both or neither): RMSNorm each q / k head first, as rms_norm(.., eps,
+    unit_offset=unit_offset) would (Qwen3, Gemma 3), in the same launch."""
+    return _impl("rope_kv_write", kv)(q, k, v, cos, sin, kv, slot_mapping, q_norm, k_norm, eps, unit_offset)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

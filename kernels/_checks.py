@@ -158,6 +158,12 @@ def check_copy_blocks(src, src_slots, dst, dst_slots) -> None:
         _fail(f"dst_slots must be on dst's device {dst.device}, got {dst_slots.device}")
 
 
+def _check_eps(eps) -> None:
+    # a Python number: a tensor eps would have to be read on the host
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
+        _fail(f"eps must be a non-negative Python float, got {eps!r}")
+
+
 def check_rms_norm(x, weight, eps, residual) -> None:
     """x [..., H] (any strides), weight [H] and an optional residual of x's shape, one dtype."""
     if not isinstance(x, torch.Tensor) or x.dim() < 1:
@@ -168,9 +174,7 @@ def check_rms_norm(x, weight, eps, residual) -> None:
         _fail(f"weight has {weight.shape[0]} features but x is [..., {x.shape[-1]}] (shape {tuple(x.shape)})")
     if weight.dtype != x.dtype:
         _fail(f"weight dtype {weight.dtype} must equal x dtype {x.dtype} (the model's dtype)")
-    # a Python number: a tensor eps would have to be read on the host
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
-        _fail(f"eps must be a non-negative Python float, got {eps!r}")
+    _check_eps(eps)
     if residual is not None:
         check_tensor("residual", residual, x.dim(), (x.dtype,))
         if residual.shape != x.shape:
@@ -180,8 +184,11 @@ def check_rms_norm(x, weight, eps, residual) -> None:
         check_same_device(x=x, weight=weight)
 
 
-def check_rope_kv_write(q, k, v, cos, sin, kv, slot_mapping) -> tuple[int, int, int, int]:
-    """q [T, Hq, D], k/v [T, Hkv, D] (into kv as kv_write), cos/sin [T, D]; returns (T, Hq, Hkv, D)."""
+def check_rope_kv_write(
+    q, k, v, cos, sin, kv, slot_mapping, q_norm=None, k_norm=None, eps=1e-6
+) -> tuple[int, int, int, int]:
+    """q [T, Hq, D], k/v [T, Hkv, D] (into kv as kv_write), cos/sin [T, D], and either no per-head
+    norm or both q_norm and k_norm [D] in q's dtype with a Python eps; returns (T, Hq, Hkv, D)."""
     check_kv_write(k, v, kv, slot_mapping)
     check_tensor("q", q, 3, ATTN_DTYPES)
     tokens, hkv, d = k.shape
@@ -200,6 +207,19 @@ def check_rope_kv_write(q, k, v, cos, sin, kv, slot_mapping) -> tuple[int, int, 
         if table.dtype != q.dtype:
             _fail(f"{name} dtype {table.dtype} must equal q dtype {q.dtype} (cast once per forward, like transformers)")
     check_same_device(q=q, k=k, cos=cos, sin=sin, kv=kv)
+    if (q_norm is None) != (k_norm is None):
+        given, missing = ("q_norm", "k_norm") if k_norm is None else ("k_norm", "q_norm")
+        _fail(f"q_norm and k_norm go together: got {given} without {missing}; pass both weights [D] "
+              "(Qwen3, Gemma 3) or neither")
+    if q_norm is not None:
+        for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):
+            if not isinstance(w, torch.Tensor) or tuple(w.shape) != (d,):
+                got = tuple(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__
+                _fail(f"{name} must be [D] = [{d}] (one weight per head feature), got {got}")
+            if w.dtype != q.dtype:
+                _fail(f"{name} dtype {w.dtype} must equal q dtype {q.dtype} (the model's dtype)")
+        _check_eps(eps)
+        check_same_device(q=q, q_norm=q_norm, k_norm=k_norm)
     return tokens, q.shape[1], hkv, d
 
 

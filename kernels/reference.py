@@ -288,15 +288,23 @@ def rope_kv_write(
     sin: torch.Tensor,
     kv: torch.Tensor,
     slot_mapping: torch.Tensor,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    unit_offset: bool = False,
 ) -> torch.Tensor:
     """RoPE ("rotate half", HF layout) on q and k, then kv_write of rotated k and v.
 
     q:            [T, Hq, D]; k, v: [T, Hkv, D] (any strides)
     cos, sin:     [T, D] in q's dtype
     kv:           [num_blocks, 2, block_size, Hkv, D], written in place at slot_mapping [T] (-1 skips)
+    q_norm, k_norm: None, or both [D] in q's dtype: Qwen3 / Gemma 3's per-head RMSNorm (rms_norm
+                  with eps and unit_offset) of each q and k head before the rotation; v is never normalised
     returns       rotated q [T, Hq, D]
     """
-    _checks.check_rope_kv_write(q, k, v, cos, sin, kv, slot_mapping)
+    _checks.check_rope_kv_write(q, k, v, cos, sin, kv, slot_mapping, q_norm, k_norm, eps)
+    if q_norm is not None:
+        q, k = rms_norm(q, q_norm, eps, unit_offset=unit_offset), rms_norm(k, k_norm, eps, unit_offset=unit_offset)
     cos, sin = cos[:, None, :], sin[:, None, :]                        # [T, 1, D]
     kv_write(_rotate_half(k, cos, sin), v, kv, slot_mapping)
     return _rotate_half(q, cos, sin)

@@ -40,14 +40,23 @@ class RMSNorm(torch.nn.Module):
         return self.weight * x32.to(dtype)
 
 
+class GemmaRMSNorm(RMSNorm):
+    """transformers' Gemma3RMSNorm, line for line: scales by (1 + weight) in fp32, then casts."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.float())).type_as(x)
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """transformers' apply_rotary_pos_emb for one of q, k: x [T, H, D], cos, sin [T, 1, D]."""
     half = x.shape[-1] // 2
     return (x * cos) + (torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin)
 
 
-def _norm_module(h: int, eps: float, dtype: torch.dtype, g: torch.Generator) -> RMSNorm:
-    norm = RMSNorm(h, eps)
+def _norm_module(h: int, eps: float, dtype: torch.dtype, g: torch.Generator, cls=RMSNorm) -> RMSNorm:
+    norm = cls(h, eps)
     with torch.no_grad():
         norm.weight.copy_(1 + 0.2 * torch.randn(h, generator=g))  # not all ones: the multiply rounds
     return norm.to(dtype)
@@ -208,6 +217,37 @@ def test_rope_kv_write_all_tokens_skipped_still_rotates_q():
     assert torch.equal(got, rotate(q, cos[:, None], sin[:, None]))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv,d", [(8, 2, 64), (32, 4, 128), (6, 3, 80)])
+@pytest.mark.parametrize("norm_cls", [RMSNorm, GemmaRMSNorm])
+def test_rope_kv_write_with_qk_norm_equals_norm_then_rotate(dtype, hq, hkv, d, norm_cls):
+    # Qwen3 (RMSNorm) and Gemma 3 (unit offset): each q and k head normalised over D, then rotated;
+    # v never normalised
+    g = torch.Generator().manual_seed(hq + d)
+    tokens, nb, bs, eps = 9, 4, 4, 1e-6
+    q, k, v = _qkv(tokens, hq, hkv, d, dtype, g, scale=3.0)
+    cos, sin = _cos_sin(tokens, hq, hkv, d, dtype, g)
+    q_norm, k_norm = _norm_module(d, eps, dtype, g, norm_cls), _norm_module(d, eps, dtype, g, norm_cls)
+    slots = torch.randperm(nb * bs - 1, generator=g)[:tokens]
+    slots[[1, 6]] = -1
+    kv = torch.randn(nb, 2, bs, hkv, d, generator=g).to(dtype)
+    with torch.no_grad():
+        want_q = rotate(q_norm(q), cos[:, None], sin[:, None])
+        want_kv = _pool_after(kv, rotate(k_norm(k), cos[:, None], sin[:, None]), v, slots.tolist())
+    before = q.clone(), k.clone(), v.clone()
+    norms = dict(q_norm=q_norm.weight.detach(), k_norm=k_norm.weight.detach(), eps=eps,
+                 unit_offset=norm_cls is GemmaRMSNorm)
+    plain_kv = kv.clone()
+    got_q = ref.rope_kv_write(q, k, v, cos, sin, kv, slots, **norms)
+    assert torch.equal(got_q, want_q)
+    assert torch.equal(kv, want_kv)
+    assert all(torch.equal(a, b) for a, b in zip((q, k, v), before))
+    # the norms did something, and the package entry (the CPU engine's call) passes them through
+    assert not torch.equal(got_q, ref.rope_kv_write(q, k, v, cos, sin, plain_kv, slots))
+    assert torch.equal(K.rope_kv_write(q, k, v, cos, sin, plain_kv, slots, **norms), want_q)
+    assert torch.equal(plain_kv, want_kv)
+
+
 # ---------------------------------------------------------------- silu_mul
 
 
@@ -262,6 +302,30 @@ def test_reference_equals_transformers_llama_ops():
     gate_up = (3 * torch.randn(10, 2 * 300, generator=g)).to(dtype)
     gate, up = gate_up.split([300, 300], dim=-1)
     assert torch.equal(ref.silu_mul(gate_up), ACT2FN["silu"](gate) * up)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_reference_qk_norm_equals_transformers(family):
+    # the q_norm / k_norm of Qwen3Attention / Gemma3Attention, then apply_rotary_pos_emb
+    modeling = pytest.importorskip(f"transformers.models.{family}.modeling_{family}")
+    norm_cls = modeling.Qwen3RMSNorm if family == "qwen3" else modeling.Gemma3RMSNorm
+    g = torch.Generator().manual_seed(12)
+    dtype, hq, hkv, d, eps = torch.bfloat16, 8, 2, 64, 1e-6
+    hf_q, hf_k = norm_cls(d, eps=eps), norm_cls(d, eps=eps)
+    with torch.no_grad():
+        for norm in (hf_q, hf_k):
+            norm.weight.copy_(0.5 * torch.randn(d, generator=g))
+    hf_q, hf_k = hf_q.to(dtype), hf_k.to(dtype)
+    q, k, v = _qkv(10, hq, hkv, d, dtype, g, scale=2.0)
+    cos, sin = _cos_sin(10, hq, hkv, d, dtype, g)
+    with torch.no_grad():
+        want_q, want_k = modeling.apply_rotary_pos_emb(hf_q(q), hf_k(k), cos, sin, unsqueeze_dim=1)
+    kv = torch.zeros(4, 2, 4, hkv, d, dtype=dtype)
+    got_q = ref.rope_kv_write(q, k, v, cos, sin, kv, torch.arange(10), q_norm=hf_q.weight.detach(),
+                              k_norm=hf_k.weight.detach(), eps=eps, unit_offset=family == "gemma3")
+    assert torch.equal(got_q, want_q)
+    assert torch.equal(kv[:, 0].reshape(16, hkv, d)[:10], want_k)
+    assert torch.equal(kv[:, 1].reshape(16, hkv, d)[:10], v)
 
 
 # ---------------------------------------------------------------- dispatch and bad inputs
@@ -335,6 +399,7 @@ def _bad_rope():
     good = dict(q=q, k=k, v=v, cos=cos, sin=sin, kv=torch.zeros(2, 2, 4, 2, 16, dtype=torch.float16),
                 slot_mapping=torch.tensor([0, 1, 2]))
     odd_q, odd_k, odd_v = _qkv(3, 4, 2, 15, torch.float16, g)
+    w = torch.ones(16, dtype=torch.float16)
     return good, [
         (dict(cos=cos[:, :8]), r"cos must be \[T, D\] = \[3, 16\]"),
         (dict(sin=sin[:2]), r"sin must be \[T, D\] = \[3, 16\]"),
@@ -348,6 +413,13 @@ def _bad_rope():
         (dict(slot_mapping=torch.tensor([0, 1])), "slot_mapping has 2 entries for 3 tokens"),
         (dict(slot_mapping=torch.tensor([0.0, 1.0, 2.0])), "slot_mapping has dtype torch.float32"),
         (dict(q=odd_q, k=odd_k, v=odd_v, kv=torch.zeros(2, 2, 4, 2, 15, dtype=torch.float16)), "head_dim must be even"),
+        (dict(q_norm=w), "q_norm and k_norm go together: got q_norm without k_norm"),
+        (dict(k_norm=w), "q_norm and k_norm go together: got k_norm without q_norm"),
+        (dict(q_norm=w[:8], k_norm=w), r"q_norm must be \[D\] = \[16\] \(one weight per head feature\), got \(8,\)"),
+        (dict(q_norm=w, k_norm=w[None]), r"k_norm must be \[D\] = \[16\]"),
+        (dict(q_norm=w, k_norm=w.float()), "k_norm dtype torch.float32 must equal q dtype torch.float16"),
+        (dict(q_norm=w, k_norm=w, eps=-1.0), "eps must be a non-negative Python float"),
+        (dict(q_norm=w, k_norm=w, eps=torch.tensor(1e-6)), "eps must be a non-negative Python float"),
     ]
 
 

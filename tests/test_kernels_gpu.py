@@ -324,6 +324,39 @@ def test_rope_kv_write_bitwise_reference(dtype, tokens, hq, hkv, d):
     assert torch.equal(pool, want_pool)
 
 
+@pytest.mark.parametrize("unit_offset", [False, True])
+@pytest.mark.parametrize("tokens", [1, 256, 8192])
+@pytest.mark.parametrize("hq,hkv,d", [(32, 4, 128), (8, 4, 256)])
+def test_rope_kv_write_qk_norm_bf16(unit_offset, tokens, hq, hkv, d):
+    # Qwen3-30B-A3B's heads (32 q, 4 kv of 128) and Gemma 3's D=256, the per-head q/k RMSNorm in the
+    # launch: the kernel's fp32 sum of squares runs in another order than torch's, so (as for
+    # rms_norm) only almost every element is bitwise; v and every slot not written are exact
+    rope, dtype = _fused()[1], torch.bfloat16
+    qkv, q, k, v = _qkv(tokens, hq, hkv, d, dtype, seed=tokens + d)
+    qkv.mul_(4)                                                        # q/k norm inputs are not unit-scale
+    cos, sin = _cos_sin(tokens, d, dtype, seed=19)
+    q_norm = (1 + 0.3 * _randn(d, dtype=torch.float32, seed=20)).to(dtype)
+    k_norm = (1 + 0.3 * _randn(d, dtype=torch.float32, seed=21)).to(dtype)
+    bs = 16
+    num_blocks = tokens // bs + 9
+    pool = _randn(2, num_blocks, 2, bs, hkv, d, dtype=dtype, seed=22)
+    g = torch.Generator(device="cuda").manual_seed(23)
+    slots = torch.randperm(num_blocks * bs - 1, device="cuda", generator=g)[:tokens]
+    slots[1::7] = -1
+    norms = (q_norm, k_norm, 1e-6, unit_offset)
+    want_pool = pool.clone()
+    want_q = ref.rope_kv_write(q, k, v, cos, sin, want_pool[1], slots, *norms)
+    got_q = rope.rope_kv_write(q, k, v, cos, sin, pool[1], slots, *norms)
+    torch.cuda.synchronize()
+    assert got_q.is_contiguous()
+    _rounds_like_reference(got_q, want_q, dtype)
+    written = slots[slots >= 0]
+    at = (1, written // bs, 0, written % bs)                           # the written K rows [n, Hkv, D]
+    _rounds_like_reference(pool[at], want_pool[at], dtype)
+    want_pool[at] = pool[at]
+    assert torch.equal(pool, want_pool)                                # v, the other layer, unwritten slots
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("tokens,inter", [(1, 14336), (256, 14336), (8192, 14336), (100, 18944)])
 def test_silu_mul_intermediate(dtype, tokens, inter):

@@ -120,6 +120,56 @@ def test_rope_kv_write_several_kv_head_tiles(tk):
     _rope_case(tk, 4, 15, 5, 512, torch.float16, seed=3)
 
 
+def _qk_norm_case(tk, tokens, hq, hkv, d, dtype, unit_offset, exact, seed=0):
+    """rope_kv_write with q_norm / k_norm, kernel against reference: bitwise where `exact`, else
+    within _rows_close. exact: q and k are multiples of 1/8 in [-4, 4], so every sum of squares
+    over a head is exact in fp32 whatever the order of the adds; the reference (torch) and the
+    kernel sum in different orders, which on other inputs moves the fp32 sum by an ulp or so."""
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randint(-32, 33, (tokens, (hq + 2 * hkv) * d), generator=g) / 8 if exact \
+        else 3 * torch.randn(tokens, (hq + 2 * hkv) * d, generator=g)
+    q, k, v = qkv.to(dtype).split([hq * d, hkv * d, hkv * d], dim=-1)
+    q, k, v = q.view(tokens, hq, d), k.view(tokens, hkv, d), v.view(tokens, hkv, d)
+    angles = torch.randint(0, 100_000, (tokens, 1), generator=g).float() * torch.rand(1, d // 2, generator=g)
+    angles = torch.cat((angles, angles), dim=-1)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    q_norm, k_norm = ((1 + 0.3 * torch.randn(d, generator=g)).to(dtype) for _ in range(2))
+    pool = torch.randn(2, 5, 2, 4, hkv, d, generator=g).to(dtype)
+    slots = torch.randperm(5 * 4 - 1, generator=g)[:tokens]
+    slots[1::3] = -1
+    norms = (q_norm, k_norm, 1e-6, unit_offset)
+    want_pool = pool.clone()
+    want_q = ref.rope_kv_write(q, k, v, cos, sin, want_pool[1], slots, *norms)
+    got_q = tk.rope.rope_kv_write(q, k, v, cos, sin, pool[1], slots, *norms)
+    assert got_q.is_contiguous()
+    assert torch.equal(pool[0], want_pool[0]) and torch.equal(pool[1, :, 1], want_pool[1, :, 1])  # v as is
+    if exact:
+        assert torch.equal(got_q, want_q) and torch.equal(pool, want_pool)
+    else:
+        _rows_close(got_q, want_q, dtype)
+        _rows_close(pool[1, :, 0], want_pool[1, :, 0], dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("unit_offset", [False, True])
+@pytest.mark.parametrize("hq,hkv,d", [(8, 2, 64), (6, 3, 80)])
+def test_rope_kv_write_qk_norm_bitwise_reference_on_exact_sums(tk, dtype, unit_offset, hq, hkv, d):
+    # with the sum exact, the rsqrt, HF's roundings, the weight (or 1 + weight) and the rotation
+    # are left: all must be bitwise the reference's
+    _qk_norm_case(tk, 5, hq, hkv, d, dtype, unit_offset, exact=True, seed=hq + d)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("unit_offset", [False, True])
+def test_rope_kv_write_qk_norm_matches_reference(tk, dtype, unit_offset):
+    _qk_norm_case(tk, 5, 32, 4, 128, dtype, unit_offset, exact=False, seed=5)
+
+
+def test_rope_kv_write_qk_norm_several_tiles(tk):
+    # D=512: 4-head tiles, the last q and k tiles partial; their unused rows must not be stored
+    _qk_norm_case(tk, 3, 15, 5, 512, torch.float16, False, exact=True, seed=9)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("inter", [1, 1000, 2500])
 def test_silu_mul_matches_reference(tk, dtype, inter):

@@ -94,12 +94,17 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)     # [T, Hq, D] (strided views of one GEMM output)
         k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        if self.q_norm is not None:
-            # Qwen3, Gemma 3: RMSNorm over each head's D features, before RoPE
-            q, k = self.q_norm(q), self.k_norm(k)
         # one kernel rotates q and k and writes k and v into the pool; attention then reads
         # every key through the pool, the new ones included
-        q = kernels.rope_kv_write(q, k, v, cos, sin, kv, meta.slot_mapping)  # [T, Hq, D]
+        if self.q_norm is None:
+            q = kernels.rope_kv_write(q, k, v, cos, sin, kv, meta.slot_mapping)  # [T, Hq, D]
+        else:
+            # Qwen3, Gemma 3: RMSNorm over each head's D features before RoPE, in the same launch
+            # (the norm modules hold the weights; their own forward is not called)
+            q = kernels.rope_kv_write(
+                q, k, v, cos, sin, kv, meta.slot_mapping, self.q_norm.weight, self.k_norm.weight,
+                self.q_norm.eps, unit_offset=isinstance(self.q_norm, UnitOffsetRMSNorm),
+            )
         out = paged_attention(q, kv, meta, self.scale, self.sliding_window, self.layer, sinks=self.sinks)  # [T, Hq, D]
         return self.o_proj(out.reshape(t, self.q_size))  # [T, hidden], summed over the ranks
 
