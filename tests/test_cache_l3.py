@@ -360,6 +360,37 @@ def test_writes_wait_for_the_reads_in_flight(tmp_path):
         check_retrieve(cache, other, 32)
 
 
+def test_write_through_writes_the_l1_blocks_l2_had_no_room_for_once_writes_end(tmp_path):
+    # Under write-through a new L1 block is copied into L2 and on to L3. While L2's slots are all
+    # held by blocks on their way to L3, new blocks stay in L1 alone: they must reach L3 once those
+    # writes end, not only when L1 evicts them (into an L2 perhaps full again, where they are dropped
+    # unwritten; or written while requests read L3: on the H200, long_doc's first point after a
+    # priming burst wrote 12.8 GB to the disk its reads used).
+    import threading
+
+    url = f"file://{tmp_path}?size=64MiB"
+    doc = list(range(4 * 8 + 1))  # 8 full blocks
+    with make([url], l1=16, l2=4, write_policy="write_through") as cache:
+        l3 = cache.tiers.l3
+        puts = lambda: cache.stats()["l3_stores"][0]["puts"]  # noqa: E731 (stats() takes finished writes in)
+        gate = threading.Event()
+        l3._writer.submit(gate.wait)  # the disk is slow: L2's 4 slots stay held by their writes
+        try:
+            store(cache, doc)
+            assert cache.match(doc).by_tier == {"l1": 32, "l2": 0, "l3": 0}
+            assert cache.l2.num_blocks - len(cache.l2.free) == 4 and puts() == 0
+        finally:
+            gate.set()
+        end = time.monotonic() + 10
+        while puts() < 8 and time.monotonic() < end:
+            time.sleep(0.02)
+        assert puts() == 8  # the 4 that L2 had no room for went on once the first 4 were written
+        assert cache.stats()["tiers"]["l1"]["drops"] == 0
+    with make([url], l1=16, l2=16) as other:  # L3 holds the whole document
+        assert other.match(doc).by_tier["l3"] == 32
+        check_retrieve(other, doc, 32)
+
+
 class DeferredTransfer:
     """A copy that runs only when someone waits for it, as a CUDA copy is still in flight after
     it was issued: on a CPU the moves are synchronous, and the race below could not happen."""

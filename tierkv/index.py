@@ -155,15 +155,18 @@ class BlockIndex:
             self.events.cleared()
         return slots
 
-    def victim(self, tier: str) -> BlockEntry | None:
+    def victim(self, tier: str, copies_only: bool = False) -> BlockEntry | None:
         """The next block `tier` gives up, already out of its policy, or None: in L2, a copy of
-        an L1 block first (see the module docstring), else the policy's choice."""
+        an L1 block first (see the module docstring), else the policy's choice (`copies_only`:
+        None instead)."""
         while tier == "l2" and self.l2_copies:
             h, _ = self.l2_copies.popitem(last=False)
             e = self.entries.get(h)
             if e is not None and e.l1 >= 0 and e.l2 >= 0 and not e.held:
                 self.policies["l2"].remove(h)
                 return e
+        if copies_only:
+            return None
         h = self.policies[tier].evict()
         if h is None:
             return None

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 
 import torch
 
@@ -48,6 +49,9 @@ log = logging.getLogger(__name__)
 DEFAULT_CPU_L1 = 2**30  # on CPU: 1 GiB
 GPU_L1_FRACTION = 0.8  # on a GPU: this share of the memory free when the cache is made, after
 ACTIVATION_RESERVE = 4 * 2**30  # leaving this much for activations and the allocator
+# Write-through's catch-up (`_catch_up`): the most blocks it copies down at once, and it starts
+# again only once every L3 job has ended, so it never holds more of L2 than this for its writes.
+CATCH_UP_BLOCKS = 128
 
 
 def default_l1_bytes(device: torch.device) -> int:
@@ -153,6 +157,9 @@ class Tiering:
         self.index = BlockIndex(config.eviction)
         self.counters = CacheCounters()
         self._fetching: dict[int, L3Job] = {}  # block hash -> the L3 read bringing it into L2
+        # Write-through with an L3: new L1 blocks that L2 had no room to copy down (its slots held
+        # by blocks on their way to L3), oldest first; `_catch_up` copies them once writes end.
+        self.owed: OrderedDict[int, BlockEntry] = OrderedDict()
         # Tensor parallelism, rank 0: every L1/L2 move since the last step, for the other ranks
         # to replay (see `_move`); None (the default) records nothing.
         self.moves: list[tuple[int, list[int], list[int]]] | None = None
@@ -300,9 +307,10 @@ class Tiering:
         """Private L2 slots (no index entry) go back to the free list."""
         self.l2.free.give(slots)
 
-    def _evict_l2(self) -> bool:
-        """Give up the L2 policy's next victim, or start its L3 write; False when none is left."""
-        e = self.index.victim("l2")
+    def _evict_l2(self, copies_only: bool = False) -> bool:
+        """Give up the L2 policy's next victim, or start its L3 write; False when none is left.
+        `copies_only`: only copies of L1 blocks (index.victim)."""
+        e = self.index.victim("l2", copies_only)
         if e is None:
             return False
         if self.l3 is not None and e.l3 == "" and self._admits(e):
@@ -334,6 +342,7 @@ class Tiering:
         prefix cache, recorded as one AllBlocksCleared. Refused (False, nothing dropped) while a
         running sequence holds a block or an L3 write reads one, as vLLM refuses a reset while
         blocks are in use."""
+        self.owed.clear()  # dropped, not copied down: nothing starts a write before the check below
         self.reap()
         if any(e.ref or e.held for e in self.index.entries.values()):
             return False
@@ -481,6 +490,29 @@ class Tiering:
                 self._written(job)
             else:
                 self._landed(job)
+        if self.owed:
+            self._catch_up()
+
+    def _catch_up(self) -> None:
+        """Write-through: copy down, oldest first, the L1 blocks L2 had no room for when they were
+        made, so that they reach L3 now rather than when L1 evicts them (into an L2 perhaps full
+        again, where they are dropped unwritten; or written while requests read L3). Only once
+        every L3 job has ended (a read needs L2's room more, and this holds at most CATCH_UP_BLOCKS
+        of it), and only into free slots and those of L2's copies of L1 blocks, which cost nothing
+        to give up."""
+        if self.l3.in_flight or not (self.l2.free or self.index.l2_copies):
+            return
+        batch = []
+        while self.owed and len(batch) < CATCH_UP_BLOCKS:
+            h, e = self.owed.popitem(last=False)
+            if self.index.entries.get(h) is e and e.l1 >= 0 and e.l2 < 0 and e.l3 == "":
+                batch.append(e)  # (others left L1, or were copied down or written since)
+        while len(self.l2.free) < len(batch) and self._evict_l2(copies_only=True):
+            pass
+        copied = self.write_down(batch[: len(self.l2.free)])  # into free slots: evicts nothing else
+        for e in reversed(batch[copied:]):  # the rest wait, first in line
+            self.owed[e.hash] = e
+            self.owed.move_to_end(e.hash, last=False)
 
     def _written(self, job: L3Job) -> None:
         c = self.counters.tiers["l3"]
@@ -560,6 +592,8 @@ class Tiering:
             return
         if tier == "l1":
             self.write_down(new)
+            if self.l3 is not None:  # what L2 had no room for goes once L3 writes end (_catch_up)
+                self.owed.update((e.hash, e) for e in new if e.l2 < 0 and e.l1 >= 0)
         else:
             self.write_l3(new)
 
