@@ -16,7 +16,9 @@ through `Engine(loaded=)`:
    blocks in L2 (`cache.evict("l1")`, write-back copies them down then): TTFT, the speed-up over
    cold (target >= 30x), and the bytes the hit loaded from L2 (the cache's counter) against a full
    load of those blocks and against the window share the issue sets: full layers / layers +
-   window layers / layers * window / prefix.
+   window layers / layers * window / prefix. And whether the hit's first token is the cold run's,
+   with the top-5 log-probabilities of both: on random weights a differing argmax is a near-tie
+   unless the shared top-5 differ by more than the cold run's gap between its first two.
 
     python benchmarks/bench_families.py [--models qwen3-30b-a3b,gpt-oss-20b] [--hit] [--out DIR]
     python benchmarks/bench_families.py --smoke --out /tmp/x     # tiny shapes on CPU: checks the script
@@ -139,10 +141,24 @@ def decode(llm: tierkv.LLM, lm: LoadedModel, prompt_len: int, n: int, bw: float 
     return figures
 
 
+def first_token_agreement(cold: dict, hit: dict) -> dict:
+    """How the hit's first-token distribution compares with the cold run's (each a logprobs entry:
+    the token and the top 5): the top-5 ids both share, the largest log-probability difference
+    among them, and the cold run's gap between its first and second choice (a differing argmax
+    within that gap is a near-tie, not different KV)."""
+    a, b = dict(cold["top"]), dict(hit["top"])
+    shared = sorted(set(a) & set(b))
+    top = sorted(a.values(), reverse=True)
+    return dict(top5_shared=len(shared), top5_max_logprob_diff=max((abs(a[i] - b[i]) for i in shared), default=None),
+                cold_top2_gap=top[0] - top[1] if len(top) > 1 else None)
+
+
 def l2_hit(llm: tierkv.LLM, tokens: int, vocab: int) -> dict:
     rng = random.Random(1)
     prompt = [rng.randrange(vocab) for _ in range(tokens)]
-    one = tierkv.SamplingParams(temperature=0, max_tokens=1)
+    # the top 5 log-probabilities of the first token: on random weights the hit's argmax may differ
+    # from the cold run's by a near-tie (other kernels, other rounding); the gap says how near
+    one = tierkv.SamplingParams(temperature=0, max_tokens=1, logprobs=5)
     llm.generate([[rng.randrange(vocab) for _ in range(2048)]], one, use_tqdm=False)  # warm-up
     t = time.perf_counter()
     cold = llm.generate([prompt], one, use_tqdm=False)[0]
@@ -163,6 +179,7 @@ def l2_hit(llm: tierkv.LLM, tokens: int, vocab: int) -> dict:
     bound = (share + (1 - share) * window / max(hit.cached_tokens, 1)) * full
     return dict(tokens=tokens, cold_ttft_s=cold_s, hit_ttft_s=hit_s, speedup=cold_s / hit_s,
                 cached_tokens=hit.cached_tokens, same_token=hit.token_ids == cold.token_ids,
+                **first_token_agreement(cold.logprobs[0], hit.logprobs[0]),
                 l2_bytes_loaded=moved, full_load_bytes=full, of_full_load=moved / max(full, 1),
                 window_share_bytes=bound, within_window_share=moved <= bound + layout.bytes_per_block)
 
