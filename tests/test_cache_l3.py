@@ -379,13 +379,15 @@ def test_write_through_writes_the_l1_blocks_l2_had_no_room_for_once_writes_end(t
             store(cache, doc)
             assert cache.match(doc).by_tier == {"l1": 32, "l2": 0, "l3": 0}
             assert cache.l2.num_blocks - len(cache.l2.free) == 4 and puts() == 0
+            assert cache.stats()["tiers"]["l3"]["write_backlog_blocks"] == 4
         finally:
             gate.set()
         end = time.monotonic() + 10
         while puts() < 8 and time.monotonic() < end:
             time.sleep(0.02)
         assert puts() == 8  # the 4 that L2 had no room for went on once the first 4 were written
-        assert cache.stats()["tiers"]["l1"]["drops"] == 0
+        stats = cache.stats()
+        assert stats["tiers"]["l1"]["drops"] == 0 and stats["tiers"]["l3"]["write_backlog_blocks"] == 0
     with make([url], l1=16, l2=16) as other:  # L3 holds the whole document
         assert other.match(doc).by_tier["l3"] == 32
         check_retrieve(other, doc, 32)

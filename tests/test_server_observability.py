@@ -222,6 +222,9 @@ def test_one_log_line_per_request_with_the_tier_of_each_hit(server, client):
     cold, warm = ask("cold"), ask("l1")
     # write-through: the prompt's 4 blocks reach L3; then /flush_cache empties L1 and L2, not L3
     until(server, lambda f: value(f, "tierkv_tier_blocks_in_total", tier="l3") >= written + 4)
+    # and none of them waits for room in L2 to go on (write-through's backlog, exported as a gauge)
+    families = scrape(server)
+    assert [s.value for s in families["tierkv_l3_write_backlog_blocks"][1]] == [0.0]
     assert httpx.post(server.url + "/flush_cache", timeout=30).status_code == 200
     from_l3 = ask("l3")
     for i in range(3):  # 15 blocks of other prompts: L1 (16) lets the oldest go, to L2

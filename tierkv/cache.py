@@ -403,6 +403,8 @@ class TieredKVCache(PagedCache):
                 used_bytes=used * (pool.layout.bytes_per_block if pool is not None else 0),
             )
         out["l3_stores"] = self.tiers.l3.stats() if self.tiers.l3 is not None else []
+        # write-through: L1 blocks still waiting for room in L2 to go on to L3 (Tiering.owed)
+        out["tiers"]["l3"]["write_backlog_blocks"] = len(self.tiers.owed)
         # each L3 read's estimated against actual time, queued to landed (the last few, and the mean ratio)
         out["l3_reads"] = self.tiers.l3.read_stats() if self.tiers.l3 is not None else None
         return out

@@ -159,6 +159,7 @@ class Tiering:
         self._fetching: dict[int, L3Job] = {}  # block hash -> the L3 read bringing it into L2
         # Write-through with an L3: new L1 blocks that L2 had no room to copy down (its slots held
         # by blocks on their way to L3), oldest first; `_catch_up` copies them once writes end.
+        # An entry leaves when it is copied down or evicted from L1 (stats: `write_backlog_blocks`).
         self.owed: OrderedDict[int, BlockEntry] = OrderedDict()
         # Tensor parallelism, rank 0: every L1/L2 move since the last step, for the other ranks
         # to replay (see `_move`); None (the default) records nothing.
@@ -244,6 +245,8 @@ class Tiering:
 
     def _evict_l1(self, victims: list[BlockEntry]) -> None:
         self.index.leaving_l1(victims)
+        for e in victims:  # written down now if L2 has room, else dropped: owed no more
+            self.owed.pop(e.hash, None)
         copied = self.write_down([e for e in victims if e.l2 < 0 and self._admits(e)])
         # a victim still being copied down (write-through, a layer-by-layer save) keeps its slot
         # until that copy has read it (the fence below orders after every copy when there are new ones)
@@ -283,6 +286,7 @@ class Tiering:
         for e, slot in zip(entries, l2_slots):
             self.index.place(e, "l2", slot)
             e.reading = moved
+            self.owed.pop(e.hash, None)
         self.count("l2", len(entries), into=True)
         self.count("l1", len(entries), into=False)
         if self.l3 is not None and self.config.write_policy == "write_through":
@@ -342,9 +346,10 @@ class Tiering:
         prefix cache, recorded as one AllBlocksCleared. Refused (False, nothing dropped) while a
         running sequence holds a block or an L3 write reads one, as vLLM refuses a reset while
         blocks are in use."""
-        self.owed.clear()  # dropped, not copied down: nothing starts a write before the check below
+        owed, self.owed = self.owed, OrderedDict()  # aside: no catch-up write may start before the check
         self.reap()
         if any(e.ref or e.held for e in self.index.entries.values()):
+            self.owed = owed
             return False
         if self.mover is not None and not self.engine_owned:  # (the engine's copies hold their blocks)
             self.mover.last.synchronize()  # no copy may still read a slot given back

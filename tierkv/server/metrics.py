@@ -211,6 +211,10 @@ class _EngineCollector:
         for store in s.get("l3_stores", []):
             fam.add_metric(["l3", store["store"]], 1.0 if store["healthy"] else 0.0)
         yield fam
+        yield GaugeMetricFamily("tierkv_l3_write_backlog_blocks", "write-through: new L1 blocks waiting for room in L2 "
+                                "(its slots held by blocks on their way to L3) to go on to L3; a backlog that grows "
+                                "means L3 writes are slower than new blocks come",
+                                value=tiers.get("l3", {}).get("write_backlog_blocks", 0))
         # the whole L2 pool is page-locked at start when it is pinned, used or not
         yield GaugeMetricFamily("tierkv_pinned_host_bytes", "page-locked host memory of the L2 pool",
                                 value=tiers.get("l2", {}).get("capacity_bytes", 0) if self.l2_pinned else 0)
