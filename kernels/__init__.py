@@ -260,8 +260,12 @@ def fused_moe(x, w13, w2, topk_ids, topk_weights, activation: str = "silu", b13=
     return _impl("fused_moe", x)(x, w13, w2, topk_ids, topk_weights, activation, b13, b2, alpha, limit)
 
 
-def moe_topk(logits: torch.Tensor, k: int, router: str = "softmax", renormalize: bool = False):
+def moe_topk(logits: torch.Tensor, k: int, router: str = "softmax", renormalize: bool = False,
+             correction_bias: torch.Tensor | None = None, n_group: int = 1, topk_group: int = 1,
+             scale: float = 1.0):
     """A MoE router's logits [T, E] -> (topk_ids [T, k] int64, topk_weights [T, k] in logits' dtype):
-    "softmax" (Qwen3-MoE: softmax over all, top k, renormalised if `renormalize`) or "topk_softmax"
-    (gpt-oss: top k logits, softmax over them). See reference.moe_topk; one launch on CUDA."""
-    return _impl("moe_topk", logits)(logits, k, router, renormalize)
+    "softmax" (Qwen3-MoE: softmax over all, top k, renormalised if `renormalize`), "topk_softmax"
+    (gpt-oss: top k logits, softmax over them) or "grouped_sigmoid" (DeepSeek-V3's group-limited
+    sigmoid router, which alone takes correction_bias, n_group, topk_group and scale). See
+    reference.moe_topk; one launch on CUDA."""
+    return _impl("moe_topk", logits)(logits, k, router, renormalize, correction_bias, n_group, topk_group, scale)

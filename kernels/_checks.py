@@ -392,17 +392,38 @@ def check_fused_moe(x, w13, w2, topk_ids, topk_weights, activation, b13, b2) -> 
     return tokens, hidden, experts, inter, topk_ids.shape[1]
 
 
-MOE_ROUTERS = ("softmax", "topk_softmax")
+MOE_ROUTERS = ("softmax", "topk_softmax", "grouped_sigmoid")
 
 
-def check_moe_topk(logits, k, router) -> tuple[int, int]:
-    """logits [T, E] float; k in [1, E]; router one of MOE_ROUTERS. Returns (T, E)."""
+def check_moe_topk(logits, k, router, correction_bias=None, n_group=1, topk_group=1, scale=1.0) -> tuple[int, int]:
+    """logits [T, E] float; k in [1, E]; router one of MOE_ROUTERS. "grouped_sigmoid" (DeepSeek-V3) also
+    takes correction_bias [E] (float, on logits' device) and n_group groups of E / n_group >= 2 experts, of
+    which topk_group in [1, n_group] hold the k; the other routers take none of these. Returns (T, E)."""
     check_tensor("logits", logits, 2, ATTN_DTYPES)
     tokens, experts = logits.shape
     if not isinstance(k, int) or not 0 < k <= experts:
         _fail(f"k (experts per token) must be an int in [1, {experts}] for logits [T, {experts}], got {k!r}")
     if router not in MOE_ROUTERS:
         _fail(f"router {router!r} is not one of {', '.join(MOE_ROUTERS)}")
+    if router != "grouped_sigmoid":
+        if correction_bias is not None or (n_group, topk_group, scale) != (1, 1, 1.0):
+            _fail(f"correction_bias, n_group, topk_group and scale apply to router 'grouped_sigmoid' only, not "
+                  f"{router!r}; leave them at their defaults")
+        return tokens, experts
+    if correction_bias is None:
+        _fail("router 'grouped_sigmoid' needs correction_bias [E] (the gate's e_score_correction_bias)")
+    check_tensor("correction_bias", correction_bias, 1, ATTN_DTYPES)
+    if correction_bias.shape[0] != experts:
+        _fail(f"correction_bias must be [{experts}], one per expert, got {tuple(correction_bias.shape)}")
+    check_same_device(logits=logits, correction_bias=correction_bias)
+    per_group = experts // n_group if isinstance(n_group, int) and n_group > 0 else 0
+    if per_group < 2 or per_group * n_group != experts:
+        _fail(f"n_group {n_group!r} must divide the {experts} experts into groups of two or more")
+    if not isinstance(topk_group, int) or not 0 < topk_group <= n_group:
+        _fail(f"topk_group {topk_group!r} must be in [1, n_group {n_group}]")
+    if k > topk_group * per_group:
+        _fail(f"topk_group {topk_group} groups of {per_group} experts cannot hold k {k} experts; raise "
+              f"topk_group or lower k")
     return tokens, experts
 
 

@@ -429,15 +429,24 @@ def fused_moe(
     return out
 
 
-def moe_topk(logits: torch.Tensor, k: int, router: str = "softmax", renormalize: bool = False):
+def moe_topk(logits: torch.Tensor, k: int, router: str = "softmax", renormalize: bool = False,
+             correction_bias: torch.Tensor | None = None, n_group: int = 1, topk_group: int = 1,
+             scale: float = 1.0):
     """A MoE router's choice from its logits [T, E] -> (topk_ids [T, k] int64, topk_weights [T, k] in
     logits' dtype), each as transformers computes it:
 
     "softmax" (Qwen3-MoE): softmax over all experts in fp32, the top k of those probabilities, divided
                   by their sum if renormalize (norm_topk_prob), cast to logits' dtype.
     "topk_softmax" (gpt-oss): the top k logits, then a softmax over those k (in logits' dtype).
+    "grouped_sigmoid" (DeepSeek-V3, Kimi K2): scores = sigmoid(logits) in fp32; experts are CHOSEN by
+                  scores + correction_bias (e_score_correction_bias), only within the topk_group of
+                  n_group groups (E / n_group consecutive experts each) whose two best chosen-scores sum
+                  highest; the WEIGHTS are the chosen experts' unbiased scores, divided by their sum
+                  + 1e-20 if renormalize, times scale (routed_scaling_factor), cast to logits' dtype.
     """
-    _checks.check_moe_topk(logits, k, router)
+    _checks.check_moe_topk(logits, k, router, correction_bias, n_group, topk_group, scale)
+    if router == "grouped_sigmoid":
+        return _grouped_sigmoid(logits, k, renormalize, correction_bias, n_group, topk_group, scale)
     if router == "softmax":
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)            # [T, E]
         weights, ids = torch.topk(probs, k, dim=-1)                           # [T, k] each
@@ -446,6 +455,21 @@ def moe_topk(logits: torch.Tensor, k: int, router: str = "softmax", renormalize:
         return ids, weights.to(logits.dtype)
     top, ids = torch.topk(logits, k, dim=-1)
     return ids, torch.softmax(top, dim=-1, dtype=top.dtype)
+
+
+def _grouped_sigmoid(logits, k, renormalize, correction_bias, n_group, topk_group, scale):
+    scores = logits.float().sigmoid()                                          # [T, E] fp32
+    choice = scores + correction_bias.float()
+    groups = choice.view(-1, n_group, logits.shape[1] // n_group)              # [T, G, E/G]
+    group_worth = groups.topk(2, dim=-1).values.sum(dim=-1)                    # [T, G]
+    best_groups = group_worth.topk(topk_group, dim=-1).indices                 # [T, topk_group]
+    keep = torch.zeros_like(group_worth, dtype=torch.bool).scatter_(1, best_groups, True)
+    choice = groups.masked_fill(~keep[:, :, None], float("-inf")).view_as(choice)
+    ids = choice.topk(k, dim=-1).indices                                       # [T, k]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return ids, (weights * scale).to(logits.dtype)
 
 
 # Multi-head latent attention (DeepSeek-V2/V3). The pool holds one latent per token,

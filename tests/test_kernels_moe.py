@@ -174,6 +174,33 @@ def test_router_ties_go_to_the_lower_expert_id(tk):
     assert weights[0, 0] == weights[0, 1] > weights[0, 2]
 
 
+# (experts, n_group, topk_group, k, renormalize, scale): DeepSeek-V3/Kimi K2; V2-Lite's size in one group;
+# groups and group sizes that are not powers of two
+@pytest.mark.parametrize("experts,n_group,topk_group,k,renormalize,scale", [
+    (256, 8, 4, 8, True, 2.5), (64, 1, 1, 6, True, 1.0), (24, 3, 2, 5, False, 1.0), (30, 5, 3, 4, True, 1.5)])
+def test_grouped_sigmoid_router_matches_the_reference(tk, experts, n_group, topk_group, k, renormalize, scale):
+    g = torch.Generator().manual_seed(experts)
+    logits, bias = torch.randn(7, experts, generator=g), 0.5 * torch.randn(experts, generator=g)
+    grouped = dict(correction_bias=bias, n_group=n_group, topk_group=topk_group, scale=scale)
+    ids, weights = tk.router.moe_topk(logits, k, "grouped_sigmoid", renormalize, **grouped)
+    want_ids, want_weights = ref.moe_topk(logits, k, "grouped_sigmoid", renormalize, **grouped)
+    assert ids.dtype == torch.int64 and weights.dtype == torch.float32
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_weights, rtol=1e-6, atol=0)
+
+
+def test_grouped_sigmoid_ties_go_to_the_lower_group_and_expert_id(tk):
+    # 4 groups of 2 experts, all scores 0.5: the bias makes groups 1 and 3 worth 3.0, group 2 2.0
+    logits, bias = torch.zeros(1, 8), torch.tensor([0.0, 0.0, 1.0, 1.0, 0.5, 0.5, 1.0, 1.0])
+    ids, weights = tk.router.moe_topk(logits, 3, "grouped_sigmoid", True, correction_bias=bias, n_group=4,
+                                      topk_group=2)
+    assert ids.tolist() == [[2, 3, 6]]
+    torch.testing.assert_close(weights, torch.full((1, 3), 1 / 3))
+    ids, weights = tk.router.moe_topk(logits, 2, "grouped_sigmoid", False, correction_bias=bias, n_group=4,
+                                      topk_group=1, scale=2.0)
+    assert ids.tolist() == [[2, 3]] and weights.tolist() == [[1.0, 1.0]]
+
+
 def test_router_refuses_bad_arguments(tk):
     from tierkv.kernels import ShapeError
 

@@ -1,7 +1,7 @@
 """The Triton fused_moe on a CUDA GPU in bf16, at the MoE shapes of Qwen3-30B-A3B and gpt-oss-20b,
 against the fp32 torch reference of the same inputs; and captured in a CUDA graph (no host sync),
 replayed with other routing. The router top-k kernel (kernels/router.py) against its reference, in
-bf16 and fp32 and in a graph."""
+bf16 and fp32 and in a graph, DeepSeek-V3's group-limited sigmoid router included."""
 
 from __future__ import annotations
 
@@ -118,6 +118,32 @@ def test_router_topk_runs_in_a_cuda_graph():
     want_ids, want_weights = triton_router.moe_topk(logits, 8, "softmax", True)
     torch.cuda.synchronize()
     assert torch.equal(ids, want_ids) and torch.equal(weights, want_weights)
+
+
+@pytest.mark.parametrize("tokens", [1, 64, 4096])
+def test_deepseek_v3_grouped_sigmoid_router_matches_the_reference(tokens):
+    # DeepSeek-V3 / Kimi K2: 256 experts in 8 groups, the best 4 groups kept, 8 experts a token. The
+    # kernel's sigmoid is torch's on CUDA (libdevice expf, IEEE division), so the choice is exact
+    from tierkv.kernels import router as triton_router
+
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    logits = torch.randn(tokens, 256, generator=g, device="cuda")
+    bias = 0.5 * torch.randn(256, generator=g, device="cuda")
+    grouped = dict(correction_bias=bias, n_group=8, topk_group=4, scale=2.5)
+    ids, weights = triton_router.moe_topk(logits, 8, "grouped_sigmoid", True, **grouped)
+    want_ids, want_weights = ref.moe_topk(logits, 8, "grouped_sigmoid", True, **grouped)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_weights, rtol=1e-6, atol=0)
+    # in a CUDA graph (compiled by the call above), replayed with other logits
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ids, weights = triton_router.moe_topk(logits, 8, "grouped_sigmoid", True, **grouped)
+    logits.copy_(torch.randn(tokens, 256, generator=g, device="cuda"))
+    graph.replay()
+    want_ids, want_weights = ref.moe_topk(logits, 8, "grouped_sigmoid", True, **grouped)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_weights, rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))

@@ -223,6 +223,60 @@ def test_fused_moe_rejects_bad_shapes():
         ref.fused_moe(x, w13, w2, ids, weights, "silu", None, torch.zeros(5, 3))
 
 
+# DeepSeek's group-limited sigmoid router, kernels.moe_topk's "grouped_sigmoid"
+
+
+def _old_grouped_sigmoid(logits, bias, k, n_group, topk_group, renormalize, scale):
+    """engine/moe.py's Router._grouped_sigmoid before kernels.moe_topk took it over, from its fp32 logits on."""
+    scores = logits.sigmoid()
+    choice = scores + bias.float()
+    groups = choice.view(-1, n_group, logits.shape[1] // n_group)
+    group_worth = groups.topk(2, dim=-1).values.sum(dim=-1)
+    best_groups = group_worth.topk(topk_group, dim=-1).indices
+    keep = torch.zeros_like(group_worth, dtype=torch.bool).scatter_(1, best_groups, True)
+    choice = groups.masked_fill(~keep[:, :, None], float("-inf")).view_as(choice)
+    ids = choice.topk(k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return ids, weights * scale
+
+
+# (experts, n_group, topk_group, k, renormalize, scale): DeepSeek-V3/Kimi K2, V2-Lite's size, tiny ones
+GROUPED_CASES = [(256, 8, 4, 8, True, 2.5), (64, 1, 1, 6, True, 1.0), (16, 4, 2, 3, False, 2.5),
+                 (30, 5, 3, 4, True, 1.5)]
+
+
+@pytest.mark.parametrize("experts,n_group,topk_group,k,renormalize,scale", GROUPED_CASES)
+def test_reference_grouped_sigmoid_equals_the_old_torch_router(experts, n_group, topk_group, k, renormalize, scale):
+    g = torch.Generator().manual_seed(experts)
+    logits, bias = torch.randn(41, experts, generator=g), 0.5 * torch.randn(experts, generator=g)
+    ids, weights = ref.moe_topk(logits, k, "grouped_sigmoid", renormalize, correction_bias=bias, n_group=n_group,
+                                topk_group=topk_group, scale=scale)
+    want_ids, want_weights = _old_grouped_sigmoid(logits, bias, k, n_group, topk_group, renormalize, scale)
+    assert ids.dtype == torch.int64 and weights.dtype == torch.float32
+    assert torch.equal(ids, want_ids) and torch.equal(weights, want_weights)   # to the bit
+
+
+def test_grouped_sigmoid_refuses_bad_groups():
+    logits, bias = torch.zeros(2, 16), torch.zeros(16)
+    grouped = dict(router="grouped_sigmoid", correction_bias=bias)
+    with pytest.raises(ShapeError, match="n_group 3 must divide the 16 experts"):
+        ref.moe_topk(logits, 2, **grouped, n_group=3)
+    with pytest.raises(ShapeError, match="n_group 16 must divide the 16 experts into groups of two or more"):
+        ref.moe_topk(logits, 2, **grouped, n_group=16)
+    with pytest.raises(ShapeError, match="topk_group 5 must be in \\[1, n_group 4\\]"):
+        ref.moe_topk(logits, 2, **grouped, n_group=4, topk_group=5)
+    with pytest.raises(ShapeError, match="topk_group 1 groups? of 4 experts cannot hold k 5"):
+        ref.moe_topk(logits, 5, **grouped, n_group=4, topk_group=1)
+    with pytest.raises(ShapeError, match="needs correction_bias"):
+        ref.moe_topk(logits, 2, "grouped_sigmoid", n_group=4)
+    with pytest.raises(ShapeError, match="correction_bias must be \\[16\\]"):
+        ref.moe_topk(logits, 2, "grouped_sigmoid", correction_bias=torch.zeros(8), n_group=4)
+    with pytest.raises(ShapeError, match="apply to router 'grouped_sigmoid' only"):
+        ref.moe_topk(logits, 2, "softmax", correction_bias=bias)
+
+
 def test_bench_moe_runs_its_smoke_case(tmp_path):
     # benchmarks/bench_moe.py on CPU (tiny shapes through the reference): the script the lead runs on
     # the H200 keeps working, and its JSON holds a row per shape and batch

@@ -9,7 +9,7 @@ How to build one (helpers of other families, start here):
 
 Routers (`MoESpec.router`), each as transformers computes it:
 - "softmax" (qwen3_moe): logits = x @ gate.weight.T; softmax in fp32 over all experts; top-k; divided
-  by their sum if norm_topk_prob; cast to x's dtype. (This and the next: kernels.moe_topk, one launch.)
+  by their sum if norm_topk_prob; cast to x's dtype. (Each router: kernels.moe_topk, one launch.)
 - "topk_softmax" (gpt_oss): logits = x @ gate.weight.T + gate.bias; top-k of the logits; softmax over
   those k in x's dtype. Experts have biases and the "swigluoai" activation (clamped SwiGLU, alpha 1.702,
   limit 7.0).
@@ -150,27 +150,14 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         spec = self.spec
-        if spec.router == "grouped_sigmoid":
-            return self._grouped_sigmoid(x)
+        # the choice from the logits: one Triton launch on CUDA, the torch reference on CPU
+        if spec.router == "grouped_sigmoid":  # DeepSeek's logits in fp32, whatever x's dtype
+            logits = F.linear(x.float(), self.weight.float())                     # [T, E]
+            return kernels.moe_topk(logits, spec.num_experts_per_tok, spec.router, spec.norm_topk_prob,
+                                    self.e_score_correction_bias, spec.n_group, spec.topk_group,
+                                    spec.routed_scaling_factor)
         logits = F.linear(x, self.weight, self.bias)                              # [T, E]
-        # softmax / top-k / renormalise: one Triton launch on CUDA, the torch reference on CPU
         return kernels.moe_topk(logits, spec.num_experts_per_tok, spec.router, spec.norm_topk_prob)
-
-    def _grouped_sigmoid(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # stays in torch (a dozen small launches): the group-limited choice has no Triton kernel yet
-        spec = self.spec
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()             # [T, E] fp32
-        choice = scores + self.e_score_correction_bias.float()
-        groups = choice.view(-1, spec.n_group, spec.num_experts // spec.n_group)  # [T, G, E/G]
-        group_worth = groups.topk(2, dim=-1).values.sum(dim=-1)                  # [T, G]
-        best_groups = group_worth.topk(spec.topk_group, dim=-1).indices           # [T, topk_group]
-        keep = torch.zeros_like(group_worth, dtype=torch.bool).scatter_(1, best_groups, True)
-        choice = groups.masked_fill(~keep[:, :, None], float("-inf")).view_as(choice)
-        ids = choice.topk(spec.num_experts_per_tok, dim=-1).indices              # [T, k]
-        weights = scores.gather(1, ids)
-        if spec.norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return ids, weights * spec.routed_scaling_factor
 
 
 class Experts(nn.Module):
