@@ -416,15 +416,25 @@ def check_moe_topk(logits, k, router, correction_bias=None, n_group=1, topk_grou
     if correction_bias.shape[0] != experts:
         _fail(f"correction_bias must be [{experts}], one per expert, got {tuple(correction_bias.shape)}")
     check_same_device(logits=logits, correction_bias=correction_bias)
+    problem = grouped_router_problem(experts, k, n_group, topk_group)
+    if problem:
+        _fail(problem)
+    return tokens, experts
+
+
+def grouped_router_problem(experts: int, k: int, n_group, topk_group) -> str | None:
+    """What is wrong with a group-limited router's groups (DeepSeek-V3: k experts from the
+    topk_group best of n_group groups of E / n_group >= 2), or None; the one home of this rule
+    (engine/moe.MoESpec checks a config.json by it too)."""
     per_group = experts // n_group if isinstance(n_group, int) and n_group > 0 else 0
     if per_group < 2 or per_group * n_group != experts:
-        _fail(f"n_group {n_group!r} must divide the {experts} experts into groups of two or more")
+        return f"n_group {n_group!r} must divide the {experts} experts into groups of two or more"
     if not isinstance(topk_group, int) or not 0 < topk_group <= n_group:
-        _fail(f"topk_group {topk_group!r} must be in [1, n_group {n_group}]")
+        return f"topk_group {topk_group!r} must be in [1, n_group {n_group}]"
     if k > topk_group * per_group:
-        _fail(f"topk_group {topk_group} groups of {per_group} experts cannot hold k {k} experts; raise "
-              f"topk_group or lower k")
-    return tokens, experts
+        return (f"topk_group {topk_group} groups of {per_group} experts cannot hold k {k} experts; raise "
+                f"topk_group or lower k")
+    return None
 
 
 def check_mla_decode(q_latent, q_pe, kv, block_tables, seq_lens) -> tuple[int, int, int]:

@@ -258,6 +258,19 @@ def test_reference_grouped_sigmoid_equals_the_old_torch_router(experts, n_group,
     assert torch.equal(ids, want_ids) and torch.equal(weights, want_weights)   # to the bit
 
 
+def test_a_config_with_bad_groups_is_refused_at_load_by_the_routers_rule():
+    # MoESpec (config.json) and kernels.moe_topk check the groups by the same rule (_checks.grouped_router_problem)
+    from tierkv.engine.moe import MoESpec
+    from tierkv.errors import ConfigError
+
+    spec = dict(hidden_size=8, num_experts=16, moe_intermediate_size=4, router="grouped_sigmoid")
+    MoESpec(**spec, num_experts_per_tok=4, n_group=4, topk_group=1)  # 1 group of 4 holds the 4
+    with pytest.raises(ConfigError, match="groups: n_group 3 must divide the 16 experts"):
+        MoESpec(**spec, num_experts_per_tok=2, n_group=3)
+    with pytest.raises(ConfigError, match="groups: topk_group 1 groups? of 4 experts cannot hold k 5"):
+        MoESpec(**spec, num_experts_per_tok=5, n_group=4, topk_group=1)
+
+
 def test_grouped_sigmoid_refuses_bad_groups():
     logits, bias = torch.zeros(2, 16), torch.zeros(16)
     grouped = dict(router="grouped_sigmoid", correction_bias=bias)

@@ -42,6 +42,7 @@ from torch import nn
 
 from tierkv import kernels
 from tierkv.errors import ConfigError
+from tierkv.kernels._checks import grouped_router_problem
 
 from .parallel import TensorParallel
 
@@ -76,13 +77,9 @@ class MoESpec:
             raise ConfigError(f"num_experts_per_tok {self.num_experts_per_tok} must be in [1, num_experts "
                               f"{self.num_experts}]")
         if self.router == "grouped_sigmoid":
-            per_group, rest = divmod(self.num_experts, self.n_group)
-            if rest or per_group < 2 or not 0 < self.topk_group <= self.n_group:
-                raise ConfigError(f"n_group {self.n_group} must divide the {self.num_experts} experts into groups "
-                                  f"of two or more, and topk_group {self.topk_group} be in [1, n_group]")
-            if self.topk_group * per_group < self.num_experts_per_tok:
-                raise ConfigError(f"topk_group {self.topk_group} groups of {per_group} experts cannot hold "
-                                  f"num_experts_per_tok {self.num_experts_per_tok} experts")
+            problem = grouped_router_problem(self.num_experts, self.num_experts_per_tok, self.n_group, self.topk_group)
+            if problem:  # k is the config's num_experts_per_tok
+                raise ConfigError(f"this MoE config's groups: {problem}")
 
     @classmethod
     def from_hf(cls, hf: dict) -> MoESpec:
