@@ -4,7 +4,8 @@ A model with one full-attention layer in six and sliding windows in the others (
 proportion; a tiny Qwen3 with `max_window_layers=1` here) serves a long prefix from L2. The old
 blocks come back with their full-attention layer only, the last window's blocks whole: at most
 1/6 + 5/6 * W / prefix of the bytes a full load moves (plus the block the window starts in), and
-the tokens equal a run without caching. Mistral (every layer slides) loads only the window.
+the tokens equal a run without caching. Mistral (every layer slides) loads only the window, and
+a running sequence of it lets go of the blocks its window has left (PagedCache.release).
 """
 
 from __future__ import annotations
@@ -93,3 +94,87 @@ def test_window_hit_moves_only_what_attention_reads(kind, device, request):
     bound = (full_share + (1 - full_share) * (WINDOW + BLOCK) / PROMPT) * hit
     assert 0 < moved <= bound, (moved, bound, hit)
     assert full_share == (1 / 6 if kind == "hybrid" else 0)
+
+
+def held_blocks(req) -> int:
+    return sum(slot >= 0 for slot in req.seq.slots) if req.seq is not None else 0
+
+
+def hf_greedy(path: str, prompt: list[int], n: int) -> list[int]:
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def test_a_sliding_sequence_lets_go_of_the_blocks_its_window_left(sliding):
+    """Every layer of Mistral slides: once a sequence's next query is at p, no layer reads a key
+    at or before p - WINDOW, so the blocks wholly before that go back (committed ones stay cached,
+    evictable). While it decodes 40 tokens after a 240-token prompt it holds the window's blocks
+    and its next one, not its 70; its tokens, and those of a second request that finds the
+    prompt's blocks still cached, equal transformers'. n=2 forks after the prompt: both choices too."""
+    g = torch.Generator().manual_seed(11)
+    prompt = torch.randint(0, 512, (PROMPT,), generator=g).tolist()
+    expected = hf_greedy(sliding, prompt, 40)
+    llm = LLM(sliding, device="cpu", dtype="float32", block_size=BLOCK, max_num_batched_tokens=64)
+    engine = llm.engine
+    req = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=40))
+    held = []  # blocks the sequence holds after each step of its decode
+    while engine.has_unfinished():
+        engine.step()
+        if req.num_computed > len(prompt):
+            held.append(held_blocks(req))
+    window_blocks = WINDOW // BLOCK + 1  # the blocks keys > p - WINDOW sit in, when p is unaligned
+    assert held and max(held) <= window_blocks + 1, held  # and the block the next token goes into
+    assert req.output_ids == expected
+    assert not engine.cache.live_sequences()  # freed whole at the end: nothing leaked
+    # the blocks it let go of stayed cached: the same prompt again is a hit, with the same tokens
+    again = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)[0]
+    assert again.cached_tokens >= PROMPT - BLOCK and again.token_ids == expected
+    both = llm.generate([prompt[:-8]], SamplingParams(temperature=0, max_tokens=24, n=2), use_tqdm=False)[0]
+    assert [c.token_ids for c in both.outputs] == [hf_greedy(sliding, prompt[:-8], 24)] * 2
+    assert not engine.cache.live_sequences()
+
+
+def test_release_gives_back_private_blocks_and_unpins_committed_ones(sliding):
+    """The cache call alone: committed blocks before the point become evictable (not freed: they
+    stay findable), private ones go back to the free list, the slots read -1, and a second call
+    asking no further does nothing."""
+    from tierkv import CacheConfig, TieredKVCache
+    from tierkv.layout import KVLayout
+
+    layout = KVLayout(2, 1, 8, dtype=torch.float32, block_size=4, windows=(8, 8))
+    with TieredKVCache(layout, CacheConfig(l1=16 * layout.bytes_per_block), device="cpu") as cache:
+        tokens = list(range(40))  # 10 blocks
+        seq = cache.allocate(tokens)
+        cache.commit(seq, tokens[:24])  # blocks 0..5 committed, 6..9 private
+        free_before = len(cache.l1.free)
+        assert layout.first_block_read(36) == 7  # a query at 36 reads keys > 28: block 7 on
+        assert cache.release(seq, 7) == 7
+        assert seq.slots[:7] == [-1] * 7 and seq.entries[:7] == [None] * 7 and seq.released == 7
+        assert len(cache.l1.free) == free_before + 1  # block 6, private, went back
+        assert cache.stats()["tiers"]["l1"]["evictable_blocks"] == 6  # 0..5: cached, nobody holds them
+        assert cache.match(tokens).by_tier["l1"] == 24
+        assert cache.release(seq, 5) == 0 and cache.release(seq, 7) == 0
+        cache.free(seq)
+        assert not cache.live_sequences() and len(cache.l1.free) + 6 == 16
+        assert KVLayout(2, 1, 8, windows=(8, None)).first_block_read(36) == 0  # a full layer reads all
+
+
+def test_a_sliding_model_serves_a_prompt_longer_than_l1_without_l2(sliding):
+    """L1 of 40 blocks (160 tokens), no L2: a model whose every layer slides still takes a 300-token
+    prompt, since a sequence holds only its window and one chunk (`cache.lets_go`); it is reserved
+    and computed a chunk at a time, lets go of what the window left, and its tokens equal
+    transformers'. (A model with a full-attention layer would be refused: all of L1 cannot hold it.)"""
+    g = torch.Generator().manual_seed(13)
+    prompt = torch.randint(0, 512, (300,), generator=g).tolist()
+    layout_bytes = LLM(sliding, device="cpu", dtype="float32", block_size=BLOCK, l1="1MiB").cache.layout.bytes_per_block
+    llm = LLM(sliding, device="cpu", dtype="float32", block_size=BLOCK, l1=40 * layout_bytes, l2=0)
+    assert llm.cache.l1.num_blocks == 40 and llm.cache.lets_go and llm.engine.max_model_len >= 512
+    engine = llm.engine
+    req = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=16))
+    most = 0
+    while engine.has_unfinished():
+        engine.step()
+        most = max(most, held_blocks(req))
+    assert most <= 40 and req.output_ids == hf_greedy(sliding, prompt, 16)

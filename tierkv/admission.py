@@ -9,6 +9,7 @@ checks its arguments before it changes anything. It never knows about requests o
 
 from __future__ import annotations
 
+import sys
 import time
 
 import torch
@@ -194,15 +195,30 @@ class Admission:
         other requests still run beside it."""
         return stream_window_blocks(self.l1.num_blocks) * self.block_size
 
+    @property
+    def lets_go(self) -> bool:
+        """Whether a sequence of any length fits L1 by letting go of what its window has left:
+        every layer is windowed, and L1 holds the widest window's blocks beside a chunk of
+        `stream_window` tokens. Such a sequence is reserved and computed a chunk at a time,
+        never streams, and `PagedCache.release` gives back its blocks as the window moves on."""
+        window = self.layout.widest_window
+        if window is None or self.tiers.engine_owned:  # (an engine that owns L1 frees its own blocks)
+            return False
+        l1 = self.l1.num_blocks
+        return self.blocks_needed(window) + 1 <= l1 - stream_window_blocks(l1)
+
     def must_stream(self, num_tokens: int) -> bool:
         """Whether a sequence of `num_tokens` (and its next token) is larger than all of L1, so
         that it streams its older blocks from L2 (when there is an L2, and L1 is in tierkv's
-        layout, which streamed attention reads)."""
-        return (self.l2 is not None and self.l1.kv is not None
+        layout, which streamed attention reads); never where it `lets_go`."""
+        return (self.l2 is not None and self.l1.kv is not None and not self.lets_go
                 and self.blocks_needed(num_tokens + 1) > self.l1.num_blocks)
 
     def max_tokens(self) -> int:
-        """The longest sequence the tiers can ever hold (see `max_sequence_tokens`)."""
+        """The longest sequence the tiers can ever hold (see `max_sequence_tokens`); no limit
+        where a sequence `lets_go` of what its window has left."""
+        if self.lets_go:
+            return sys.maxsize
         return max_sequence_tokens(self.l1.num_blocks, self.l2.num_blocks if self.l2 else 0, self.block_size)
 
     @guarded
@@ -237,7 +253,8 @@ class Admission:
             # engine of its own): `deadline_s` past the time recomputing all of the part takes
             tail = m.tail
             tail_deadline_s = (m.tail[1] * bs - m.tokens) * recompute_seconds_per_token + deadline_s
-        reserve = min(num_tokens, m.tokens + min(budget, self.stream_window)) if stream else None
+        chunked = stream or self.lets_go  # room for the cached prefix and one chunk; `append` adds the rest
+        reserve = min(num_tokens, m.tokens + min(budget, self.stream_window)) if chunked else None
         return AdmissionPlan(
             match=m, stream=stream, reserve=reserve,
             fits=self.can_allocate(num_tokens, m, stream=stream, reserve=reserve),
@@ -301,8 +318,13 @@ class Admission:
         """Whether `allocate` with these arguments would succeed now."""
         self._check_match(match)
         blocks = match.blocks
-        k = self._streamable(blocks) if stream else 0
+        k = self._streamable(blocks) if stream else self._left_behind(blocks)
         return self._shortfall(self._reserve(num_tokens, reserve, len(blocks)), blocks[k:], k) <= 0
+
+    def _left_behind(self, blocks: list[BlockEntry]) -> int:
+        """How many leading cached `blocks` no layer reads once the sequence computes on from
+        their end (every layer windowed: `KVLayout.first_block_read`): it takes no L1 slot for them."""
+        return min(self.layout.first_block_read(len(blocks) * self.block_size), len(blocks))
 
     def _shortfall(self, num_tokens: int, blocks: list[BlockEntry], offloaded: int = 0) -> int:
         """L1 blocks missing to hold `num_tokens` tokens whose first `offloaded` blocks stay in L2
@@ -371,9 +393,11 @@ class Admission:
             raise UsageError("allocate(slots=) is for a cache whose L1 the engine owns (engine_blocks=); this one "
                              "takes its own L1 blocks")
         k = self._streamable(blocks) if stream else 0
-        offloaded, cached = blocks[:k], blocks[k:]
+        # hits no layer reads (every layer windowed, and the window past them): no slot, released
+        gone = 0 if stream else self._left_behind(blocks)
+        offloaded, left, cached = blocks[:k], blocks[k : k + gone], blocks[k + gone :]
         reserved = self._reserve(num_tokens, reserve, len(blocks))
-        short = self._shortfall(reserved, cached, k)
+        short = self._shortfall(reserved, cached, k + gone)
         if short > 0:
             raise CacheFullError(f"a sequence of {reserved} tokens needs {short} more L1 blocks than can be freed")
         self.index.hold_l2(offloaded)  # they stay in L2 for as long as the sequence runs
@@ -382,25 +406,27 @@ class Admission:
         # private, since their other layers are not there for another request to share.
         window = self.layout.window_start(len(blocks) * self.block_size) if self.tiers.loads_layers else 0
         l1_hits = [e for e in cached if e.l1 >= 0]
-        l2_hits = [e for i, e in enumerate(cached, start=k) if e.l1 < 0 and i >= window]
-        behind = [e for i, e in enumerate(cached, start=k) if e.l1 < 0 and i < window]
+        l2_hits = [e for i, e in enumerate(cached, start=k + gone) if e.l1 < 0 and i >= window]
+        behind = [e for i, e in enumerate(cached, start=k + gone) if e.l1 < 0 and i < window]
         for e in l1_hits:
             self.index.pin(e)
         self.index.hold_l2(l2_hits + behind)  # the evictions below must not drop what we are about to load
-        fresh = self.tiers.take_l1(self.blocks_needed(reserved) - k - len(l1_hits))
+        fresh = self.tiers.take_l1(self.blocks_needed(reserved) - k - gone - len(l1_hits))
         self.tiers.load_pinned(l2_hits, fresh[: len(l2_hits)])
         private = dict(zip(map(id, behind), fresh[len(l2_hits) : len(l2_hits) + len(behind)]))
         partial = self.tiers.load_l2(behind, list(private.values()), full_layers_only=True)
         self.index.release_l2(l2_hits + behind)
-        by_tier = self._count_hits(m.query_tokens, l1_hits, [*offloaded, *l2_hits, *behind])
+        by_tier = self._count_hits(m.query_tokens, [*(e for e in left if e.l1 >= 0), *l1_hits],
+                                   [*offloaded, *(e for e in left if e.l1 < 0), *l2_hits, *behind])
         pending = in_flight([*(e.loading for e in cached), partial])
         self.tiers.used(blocks, priority)
         rest = fresh[len(l2_hits) + len(behind) :]
         seq = SequenceBlocks(
             ns=m.ns,
             priority=priority,
-            slots=[-1] * k + [private.get(id(e), e.l1) for e in cached] + rest,
-            entries=[*offloaded, *(None if id(e) in private else e for e in cached), *([None] * len(rest))],
+            slots=[-1] * (k + gone) + [private.get(id(e), e.l1) for e in cached] + rest,
+            entries=[*offloaded, *([None] * gone), *(None if id(e) in private else e for e in cached),
+                     *([None] * len(rest))],
             hashes=list(m.hashes),
             committed=len(blocks),
             num_tokens=reserved,
@@ -411,6 +437,7 @@ class Admission:
             l2_slots=[e.l2 for e in offloaded],
             owner=self,
             in_l3=m.in_l3,
+            released=gone,
         )
         self._live[seq] = None  # until free()
         return seq

@@ -114,6 +114,17 @@ class KVLayout:
         return max(0, first_query - widest + 1) // self.block_size
 
     @property
+    def widest_window(self) -> int | None:
+        """The widest window when every layer is windowed; None while some layer attends fully."""
+        return None if self.full_layers else max(self.windows)
+
+    def first_block_read(self, first_query: int) -> int:
+        """The first block any layer still reads once queries start at position `first_query`:
+        a sequence may let go of the blocks before it (PagedCache.release). 0 while some layer
+        attends fully; with every layer windowed, the widest window's start."""
+        return 0 if self.full_layers else self.window_start(first_query)
+
+    @property
     def block_shape(self) -> tuple[int, int, int, int, int]:
         """Shape of one block as L2/L3 hold it: [layers, 2 (K,V), block_size, kv_heads, head_dim]."""
         return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)

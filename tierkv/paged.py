@@ -2,9 +2,10 @@
 
 A sequence comes from admission (admission.py: `admit`, `allocate`); here it grows (`append`),
 enters its full blocks in the index (`commit`), takes blocks others computed (`adopt`), forks
-(`fork`), offloads its oldest blocks to L2 when larger than L1 (`offload`, `stream`), and gives
-everything back (`free`); `live_sequences` lists those not given back yet. `wait_for_layer` and
-`save_layer` let an engine overlap loads and saves with its own forward. Where the engine owns
+(`fork`), lets go of the blocks its windows have left (`release`), offloads its oldest blocks to
+L2 when larger than L1 (`offload`, `stream`), and gives everything back (`free`);
+`live_sequences` lists those not given back yet. `wait_for_layer` and `save_layer` let an engine
+overlap loads and saves with its own forward. Where the engine owns
 L1 (engine_blocks=), the same calls take its block ids, and its copies are recorded for it to
 run (`take_moves`). TieredKVCache (cache.py) is this plus the simple API, lifecycle and stats.
 
@@ -280,7 +281,7 @@ class PagedCache(Admission):
             self.tiers.copy_l1([seq.slots[full]] * len(fresh), fresh)
         slots, entries = seq.slots[:full], seq.entries[:full]
         for _ in range(count):
-            for slot, entry in zip(slots, entries):
+            for slot, entry in zip(slots[seq.released :], entries[seq.released :]):  # (released: -1)
                 if entry is None:
                     self._shared[slot] = self._shared.get(slot, 0) + 1
                 else:
@@ -292,7 +293,7 @@ class PagedCache(Admission):
                 committed=min(seq.committed, full), num_tokens=num_tokens,
                 num_cached_tokens=seq.num_cached_tokens, pending=list(seq.pending),
                 token_bytes=seq.token_bytes[: 4 * num_tokens], cached_by_tier=dict(seq.cached_by_tier),
-                owner=self, in_l3=seq.in_l3,
+                owner=self, in_l3=seq.in_l3, released=min(seq.released, full),
             )
             for i in range(count)
         ]
@@ -339,7 +340,8 @@ class PagedCache(Admission):
             del self._live[seq]
             return
         private = []
-        for slot, entry in zip(reversed(seq.slots[k:]), reversed(seq.entries[k:])):
+        held = max(k, seq.released)  # (a sequence either streams or lets go of blocks: never both)
+        for slot, entry in zip(reversed(seq.slots[held:]), reversed(seq.entries[held:])):
             if entry is None:
                 private.append(slot)
             else:
@@ -353,6 +355,33 @@ class PagedCache(Admission):
         seq.slots, seq.entries, seq.l2_slots, seq.freed = [], [], [], True
         del self._live[seq]
 
+    @guarded
+    def release(self, seq: SequenceBlocks, first_needed: int) -> int:
+        """Let go of the blocks of `seq` before block `first_needed`, which no query of it reads
+        any more (every layer's window has left them: `KVLayout.first_block_read`). A committed
+        block stays cached in L1, evictable and demoted like any other; a private one's slot is
+        freed. Their slots read -1 from then on (attention starts at its window). Returns how
+        many it let go of now: none of a streamed sequence (its blocks stay a prefix in L2),
+        while loads into its blocks are in flight, or where the engine owns L1 (it frees its own)."""
+        self._check_seq(seq, "release")
+        start = seq.released
+        end = min(first_needed, len(seq.slots))
+        if seq.saving is not None:  # a layer-by-layer save reads the blocks past the committed ones
+            end = min(end, seq.committed)
+        if end <= start or seq.offloaded or self.tiers.engine_owned or in_flight(seq.pending):
+            return 0
+        private = []
+        for i in range(start, end):
+            entry = seq.entries[i]
+            if entry is None:
+                private.append(seq.slots[i])
+            else:
+                self.index.unpin(entry)
+            seq.slots[i], seq.entries[i] = -1, None
+        self._give_private(private)
+        seq.released = end
+        return end - start
+
     # ------------------------------------------------------------------ sequences larger than L1
 
     @guarded
@@ -365,7 +394,7 @@ class PagedCache(Admission):
         """
         self._refuse_engine_blocks("offload")
         self._check_seq(seq, "offload")
-        if self.l2 is None or num_blocks <= 0:
+        if self.l2 is None or num_blocks <= 0 or seq.released:  # (its first blocks are gone: no prefix to move)
             return 0
         first = seq.offloaded
         todo = range(first, min(first + num_blocks, len(seq.slots)))

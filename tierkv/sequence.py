@@ -22,7 +22,9 @@ class SequenceBlocks:
     """The blocks one running sequence holds. Made by `allocate`, released by `free`.
 
     Normally every block is in L1. A streamed sequence (one larger than L1) keeps its first
-    `offloaded` blocks in L2 instead: their L1 slot is -1 and `l2_slots` says where they are.
+    `offloaded` blocks in L2 instead: their L1 slot is -1 and `l2_slots` says where they are. A
+    sequence whose every layer is windowed lets go of its first `released` blocks once no query
+    reads them (PagedCache.release): their slot is -1 and their entry None.
     """
 
     ns: bytes
@@ -46,6 +48,7 @@ class SequenceBlocks:
     # it computes itself are entered as written to L3, so that evicting them writes nothing
     # again (such rewrites were most of a saturated disk's traffic: long-doc QA, H200)
     in_l3: tuple[int, int] = (0, 0)
+    released: int = 0  # leading blocks let go of (PagedCache.release): slot -1, entry None
     freed: bool = False
     owner: object = field(default=None, repr=False)  # the cache that made it
 

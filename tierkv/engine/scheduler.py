@@ -129,7 +129,12 @@ class Scheduler:
         return req.pending > 0 and limit is not None and len(req.output_ids) + req.pending >= limit
 
     def _make_room(self, req: Request, n: int, step: ScheduledStep) -> bool:
-        """Reserve slots for `n` more tokens of `req`, preempting others if L1 is short."""
+        """Reserve slots for `n` more tokens of `req`, preempting others if L1 is short. First
+        `req` lets go of the blocks no query of it reads any more (a model whose every layer is
+        windowed: those before the window of its next query), unless it streams."""
+        first = self.cache.layout.first_block_read(req.num_computed)
+        if first > req.seq.released and not self._streams(req):
+            self.cache.release(req.seq, first)
         extra = req.num_computed + n - req.seq.num_tokens  # tokens beyond what its blocks cover
         while extra > 0:
             try:  # one cache call a request and step, where room is there (almost always)
@@ -156,8 +161,9 @@ class Scheduler:
         return self.cache.must_stream(req.num_tokens)
 
     def _chunk_cap(self, req: Request) -> int:
-        """Most new tokens `req` computes in one step: a streamed request keeps to its window."""
-        return self.cache.stream_window if self._streams(req) else req.num_tokens
+        """Most new tokens `req` computes in one step: a streamed request keeps to its window, and
+        so does one that lets go of what its sliding window has left (`cache.lets_go`)."""
+        return self.cache.stream_window if self._streams(req) or self.cache.lets_go else req.num_tokens
 
     def _offload_own(self, req: Request, extra: int) -> bool:
         """Make room for `extra` tokens of `req` by moving its own oldest computed blocks to L2;
