@@ -100,14 +100,16 @@ def held_blocks(req) -> int:
     return sum(slot >= 0 for slot in req.seq.slots) if req.seq is not None else 0
 
 
-def hf_greedy(path: str, prompt: list[int], n: int) -> list[int]:
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+def hf_greedy(path: str, prompt: list[int], n: int, device: str = "cpu") -> list[int]:
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).to(device).eval()
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, pad_token_id=0)
+        out = model.generate(torch.tensor([prompt], device=device), max_new_tokens=n, do_sample=False, pad_token_id=0)
     return out[0, len(prompt):].tolist()
 
 
-def test_a_sliding_sequence_lets_go_of_the_blocks_its_window_left(sliding):
+# on the GPU the block tables hold -1 before the window: the Triton kernels must start at it
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_sliding_sequence_lets_go_of_the_blocks_its_window_left(sliding, device):
     """Every layer of Mistral slides: once a sequence's next query is at p, no layer reads a key
     at or before p - WINDOW, so the blocks wholly before that go back (committed ones stay cached,
     evictable). While it decodes 40 tokens after a 240-token prompt it holds the window's blocks
@@ -115,8 +117,8 @@ def test_a_sliding_sequence_lets_go_of_the_blocks_its_window_left(sliding):
     prompt's blocks still cached, equal transformers'. n=2 forks after the prompt: both choices too."""
     g = torch.Generator().manual_seed(11)
     prompt = torch.randint(0, 512, (PROMPT,), generator=g).tolist()
-    expected = hf_greedy(sliding, prompt, 40)
-    llm = LLM(sliding, device="cpu", dtype="float32", block_size=BLOCK, max_num_batched_tokens=64)
+    expected = hf_greedy(sliding, prompt, 40, device)
+    llm = LLM(sliding, device=device, dtype="float32", block_size=BLOCK, max_num_batched_tokens=64)
     engine = llm.engine
     req = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=40))
     held = []  # blocks the sequence holds after each step of its decode
@@ -132,7 +134,7 @@ def test_a_sliding_sequence_lets_go_of_the_blocks_its_window_left(sliding):
     again = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)[0]
     assert again.cached_tokens >= PROMPT - BLOCK and again.token_ids == expected
     both = llm.generate([prompt[:-8]], SamplingParams(temperature=0, max_tokens=24, n=2), use_tqdm=False)[0]
-    assert [c.token_ids for c in both.outputs] == [hf_greedy(sliding, prompt[:-8], 24)] * 2
+    assert [c.token_ids for c in both.outputs] == [hf_greedy(sliding, prompt[:-8], 24, device)] * 2
     assert not engine.cache.live_sequences()
 
 
