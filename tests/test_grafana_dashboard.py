@@ -41,6 +41,8 @@ REQUIRED = {
     "prefill time": "tierkv_request_prefill_time_seconds_bucket",
     "decode time": "tierkv_request_decode_time_seconds_bucket",
     "tokens per step": "tierkv_iteration_tokens_bucket",
+    # write-through falling behind its L3 (new L1 blocks waiting for room in L2)
+    "L3 write backlog": "tierkv_l3_write_backlog_blocks",
 }
 
 # strings, {matchers}, [ranges], numbers and durations (0.9, 5m), identifiers, single characters
