@@ -23,7 +23,8 @@ from .metrics import CacheCounters
 from .plan import L3_PROBE_BLOCKS, AdmissionPlan, Match, split_l3, worth_loading
 from .sequence import SequenceBlocks
 from .streaming import LayerStreamer
-from .tiering import Prefetch, Tiering
+from .prefetch import Prefetch
+from .tiering import Tiering
 from .tiers import DevicePool, HostPool
 from .tiers.codec import BlockId
 from .transfer import in_flight

@@ -33,7 +33,8 @@ from .paged import PagedCache
 from .plan import Match
 from .sequence import SequenceBlocks
 from .streaming import LayerStreamer
-from .tiering import Prefetch, Tiering
+from .prefetch import Prefetch
+from .tiering import Tiering
 from .tiers import DevicePool
 from .tiers.engine_blocks import EngineBlocks
 from .transfer import in_flight

@@ -14,8 +14,8 @@ the moves that the other ranks wait for (`L3_LANDED`).
 
 One caller at a time: the cache's guard (guard.py) serialises every call that gets here. L3
 threads never touch the index: they work on L2 slots that are held for them and report back
-through a queue that `reap()` drains. This file
-never knows about sequences or requests.
+through a queue that `reap()` drains; a read's caller holds a `Prefetch` (prefetch.py). This
+file never knows about sequences or requests.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from .index import BlockEntry, BlockIndex
 from .l3_mover import L3Job, L3Mover
 from .layout import KVLayout, stored_layout
 from .metrics import CacheCounters
+from .prefetch import Prefetch
 from .tiers import DevicePool, HostPool
 from .tiers.engine_blocks import EngineBlocks
 from .tiers.codec import BlockId
@@ -66,53 +67,6 @@ def default_l1_bytes(device: torch.device) -> int:
 
 def block_id(e: BlockEntry) -> BlockId:
     return BlockId(e.hash, e.parent, e.ns, e.tokens, e.pos)
-
-
-class Prefetch:
-    """L3 blocks on their way into L2. Once `done()`, match() finds the ones that arrived in L2."""
-
-    def __init__(self, tiering: Tiering | None, job: L3Job | None) -> None:
-        self._tiering, self._job = tiering, job
-        # time.monotonic() by which the read is expected to have landed (its queue included)
-        self.expected_at = 0.0 if job is None else job.submitted + job.estimate_s
-        # set by a caller that waits for it: since when, when it stops waiting, and when it did
-        self.reached_at: float | None = None
-        self.give_up_at: float | None = None
-        self.abandoned_at: float | None = None
-
-    def expected_by(self, now: float) -> float:
-        """When the read is expected to land, as seen at `now`: its estimate when it was queued,
-        or later where the blocks it has not started on could not be read by then from now (a
-        read running late: one stuck behind writes, say, shows it before its estimate ends)."""
-        if self._job is None:
-            return 0.0
-        left = len(self._job.ids) - self._job.tried  # (the reader thread moves `tried` on)
-        return max(self.expected_at, now + self._tiering.l3.seconds_to_read(left)) if left else self.expected_at
-
-    def abandon(self) -> None:
-        """Start no more of the read: the caller recomputes what has not arrived (see L3Mover.abandon)."""
-        if self._job is not None and not self._job.finished.is_set():
-            self._tiering.l3.abandon(self._job)
-
-    def done(self) -> bool:
-        if self._job is None:
-            return True
-        with self._tiering.guard.lock:  # reaping changes the index: one caller at a time
-            self._tiering.guard.check("Prefetch.done")
-            self._tiering.reap()
-            return self._job.landed
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block until the blocks landed (or `timeout` seconds passed); True if they did. The wait
-        itself holds no lock: other threads use the cache meanwhile."""
-        if self._job is None:
-            return True
-        self._job.finished.wait(timeout)
-        return self.done()
-
-    @property
-    def num_blocks(self) -> int:
-        return 0 if self._job is None else len(self._job.ids)
 
 
 class Tiering:
@@ -461,7 +415,7 @@ class Tiering:
         ids = [b for b in ids if b.hash not in self.index.entries and b.hash not in self._fetching]
         slots = self.take_l2(len(ids)) if ids and self.l3 is not None else []
         if not slots:
-            return Prefetch(None, None)
+            return Prefetch()
         ids = ids[: len(slots)]
         # a slot taken here may have been given back while a load out of it is still in flight
         # (allocate releases its L2 hits right after issuing their loads): the read waits for
@@ -471,7 +425,7 @@ class Tiering:
         job = self.l3.get(ids, slots, deadline, priority, self._l3_ticket(), after)
         for b in ids:
             self._fetching[b.hash] = job
-        return Prefetch(self, job)
+        return Prefetch(job, self.l3, self.guard, self.reap)
 
     def read_l3(self, ids: list[BlockId], deadline: float | None) -> torch.Tensor:
         """The leading blocks of `ids` read straight from L3, bypassing L2: [k, *block_shape] in

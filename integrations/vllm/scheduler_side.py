@@ -17,7 +17,7 @@ from tierkv.cache import TieredKVCache
 from tierkv.events import BlockEvents
 from tierkv.plan import Match
 from tierkv.sequence import SequenceBlocks
-from tierkv.tiering import Prefetch
+from tierkv.prefetch import Prefetch
 
 from . import options
 from .events import VllmHashes, vllm_events
