@@ -9,6 +9,7 @@ checks its arguments before it changes anything. It never knows about requests o
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 
@@ -196,7 +197,7 @@ class Admission:
         other requests still run beside it."""
         return stream_window_blocks(self.l1.num_blocks) * self.block_size
 
-    @property
+    @functools.cached_property  # (the layout and L1's size never change: asked each step, decided once)
     def lets_go(self) -> bool:
         """Whether a sequence of any length fits L1 by letting go of what its window has left:
         every layer is windowed, and L1 holds the widest window's blocks beside a chunk of

@@ -116,13 +116,14 @@ class KVLayout:
     @property
     def widest_window(self) -> int | None:
         """The widest window when every layer is windowed; None while some layer attends fully."""
-        return None if self.full_layers else max(self.windows)
+        return None if not self.windows or None in self.windows else max(self.windows)
 
     def first_block_read(self, first_query: int) -> int:
         """The first block any layer still reads once queries start at position `first_query`:
         a sequence may let go of the blocks before it (PagedCache.release). 0 while some layer
-        attends fully; with every layer windowed, the widest window's start."""
-        return 0 if self.full_layers else self.window_start(first_query)
+        attends fully; with every layer windowed, the widest window's start. (Asked for every
+        running sequence each step: it builds nothing.)"""
+        return 0 if self.widest_window is None else self.window_start(first_query)
 
     @property
     def block_shape(self) -> tuple[int, int, int, int, int]:

@@ -21,9 +21,12 @@ from .parallel import TensorParallel
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    """`unit_offset`: Gemma's norm, whose checkpoint holds w and which scales by (1 + w) in fp32
+    before the cast back (Llama casts first), as transformers' Gemma3RMSNorm does."""
+
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False) -> None:
         super().__init__()
-        self.eps = eps
+        self.eps, self.unit_offset = eps, unit_offset
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
@@ -32,7 +35,7 @@ class RMSNorm(nn.Module):
         Normalised in fp32 and cast back before the weight, in the same order as transformers,
         so bf16 results round the same way (on CPU exactly; the GPU kernel sums in another order).
         """
-        return kernels.rms_norm(x, self.weight, self.eps, residual)
+        return kernels.rms_norm(x, self.weight, self.eps, residual, unit_offset=self.unit_offset)
 
 
 class RowParallelLinear(nn.Linear):

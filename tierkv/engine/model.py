@@ -32,16 +32,8 @@ from .moe import SparseMoE
 from .parallel import TensorParallel, check_tensor_parallel
 from .rope import rope_attention_factor, rope_inv_freq
 
-class UnitOffsetRMSNorm(RMSNorm):
-    """Gemma's RMSNorm: the checkpoint holds w and the norm scales by (1 + w), in fp32 before the
-    cast back (Llama casts first), as transformers' Gemma3RMSNorm does, so bf16 rounds the same."""
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        return kernels.rms_norm(x, self.weight, self.eps, residual, unit_offset=True)
-
-
 def _norm(cfg: ModelConfig, dim: int) -> RMSNorm:
-    return UnitOffsetRMSNorm(dim, cfg.rms_norm_eps) if cfg.norm_unit_offset else RMSNorm(dim, cfg.rms_norm_eps)
+    return RMSNorm(dim, cfg.rms_norm_eps, unit_offset=cfg.norm_unit_offset)
 
 
 def _len(s: slice) -> int:
@@ -103,7 +95,7 @@ class Attention(nn.Module):
             # (the norm modules hold the weights; their own forward is not called)
             q = kernels.rope_kv_write(
                 q, k, v, cos, sin, kv, meta.slot_mapping, self.q_norm.weight, self.k_norm.weight,
-                self.q_norm.eps, unit_offset=isinstance(self.q_norm, UnitOffsetRMSNorm),
+                self.q_norm.eps, self.q_norm.unit_offset,
             )
         out = paged_attention(q, kv, meta, self.scale, self.sliding_window, self.layer, sinks=self.sinks)  # [T, Hq, D]
         return self.o_proj(out.reshape(t, self.q_size))  # [T, hidden], summed over the ranks
