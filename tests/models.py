@@ -30,6 +30,10 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
                "original_max_position_embeddings": 64}
 
 
+# the sliding window of the `hybrid` fixture's layers (tests/conftest.py)
+HYBRID_WINDOW = 16
+
+
 def tiny_config(kind: str):
     """A transformers config for one tiny variant of the families the engine supports."""
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config

@@ -22,6 +22,7 @@ from models import save_tiny_checkpoint
 from tierkv import LLM, CacheConfig, KVLayout, SamplingParams, TieredKVCache, kernels
 from tierkv.engine.config import EngineConfig
 from tierkv.errors import ConfigError
+from tierkv.layout import LayerGroup
 from tierkv.kernels import ShapeError
 from tierkv.layout import OffloadLayout
 from tierkv.server.cli import load_options
@@ -311,24 +312,33 @@ FAMILY_BOUNDS = {"qwen3_moe": (10, 5.6, 1.0), "gpt_oss": (9, 9.2, 2.7), "gemma3"
 @pytest.mark.parametrize("kind", list(FAMILY_BOUNDS))
 def test_the_2026_families_served_from_fp8_l2_stay_within_their_bound(kind, tmp_path):
     # fp8 L2 holds a quarter of an fp32 block for every family, MLA's one latent head and
-    # windowed layouts included; a window layout's L2 hit then loads whole blocks (the layer-trimmed
-    # load works on unquantised L2 only), which is what l2 bytes_out shows.
+    # windowed layouts included. A model of full and window layers (gpt-oss, Gemma 3) keeps a cache
+    # per group of layers, whose L2 blocks hold that group's layers; an fp8 L2 hit loads them whole
+    # (the layer-trimmed load of one cache works on unquantised L2 only), as l2 bytes_out shows.
     path = str(save_tiny_checkpoint(kind, tmp_path / kind, seed=0))
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 512, (40 + 10 * i,), generator=g).tolist() for i in range(16)]
     layout = LLM(path, device="cpu", dtype="float32", l1=1 << 20, l2=0).cache.layout
     bb = layout.bytes_per_block
+    groups = layout.groups if any(w is None for w in layout.windows) else (LayerGroup(tuple(range(layout.num_layers))),)
     runs = {}
     for offload in (None, FP8):
         llm = LLM(path, device="cpu", dtype="float32", l1=64 * bb, l2=256 * bb, kv_offload_dtype=offload)
         _, logits = first_tokens_from_l2(llm, prompts, SamplingParams(temperature=0, max_tokens=1))
-        l2 = llm.cache.stats()["tiers"]["l2"]
-        runs[offload] = logits, l2["bytes_out"] / l2["blocks_out"]
+        stats = llm.cache.stats()
+        assert len(stats.get("groups", [stats])) == len(groups)
+        runs[offload] = logits, [s["tiers"]["l2"]["bytes_out"] / s["tiers"]["l2"]["blocks_out"]
+                                 for s in stats.get("groups", [stats])]
         llm.close()
-    (ref, full_block), (got, fp8_block) = runs[None], runs[FP8]
-    assert fp8_block == OffloadLayout(layout, FP8).bytes_per_block < bb / 3  # whole blocks, a quarter of fp32's
-    # unquantised L2 loads only the full layers of the blocks every window has left behind
-    assert (full_block < bb) == any(w is not None for w in layout.windows)
+    (ref, full_blocks), (got, fp8_blocks) = runs[None], runs[FP8]
+    for group, fp8_block, full_block in zip(groups, fp8_blocks, full_blocks):
+        sub = layout if len(groups) == 1 else layout.of_group(group)
+        # whole blocks of the group's layers, a quarter of fp32's
+        assert fp8_block == OffloadLayout(sub, FP8).bytes_per_block < sub.bytes_per_block / 3
+        # unquantised L2 loads whole blocks of a group's layers: with one cache for a window model
+        # (Mistral-like), only the full layers of the blocks every window has left behind
+        trimmed = len(groups) == 1 and any(w is not None for w in layout.windows)
+        assert (full_block < sub.bytes_per_block) == trimmed, (group, full_block, sub.bytes_per_block)
     err = (ref - got).abs().amax(dim=-1)
     agree = int((ref.argmax(-1) == got.argmax(-1)).sum())
     min_agree, max_err, mean_err = FAMILY_BOUNDS[kind]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from models import save_tiny_checkpoint
+from models import HYBRID_WINDOW, save_tiny_checkpoint
 
 from tierkv import LLM, SamplingParams
 from tierkv.layout import KVLayout, LayerGroup
@@ -20,7 +20,7 @@ from tierkv.layout import KVLayout, LayerGroup
 transformers = pytest.importorskip("transformers")
 
 BLOCK = 4
-WINDOW = 16
+WINDOW = HYBRID_WINDOW
 PROMPT = 240  # 60 blocks, the window 4 of them
 PARAMS = SamplingParams(temperature=0, max_tokens=12)
 
@@ -40,14 +40,6 @@ def test_layout_groups_layers_by_window():
     with pytest.raises(Exception, match="num_kv_heads must be 1"):
         KVLayout(6, 2, 8, latent=True)
     assert KVLayout(6, 1, 288, latent=True).fingerprint.endswith("-mla")
-
-
-@pytest.fixture(scope="module")
-def hybrid(tmp_path_factory):
-    """1 full-attention layer and 5 sliding ones, as Gemma 3 has (layer 0 full)."""
-    return str(save_tiny_checkpoint("qwen3", tmp_path_factory.mktemp("hybrid"), seed=4, num_hidden_layers=6,
-                                    use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1,
-                                    layer_types=["full_attention"] + ["sliding_attention"] * 5))
 
 
 @pytest.fixture(scope="module")
@@ -180,3 +172,31 @@ def test_a_sliding_model_serves_a_prompt_longer_than_l1_without_l2(sliding):
         engine.step()
         most = max(most, held_blocks(req))
     assert most <= 40 and req.output_ids == hf_greedy(sliding, prompt, 16)
+
+
+def test_a_window_hit_needs_only_the_blocks_its_window_reads():
+    """Every layer slides over 8 tokens: a prefix is a hit once the blocks its next query reads
+    are cached, even where no tier holds the blocks before them any more (they left L1 first:
+    `release` made them the oldest evictable). `match` alone (a full walk) finds nothing; the
+    admission plan finds 9 blocks, and the sequence allocated from it holds the last two."""
+    from tierkv import CacheConfig, TieredKVCache
+    from tierkv.layout import KVLayout
+
+    layout = KVLayout(2, 1, 8, dtype=torch.float32, block_size=4, windows=(8, 8))
+    with TieredKVCache(layout, CacheConfig(l1=16 * layout.bytes_per_block), device="cpu") as cache:
+        tokens = list(range(40))  # 10 blocks
+        seq = cache.allocate(tokens)
+        cache.commit(seq, tokens)
+        assert cache.let_go(seq, 36) == 7  # a query at 36 reads keys > 28: blocks 7 on
+        other = cache.allocate(list(range(100, 152)))  # 13 blocks: the 7 let go of are evicted
+        cache.free(other)
+        cache.free(seq)
+        assert cache.match(tokens).tokens == 0
+        plan = cache.plan(tokens, budget=64)
+        assert plan.match.tokens == 36 and plan.match.blocks[:7] == [None] * 7 and plan.fits
+        again = cache.allocate(None, match=plan.match, reserve=plan.reserve)
+        assert again.num_cached_tokens == 36 and again.released == 7
+        assert again.slots[:7] == [-1] * 7 and min(again.slots[7:9]) >= 0
+        assert again.cached_by_tier["l1"] == 36
+        cache.free(again)
+        assert not cache.live_sequences()

@@ -76,7 +76,7 @@ class Admission:
     @guarded
     def match(
         self, tokens, salt: str | None = None, *, limit: int | None = None,
-        recompute_seconds_per_token: float | None = None,
+        recompute_seconds_per_token: float | None = None, window_hits: bool = False,
     ) -> Match:
         """The longest prefix of `tokens` whose full blocks some tier holds.
 
@@ -88,6 +88,9 @@ class Admission:
         start is recomputed (the two overlap: the end's KV does not depend on the start).
         `match.tokens` counts what the tiers hold, L3 included: what a sequence allocated from it
         starts with is `seq.num_cached_tokens` (`admit` brings the L3 part in first).
+        `window_hits` (for `allocate`, where a sequence `lets_go`): a prefix whose last window's
+        blocks are cached is a hit even where no tier holds the blocks before that window, which
+        no layer reads; their entries in `match.blocks` are None.
         """
         self.tiers.reap()
         tb = token_bytes(tokens)
@@ -97,14 +100,15 @@ class Admission:
         # limit=0 is how an engine with prefix caching off allocates: nothing to hash or look up
         hashes = hash_blocks(tb, self.block_size, ns) if limit else []
         usable = hashes[: limit // self.block_size]
-        blocks = self.index.walk(usable, ns, tb, self.block_size)
+        window_hits = window_hits and self.lets_go
+        blocks = self._walk(usable, ns, tb, window_hits)
         l3_blocks = (self.tiers.l3_present(hashes[len(blocks) :], len(blocks), len(usable) - len(blocks))
                      if len(blocks) < len(usable) else 0)
         tail, in_l3 = None, (len(blocks), len(blocks) + l3_blocks)
         if recompute_seconds_per_token is not None:
             per_block = recompute_seconds_per_token * self.block_size
             found, found_l3 = len(blocks), l3_blocks
-            blocks = worth_loading(self.tiers, blocks, len(usable), per_block)
+            blocks = self._whole_windows(worth_loading(self.tiers, blocks, len(usable), per_block))
             l3_blocks = 0
             if found_l3 and len(blocks) == found:  # the L3 run follows what is taken: split it
                 end = found + found_l3
@@ -116,11 +120,38 @@ class Admission:
                 elif j < end:
                     tail = (j, end)
         by_tier = {"l1": 0, "l2": 0, "l3": l3_blocks * self.block_size}
-        for e in blocks:
-            by_tier[e.tier()] += self.block_size
+        for e in blocks:  # (None, before a window: nothing to load, counted with L1)
+            by_tier["l1" if e is None else e.tier()] += self.block_size
         matched = (len(blocks) + l3_blocks) * self.block_size
         return Match(matched, by_tier, ns, tb, hashes, blocks, self.index.removals, tail, owner=self,
-                     query_tokens=limit, in_l3=in_l3)
+                     query_tokens=limit, in_l3=in_l3, window_hits=window_hits)
+
+    def _walk(self, hashes: list[int], ns: bytes, tb: bytes, window_hits: bool) -> list[BlockEntry | None]:
+        """Entries of the longest prefix of `hashes` the tiers hold. With `window_hits` (every
+        layer windowed), of the longest prefix whose blocks from its window's start on are held:
+        None for the blocks before that which no tier holds (no layer reads them)."""
+        blocks: list[BlockEntry | None] = self.index.walk(hashes, ns, tb, self.block_size)
+        k, stride = len(hashes), 4 * self.block_size
+        while window_hits and k > len(blocks):
+            start = self.layout.first_block_read(k * self.block_size)
+            window = []
+            for i in range(k - 1, start - 1, -1):  # from the end: the last miss rules out every end past it
+                entry, _ = self.index.lookup(hashes[i], hashes[i - 1] if i else 0, ns, tb[i * stride : (i + 1) * stride])
+                if entry is None:
+                    k = i
+                    break
+                window.append(entry)
+            else:
+                return blocks[:start] + [None] * (start - len(blocks)) + window[::-1]
+        return blocks
+
+    def _whole_windows(self, blocks: list[BlockEntry | None]) -> list[BlockEntry | None]:
+        """The longest prefix of `blocks` whose window holds no None (a cut of a window hit,
+        by load-or-recompute, must leave every block its next query reads)."""
+        k = len(blocks)
+        while k and None in blocks[self.layout.first_block_read(k * self.block_size) : k]:
+            k -= 1
+        return blocks[:k]
 
     def _count_hits(self, query_tokens: int | None, from_l1: list[BlockEntry], from_l2: list[BlockEntry],
                     direct_l3: int = 0) -> dict[str, int]:
@@ -223,10 +254,16 @@ class Admission:
             return sys.maxsize
         return max_sequence_tokens(self.l1.num_blocks, self.l2.num_blocks if self.l2 else 0, self.block_size)
 
+    def step_tokens(self, streams: bool = False) -> int:
+        """Most new tokens one sequence computes in a step: a streamed one (`streams`) keeps to
+        `stream_window`, and so does one that lets go of what its window has left (`lets_go`,
+        whose L1 holds the window beside one such chunk); no limit otherwise."""
+        return self.stream_window if streams or self.lets_go else sys.maxsize
+
     @guarded
     def plan(
         self, tokens, salt: str | None = None, *, budget: int, prefix_caching: bool = True,
-        recompute_seconds_per_token: float | None = None, deadline_s: float = 1.0,
+        recompute_seconds_per_token: float | None = None, deadline_s: float = 1.0, limit: int | None = None,
     ) -> AdmissionPlan:
         """How to admit `tokens` now, decided in one place (see AdmissionPlan).
 
@@ -234,12 +271,13 @@ class Admission:
         cached prefix and one chunk of at most that). `recompute_seconds_per_token`: the
         engine's measured prefill cost, for load-or-recompute (None: load whatever is cached).
         `deadline_s`: how long L3 reads may take before what has not arrived is recomputed.
-        Changes nothing but the lookup counters; apply it with `prefetch` and `allocate`, or let
+        `limit`: at most this many tokens hit (as `match`; a cache of one group of layers follows
+        the hit of the group that decided it: groups.py). Changes nothing but the lookup counters; apply it with `prefetch` and `allocate`, or let
         `admit` do both.
         """
         bs = self.block_size
-        m = self.match(tokens, salt, limit=None if prefix_caching else 0,
-                       recompute_seconds_per_token=recompute_seconds_per_token)
+        m = self.match(tokens, salt, limit=limit if prefix_caching else 0,
+                       recompute_seconds_per_token=recompute_seconds_per_token, window_hits=True)
         num_tokens = len(m.token_bytes) // 4
         stream = self.must_stream(num_tokens)
         fetch = self._l3_part(m) if m.by_tier["l3"] else None
@@ -388,7 +426,7 @@ class Admission:
         blocks = m.blocks
         taken = self._l3_part(m)[1]
         if taken > len(m.blocks) or m.removals != self.index.removals:
-            blocks = self.index.walk(m.hashes[:taken], m.ns, m.token_bytes, self.block_size)
+            blocks = self._walk(m.hashes[:taken], m.ns, m.token_bytes, m.window_hits)
         if self.tiers.engine_owned:
             return self._allocate_in_engine_blocks(m, blocks, slots, computed, priority)
         if slots is not None:
@@ -418,10 +456,11 @@ class Admission:
         private = dict(zip(map(id, behind), fresh[len(l2_hits) : len(l2_hits) + len(behind)]))
         partial = self.tiers.load_l2(behind, list(private.values()), full_layers_only=True)
         self.index.release_l2(l2_hits + behind)
-        by_tier = self._count_hits(m.query_tokens, [*(e for e in left if e.l1 >= 0), *l1_hits],
-                                   [*offloaded, *(e for e in left if e.l1 < 0), *l2_hits, *behind])
+        # (a block left behind that no tier holds, None: a window hit's, counted with L1)
+        by_tier = self._count_hits(m.query_tokens, [*(e for e in left if e is None or e.l1 >= 0), *l1_hits],
+                                   [*offloaded, *(e for e in left if e is not None and e.l1 < 0), *l2_hits, *behind])
         pending = in_flight([*(e.loading for e in cached), partial])
-        self.tiers.used(blocks, priority)
+        self.tiers.used([e for e in blocks if e is not None], priority)
         rest = fresh[len(l2_hits) + len(behind) :]
         seq = SequenceBlocks(
             ns=m.ns,

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -42,6 +42,13 @@ class LayerGroup:
 
     layers: tuple[int, ...]
     window: int | None = None
+
+
+def group_tag(index: int, window: int | None) -> str:
+    """The name of KV-cache group `index` (with sliding window `window`, None for full attention),
+    which sets its blocks apart in L2 and L3: `g<index>` or `g<index>w<window>`, as vLLM numbers
+    its groups. Two groups of equal shape hold different layers, so their blocks must never meet."""
+    return f"g{index}" + (f"w{window}" if window else "")
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +103,11 @@ class KVLayout:
         windows = self.windows or (None,) * self.num_layers
         keys = sorted(set(windows), key=lambda w: -1 if w is None else w)
         return tuple(LayerGroup(tuple(i for i, w in enumerate(windows) if w == k), k) for k in keys)
+
+    def of_group(self, group: LayerGroup) -> KVLayout:
+        """The layout of `group`'s layers alone, for a cache that holds only them (groups.py)."""
+        n = len(group.layers)
+        return replace(self, num_layers=n, windows=(group.window,) * n if group.window else ())
 
     @property
     def full_layers(self) -> tuple[int, ...]:

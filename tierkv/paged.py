@@ -382,6 +382,13 @@ class PagedCache(Admission):
         seq.released = end
         return end - start
 
+    def let_go(self, seq: SequenceBlocks, first_query: int, streams: bool = False) -> int:
+        """`release` the blocks of `seq` that no layer reads once its queries start at position
+        `first_query` (every layer windowed: `KVLayout.first_block_read`); none of a sequence that
+        streams (`streams`: its older blocks go to L2 instead). Returns how many it let go of."""
+        first = self.layout.first_block_read(first_query)
+        return self.release(seq, first) if first > seq.released and not streams else 0
+
     # ------------------------------------------------------------------ sequences larger than L1
 
     @guarded

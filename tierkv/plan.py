@@ -42,6 +42,9 @@ class Match:
     # Blocks [first, end) of the prompt that the lookup found in L3, whether or not load-or-recompute
     # takes them: a sequence that recomputes them knows L3 has them already (SequenceBlocks.in_l3)
     in_l3: tuple[int, int] = (0, 0)
+    # made for `allocate` where every layer slides (`match(window_hits=True)`): blocks before the
+    # last window may be None, held by no tier (no layer reads them)
+    window_hits: bool = False
 
 
 @dataclass(slots=True)
@@ -67,7 +70,7 @@ class AdmissionPlan:
 def worth_loading(tiers: Tiering, blocks: list[BlockEntry], usable: int, per_block: float) -> list[BlockEntry]:
     """The leading `blocks` (L1/L2 hits, in order, out of `usable` blocks of the prompt) worth
     loading: the k that minimises load time of the first k plus recompute time of the rest."""
-    kinds = [e.tier() for e in blocks]
+    kinds = [e.tier() if e is not None else "l1" for e in blocks]  # (None: before a window, nothing to load)
     # Loads of one tier travel together, and each tier's estimate is affine in the block count
     # (a round trip, then bytes over bandwidth): cost of the first k = sum over the tiers used of
     # (fixed + per_block * count). Both parts are read once, so a 100K-token prompt's scan is

@@ -19,7 +19,7 @@ import torch
 
 from tierkv.config import CacheConfig
 from tierkv.errors import ConfigError
-from tierkv.layout import KVLayout
+from tierkv.layout import KVLayout, group_tag
 
 # kv_connector_extra_config keys, under tierkv-serve's flag names
 OPTIONS = ("l2", "l3", "eviction", "write_policy", "kv_offload_dtype", "model")
@@ -114,7 +114,7 @@ def per_group(opts: ConnectorOptions, kv_cache_config) -> list[ConnectorOptions]
                               f"{found}, not the model's {layout.num_kv_heads, layout.head_dim, layout.head_dim, layout.dtype, layout.block_size}: "
                               "TierKVConnector stores one page shape per model")
         window = spec.sliding_window if kind == "SlidingWindowSpec" else None
-        tag = f"g{i}" + (f"w{window}" if window else "")
+        tag = group_tag(i, window)
         cache = replace(opts.cache, l2=opts.cache.l2 * n // total, l2_file=f"{opts.cache.l2_file}-{tag}")
         out.append(replace(opts, cache=cache, layout=replace(layout, num_layers=n),
                            whole=replace(opts.whole, num_layers=n), layer_names=tuple(group.layer_names), window=window,

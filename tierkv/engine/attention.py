@@ -39,6 +39,10 @@ class AttentionMetadata:
     streamed:       set when the batch ends with streamed sequences (see StreamedAttention).
     wait_layer:     set when L2 -> L1 loads into the batch's blocks are in flight: called with
                     layer i before layer i reads the pool, it orders the stream after that layer's loads.
+    groups:         a model whose layers keep their KV in caches of their own (tierkv/groups.py):
+                    each group's metadata, this one first (the group that may stream). They
+                    differ in slot_mapping and block_tables only; layer i reads
+                    groups[layer_group[i]] (`for_layer`).
     """
 
     slot_mapping: torch.Tensor
@@ -50,6 +54,12 @@ class AttentionMetadata:
     context: int | None = None
     streamed: StreamedAttention | None = None
     wait_layer: Callable[[int], None] | None = None
+    groups: list[AttentionMetadata] | None = None
+    layer_group: list[int] | None = None
+
+    def for_layer(self, layer: int) -> AttentionMetadata:
+        """The metadata model layer `layer` reads: its group's (itself without groups)."""
+        return self if self.groups is None else self.groups[self.layer_group[layer]]
 
     @property
     def num_tokens(self) -> int:
@@ -69,12 +79,15 @@ class StreamedAttention:
     head:        metadata of the L1-only sequences (None if there are none).
     tail:        metadata of the streamed sequences; its block_tables index the staging buffer.
     stream:      the step's LayerStream, which fills that buffer layer by layer.
+    layer_of:    with layer groups, each model layer's place among the streamed group's layers
+                 (the stream's layer numbers); None: the same.
     """
 
     first_token: int
     head: AttentionMetadata | None
     tail: AttentionMetadata
     stream: LayerStream
+    layer_of: list[int] | None = None
 
 
 def _attend(q: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None,
@@ -111,9 +124,10 @@ def paged_attention(
     s = meta.streamed
     if s is None:
         return attend(q, kv, meta)
-    staged = s.stream.layer_kv(layer, kv)  # [rows, 2, bs, Hkv, D]: this layer's KV of the streamed sequences
+    at = layer if s.layer_of is None else s.layer_of[layer]  # the layer as the stream numbers it
+    staged = s.stream.layer_kv(at, kv)  # [rows, 2, bs, Hkv, D]: this layer's KV of the streamed sequences
     out_tail = attend(q[s.first_token :], staged, s.tail)
-    s.stream.release(layer)
+    s.stream.release(at)
     if s.head is None:
         return out_tail
     return torch.cat([attend(q[: s.first_token], kv, s.head), out_tail])

@@ -20,8 +20,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ..cache import TieredKVCache
 from ..config import redact_url
+from ..groups import make_cache
 from ..errors import ConfigError
 from ..layout import stored_layout
 from .config import L2_DEFAULT_RULE, EngineConfig
@@ -104,9 +104,12 @@ class Engine:
         if self.workers is not None and config.l3:
             whole = self.lm.kv_layout(config.block_size, all_heads=True)
             exchange = self.workers.l3_exchange(stored_layout(whole, config.kv_offload_dtype))
-        # made after the weights: with l1 None the cache sizes L1 from the memory they left
-        self.cache = TieredKVCache(layout, config.cache_config(), device=dev, model=self.lm.fingerprint,
-                                   exchange=exchange)
+        # made after the weights: with l1 None the cache sizes L1 from the memory they left. A model
+        # of full-attention and sliding-window layers gets a cache per group of layers (groups.py),
+        # except under tensor parallelism, whose ranks replay one cache's moves (not yet per group)
+        self.cache = make_cache(layout, config.cache_config(), device=dev, model=self.lm.fingerprint,
+                                max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+                                grouped=self.workers is None, exchange=exchange)
         if self.workers is not None:
             self.workers.agree_l2_blocks(self.cache)
         self.config = config = self._fit_context(config, explicit=explicit_len)

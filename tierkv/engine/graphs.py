@@ -66,15 +66,20 @@ class DecodeGraphs:
         max_model_len: int,
         max_batch_size: int,
         enabled: bool = True,
+        layer_group: list[int] | None = None,
     ) -> None:
-        self.model, self.kv = model, kv_pool  # kv: [layers, num_blocks, 2, block_size, Hkv, D]
-        self.device = kv_pool.device
+        """`layer_group`: each layer's group where layer groups keep their KV in caches of their
+        own (tierkv/groups.py); each group then has a slot mapping and block tables of its own."""
+        self.model, self.kv = model, kv_pool  # kv: [layers, num_blocks, 2, block_size, Hkv, D], or a list per layer
+        self.layer_group = layer_group
+        self.num_groups = 1 if layer_group is None else max(layer_group) + 1
+        self.device = kv_pool[0].device
         self.disabled_reason: str | None = None
         if not enabled:
             self.disabled_reason = "enforce_eager"
         elif self.device.type != "cuda":
             self.disabled_reason = f"the model runs on {self.device.type}"
-        elif kernels.backend_for(kv_pool) != "triton":
+        elif kernels.backend_for(kv_pool[0]) != "triton":
             # the torch reference kernels read lengths on the host (.tolist()): not capturable
             self.disabled_reason = "the reference kernels are forced (TIERKV_KERNELS)"
         self.sizes = capture_sizes(min(max_batch_size, MAX_CAPTURE_BATCH)) if self.enabled else []
@@ -100,8 +105,11 @@ class DecodeGraphs:
         dtype = self.model.model.embed_tokens.weight.dtype
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)          # [max_bs]
         self.positions = torch.zeros(n, dtype=torch.int64, device=dev)          # [max_bs]
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=dev)  # [max_bs], -1: no write
-        self.block_tables = torch.zeros(n, self.width, dtype=torch.int32, device=dev)  # [max_bs, width]
+        # per layer group (one without groups): where each row's token goes, and its blocks
+        self.slot_mappings = [torch.full((n,), -1, dtype=torch.int64, device=dev)  # [max_bs], -1: no write
+                              for _ in range(self.num_groups)]
+        self.block_tables = [torch.zeros(n, self.width, dtype=torch.int32, device=dev)  # [max_bs, width]
+                             for _ in range(self.num_groups)]
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=dev)           # [max_bs], 0: padding
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=dev)  # [max_bs + 1], one token each
         self.logits_indices = torch.arange(n, dtype=torch.int64, device=dev)    # [max_bs]
@@ -110,14 +118,17 @@ class DecodeGraphs:
     def _meta(self, bs: int, width: int) -> AttentionMetadata:
         """Metadata over the first `bs` rows and `width` table columns of the static buffers (views:
         the graph reads them live)."""
-        return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:bs],
-            block_tables=self.block_tables[:bs, :width],
+        metas = [AttentionMetadata(
+            slot_mapping=self.slot_mappings[g][:bs],
+            block_tables=self.block_tables[g][:bs, :width],
             seq_lens=self.seq_lens[:bs],
             cu_seqlens_q=self.cu_seqlens_q[: bs + 1],
             logits_indices=self.logits_indices[:bs],
             is_decode=True,
-        )
+        ) for g in range(self.num_groups)]
+        if self.layer_group is not None:
+            metas[0].groups, metas[0].layer_group = metas, self.layer_group
+        return metas[0]
 
     def _forward(self, bs: int, meta: AttentionMetadata) -> None:
         """The captured work: hidden states of `bs` rows into the shared output buffer."""
@@ -177,6 +188,13 @@ class DecodeGraphs:
 
     # ------------------------------------------------------------------ replay
 
+    def _captured_pool(self, kv_pool) -> bool:
+        """Whether `kv_pool` is the pool the graphs captured (one tensor, or the same list of them)."""
+        if isinstance(self.kv, torch.Tensor):
+            return (isinstance(kv_pool, torch.Tensor) and kv_pool.data_ptr() == self.kv.data_ptr()
+                    and kv_pool.shape == self.kv.shape)
+        return kv_pool is self.kv
+
     def size_for(self, batch: int) -> int | None:
         """The smallest captured size >= batch, or None when the batch is larger than all."""
         i = bisect.bisect_left(self.sizes, batch)
@@ -202,7 +220,7 @@ class DecodeGraphs:
         table = meta.block_tables  # [B, w]
         if b == 0 or bs is None or meta.num_seqs != b or table.shape[1] > self.width:
             return None
-        if kv_pool.data_ptr() != self.kv.data_ptr() or kv_pool.shape != self.kv.shape:
+        if not self._captured_pool(kv_pool):
             if not self._warned_pool:
                 log.warning("the KV pool is not the one the decode graphs captured; decoding eagerly")
                 self._warned_pool = True
@@ -212,11 +230,13 @@ class DecodeGraphs:
         # row's length, which fits w blocks.
         self.input_ids[:b].copy_(input_ids)
         self.positions[:b].copy_(positions)
-        self.slot_mapping[:b].copy_(meta.slot_mapping)
         self.seq_lens[:b].copy_(meta.seq_lens)
-        self.block_tables[:b, : table.shape[1]].copy_(table)
+        for g, group in enumerate(meta.groups or [meta]):
+            self.slot_mappings[g][:b].copy_(group.slot_mapping)
+            self.block_tables[g][:b, : table.shape[1]].copy_(group.block_tables)
+            if b < bs:
+                self.slot_mappings[g][b:bs].fill_(-1)
         if b < bs:
-            self.slot_mapping[b:bs].fill_(-1)
             self.seq_lens[b:bs].zero_()
         self.graphs[bs, self.width_for(bs, table.shape[1])].replay()
         self.replays += 1

@@ -14,6 +14,7 @@ the model and never touches the cache's bookkeeping.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,26 +43,34 @@ class _HostSet:
 
     def __init__(self, sizes: dict[str, int], pin: bool) -> None:
         self.tensors = {
-            name: torch.zeros(n, dtype=torch.int32 if name in _INT32 else torch.int64, pin_memory=pin)
+            name: torch.zeros(n, dtype=torch.int32 if name.split(":")[0] in _INT32 else torch.int64, pin_memory=pin)
             for name, n in sizes.items()
         }
         self.np = {name: t.numpy() for name, t in self.tensors.items()}
 
 
-# int32 on the device (the kernels' index type); everything else int64
+# int32 on the device (the kernels' index type); everything else int64. With layer groups, group
+# g > 0 has arrays of its own named "slot_mapping:g" and "block_tables:g".
 _INT32 = ("block_tables", "seq_lens", "cu_seqlens_q")
 
 
 class StepInputs:
     def __init__(self, *, block_size: int, max_tokens: int, max_seqs: int, max_blocks: int,
-                 device: torch.device) -> None:
+                 device: torch.device, layer_group: list[int] | None = None) -> None:
+        """`layer_group`: a model whose layer groups keep their KV in caches of their own
+        (tierkv/groups.py): each layer's group. Each group then has a slot mapping and block
+        tables of its own, from its own slots (`build`'s `tables`, a list per group)."""
         self.block_size, self.device = block_size, device
+        self.layer_group = layer_group
+        self.num_groups = 1 if layer_group is None else max(layer_group) + 1
         self._pin = device.type == "cuda"
         self._sizes = {
             "input_ids": max_tokens, "positions": max_tokens, "slot_mapping": max_tokens,
             "block_tables": max_seqs * max_blocks, "seq_lens": max_seqs, "cu_seqlens_q": max_seqs + 1,
             "logits_indices": max_seqs, "pending_at": max_seqs, "pending_from": max_seqs,
         }
+        for g in range(1, self.num_groups):
+            self._sizes |= {f"slot_mapping:{g}": max_tokens, f"block_tables:{g}": max_seqs * max_blocks}
         self._allocate()
 
     def _allocate(self) -> None:
@@ -78,10 +87,11 @@ class StepInputs:
             self._sizes.update(grow)
             self._allocate()
 
-    def build(self, requests: list[Request], num_new: list[int], tables: list[list[int]],
+    def build(self, requests: list[Request], num_new: list[int], tables: list[list[list[int]]],
               previous: tuple[list[Request], torch.Tensor] | None) -> BuiltStep:
-        """The step's inputs; `tables[b]` is sequence b's L1 slots; `previous` is the last step's
-        sampling requests and their sampled tokens [n] on the device, for pending tokens."""
+        """The step's inputs; `tables[g][b]` is sequence b's L1 slots in layer group g (one group
+        without groups); `previous` is the last step's sampling requests and their sampled
+        tokens [n] on the device, for pending tokens."""
         b_count, bs = len(requests), self.block_size
         new = np.asarray(num_new, dtype=np.int64)  # [B]
         starts = np.fromiter((r.num_computed for r in requests), dtype=np.int64, count=b_count)  # [B]
@@ -89,10 +99,12 @@ class StepInputs:
         cu = np.zeros(b_count + 1, dtype=np.int64)
         np.cumsum(new, out=cu[1:])
         total = int(cu[-1])
-        width = max((len(t) for t in tables), default=0)
+        width = max((len(t) for group in tables for t in group), default=0)
         self._fit(input_ids=total, positions=total, slot_mapping=total, block_tables=b_count * width,
                   seq_lens=b_count, cu_seqlens_q=b_count + 1, logits_indices=b_count,
-                  pending_at=b_count, pending_from=b_count)
+                  pending_at=b_count, pending_from=b_count,
+                  **{f"{name}:{g}": n for g in range(1, self.num_groups)
+                     for name, n in (("slot_mapping", total), ("block_tables", b_count * width))})
         host = self._hosts[self._turn]
         self._turn ^= 1
         h = host.np
@@ -115,8 +127,10 @@ class StepInputs:
         row = np.repeat(np.arange(b_count), new)  # [T]: which sequence
         positions = h["positions"][:total]
         np.subtract(np.arange(total), np.repeat(cu[:-1] - starts, new), out=positions)  # [T]
-        table = fill_block_table(tables, h["block_tables"][: b_count * width].reshape(b_count, width))  # [B, width]
-        np.add(table[row, positions // bs].astype(np.int64) * bs, positions % bs, out=h["slot_mapping"][:total])
+        for g, group in enumerate(tables):  # each group's slots: [B, width] tables, [T] slots
+            at = f":{g}" if g else ""
+            table = fill_block_table(group, h["block_tables" + at][: b_count * width].reshape(b_count, width))
+            np.add(table[row, positions // bs].astype(np.int64) * bs, positions % bs, out=h["slot_mapping" + at][:total])
         h["seq_lens"][:b_count] = ends
         h["cu_seqlens_q"][: b_count + 1] = cu
         # the rows that finish their prompt or decode sample, from their last new token
@@ -165,6 +179,12 @@ class StepInputs:
             is_decode=is_decode,
             context=context,
         )
+        if self.layer_group is not None:
+            meta.groups = [meta] + [dataclasses.replace(
+                meta, slot_mapping=self._copy(host, f"slot_mapping:{g}", total),
+                block_tables=self._copy(host, f"block_tables:{g}", b_count * width).view(b_count, width))
+                for g in range(1, self.num_groups)]
+            meta.layer_group = self.layer_group
         return self._copy(host, "input_ids", total), self._copy(host, "positions", total), meta
 
     @staticmethod

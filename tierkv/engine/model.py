@@ -245,7 +245,7 @@ class CausalLM(nn.Module):
             if meta.wait_layer is not None:
                 meta.wait_layer(i)
             c, s = local if layer.self_attn.sliding_window is not None else (cos, sin)
-            x, residual = layer(x, residual, c, s, kv_pool[i], meta)
+            x, residual = layer(x, residual, c, s, kv_pool[i], meta.for_layer(i))
         return x + residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 
 from ..cache import TieredKVCache
+from ..groups import KVGroups
 from ..sequence import SequenceBlocks
 from .attention import AttentionMetadata, StreamedAttention
 from .config import EngineConfig
@@ -76,7 +77,7 @@ def _to_host(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 class ModelRunner:
-    def __init__(self, lm: LoadedModel, cache: TieredKVCache, config: EngineConfig,
+    def __init__(self, lm: LoadedModel, cache: TieredKVCache | KVGroups, config: EngineConfig,
                  send_plan: Callable[[StepPlan], None] | None = None) -> None:
         """`config` with its device defaults resolved (`EngineConfig.for_device`). `send_plan`:
         tensor parallelism on rank 0, where each step's plan goes to the other ranks before it runs."""
@@ -90,18 +91,21 @@ class ModelRunner:
         # Every attention kernel variant a step may pick is compiled now: a variant first met
         # mid-run would stall that step (and every request in it) for about a second.
         lm.model.compile_kernels(cache.l1.kv[0])
+        # a model whose layer groups keep their KV in caches of their own (tierkv/groups.py): each
+        # layer's group, whose slots its attention reads
+        self.layer_group = cache.group_of if isinstance(cache, KVGroups) else None
         # Decode steps replay CUDA graphs (never on CPU or with enforce_eager); captured now,
         # before any request runs, so no step pays for it. Not yet under tensor parallelism:
         # capturing NCCL collectives has not run on two GPUs here, so those steps stay eager.
         self.graphs = DecodeGraphs(
             lm.model, cache.l1.kv, block_size=cache.block_size, enabled=not config.enforce_eager and not self.tp.enabled,
-            max_model_len=config.max_model_len, max_batch_size=config.max_num_seqs,
+            max_model_len=config.max_model_len, max_batch_size=config.max_num_seqs, layer_group=self.layer_group,
         )
         self.graphs.capture()
         # a sequence's table holds one more block than max_model_len needs (its next token's)
         self.inputs = StepInputs(block_size=cache.block_size, max_tokens=config.max_num_batched_tokens,
                                  max_seqs=config.max_num_seqs, max_blocks=cache.blocks_needed(config.max_model_len + 1),
-                                 device=self.device)
+                                 device=self.device, layer_group=self.layer_group)
 
     def prepare(self, step: ScheduledStep, previous: LaunchedStep | None = None) -> BuiltStep:
         """The step's device inputs; pending tokens are read from `previous`'s sampled tokens."""
@@ -110,7 +114,11 @@ class ModelRunner:
         if any(r.seq.offloaded for r in step.requests):
             order = sorted(range(len(step)), key=lambda i: step.requests[i].seq.offloaded > 0)
             step = ScheduledStep([step.requests[i] for i in order], [step.num_new[i] for i in order])
-        built = self.inputs.build(step.requests, step.num_new, [r.seq.slots for r in step.requests],
+        if self.layer_group is None:
+            tables = [[r.seq.slots for r in step.requests]]
+        else:  # each group's own slots
+            tables = [[r.seq.parts[g].slots for r in step.requests] for g in range(len(self.cache.caches))]
+        built = self.inputs.build(step.requests, step.num_new, tables,
                                   None if previous is None or previous.token_ids is None
                                   else (previous.requests, previous.token_ids))
         first = next((b for b, r in enumerate(step.requests) if r.seq.offloaded), None)
@@ -138,7 +146,9 @@ class ModelRunner:
         stream = self.cache.stream(seqs)
         tail = part(first, len(cu) - 1)
         tail.block_tables = stream.plan.block_tables  # [B_streamed, width]: rows of the staging buffer
-        return StreamedAttention(cu[first], part(0, first) if first else None, tail, stream)
+        # with layer groups only the first streams, and its stream numbers that group's layers
+        layer_of = None if self.layer_group is None else self.cache.local
+        return StreamedAttention(cu[first], part(0, first) if first else None, tail, stream, layer_of)
 
     @torch.inference_mode()
     def run(self, step: ScheduledStep, previous: LaunchedStep | None = None) -> LaunchedStep:

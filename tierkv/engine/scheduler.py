@@ -132,9 +132,7 @@ class Scheduler:
         """Reserve slots for `n` more tokens of `req`, preempting others if L1 is short. First
         `req` lets go of the blocks no query of it reads any more (a model whose every layer is
         windowed: those before the window of its next query), unless it streams."""
-        first = self.cache.layout.first_block_read(req.num_computed)
-        if first > req.seq.released and not self._streams(req):
-            self.cache.release(req.seq, first)
+        self.cache.let_go(req.seq, req.num_computed, streams=self._streams(req))
         extra = req.num_computed + n - req.seq.num_tokens  # tokens beyond what its blocks cover
         while extra > 0:
             try:  # one cache call a request and step, where room is there (almost always)
@@ -162,8 +160,8 @@ class Scheduler:
 
     def _chunk_cap(self, req: Request) -> int:
         """Most new tokens `req` computes in one step: a streamed request keeps to its window, and
-        so does one that lets go of what its sliding window has left (`cache.lets_go`)."""
-        return self.cache.stream_window if self._streams(req) or self.cache.lets_go else req.num_tokens
+        so does one that lets go of what its sliding window has left (`cache.step_tokens`)."""
+        return min(req.num_tokens, self.cache.step_tokens(self._streams(req)))
 
     def _offload_own(self, req: Request, extra: int) -> bool:
         """Make room for `extra` tokens of `req` by moving its own oldest computed blocks to L2;

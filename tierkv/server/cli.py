@@ -315,10 +315,14 @@ def _fmt_bytes(n: int) -> str:
 
 def tier_summary(engine) -> str:
     """The startup line on the tiers, from what the engine resolved (defaults filled in)."""
+    from ..groups import KVGroups  # (here: the flags are checked before torch is imported)
+
     c, layout, cfg = engine.cache, engine.cache.layout, engine.config
-    l1 = f"L1 {c.l1.num_blocks} blocks ({_fmt_bytes(c.l1.num_blocks * layout.bytes_per_block)}, {engine.lm.device})"
+    tiers = c.stats()["tiers"]  # (bytes from there: a cache per layer group has blocks of several sizes)
+    groups = f", {len(c.caches)} layer groups" if isinstance(c, KVGroups) else ""
+    l1 = f"L1 {c.l1.num_blocks} blocks ({_fmt_bytes(tiers['l1']['capacity_bytes'])}, {engine.lm.device}{groups})"
     fp8 = f", {cfg.kv_offload_dtype}" if cfg.kv_offload_dtype else ""
-    l2 = (f"L2 {c.l2.num_blocks} blocks ({_fmt_bytes(c.l2.num_blocks * c.l2.layout.bytes_per_block)} "
+    l2 = (f"L2 {c.l2.num_blocks} blocks ({_fmt_bytes(tiers['l2']['capacity_bytes'])} "
           f"{'pinned' if c.l2.pinned else 'pageable'} host{fp8}){engine.l2_note}"
           if c.l2 is not None else "L2 off")
     l3s = "L3 " + (", ".join(redact_url(u) for u in cfg.l3) if cfg.l3 else "off")
