@@ -70,14 +70,17 @@ def test_l1_is_split_so_that_the_window_group_holds_running_windows_and_the_full
                            max_num_batched_tokens=64) is None
 
 
-def test_a_hybrid_models_window_layers_hold_only_their_window_while_it_decodes(hybrid):
+# on the GPU the decode steps replay CUDA graphs whose static buffers are per group
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_hybrid_models_window_layers_hold_only_their_window_while_it_decodes(hybrid, device):
     """A 240-token prompt decoding 40 tokens: the full layer's cache holds all ~70 blocks, the
     window layers' cache the window's blocks and the next one's; tokens equal transformers', and
     those of a second request served from the blocks the window let go of (still cached) and of
     n=2 choices forked after the prompt."""
     prompt = prompt_of(240, 11)
     expected = hf_greedy(hybrid, prompt, 40)
-    llm = LLM(hybrid, device="cpu", dtype="float32", block_size=BLOCK, max_num_batched_tokens=64, max_num_seqs=4)
+    llm = LLM(hybrid, device=device, dtype="float32", block_size=BLOCK, max_num_batched_tokens=64, max_num_seqs=4,
+              l1="64MiB")
     engine = llm.engine
     assert isinstance(engine.cache, KVGroups) and [len(g.layers) for g in engine.cache.groups] == [1, 5]
     req = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=40))
@@ -91,6 +94,7 @@ def test_a_hybrid_models_window_layers_hold_only_their_window_while_it_decodes(h
     assert min(full) >= len(prompt) // BLOCK  # the full layer reads every key
     assert req.output_ids == expected
     assert not engine.cache.live_sequences()
+    assert (engine.runner.graphs.replays > 0) == (device == "cuda")
     again = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)[0]
     assert again.cached_tokens >= len(prompt) - BLOCK and again.token_ids == expected
     both = llm.generate([prompt[:-8]], SamplingParams(temperature=0, max_tokens=12, n=2), use_tqdm=False)[0]
