@@ -272,8 +272,8 @@ class Admission:
         engine's measured prefill cost, for load-or-recompute (None: load whatever is cached).
         `deadline_s`: how long L3 reads may take before what has not arrived is recomputed.
         `limit`: at most this many tokens hit (as `match`; a cache of one group of layers follows
-        the hit of the group that decided it: groups.py). Changes nothing but the lookup counters; apply it with `prefetch` and `allocate`, or let
-        `admit` do both.
+        the hit of the group that decided it: groups.py). Changes nothing but the lookup
+        counters; apply it with `prefetch` and `allocate`, or let `admit` do both.
         """
         bs = self.block_size
         m = self.match(tokens, salt, limit=limit if prefix_caching else 0,
@@ -281,6 +281,8 @@ class Admission:
         num_tokens = len(m.token_bytes) // 4
         stream = self.must_stream(num_tokens)
         fetch = self._l3_part(m) if m.by_tier["l3"] else None
+        if fetch is not None and m.window_hits:  # only the blocks the window reads: a window hit needs no more
+            fetch = (max(fetch[0], self.layout.first_block_read(fetch[1] * bs)), fetch[1])
         fetch_deadline_s = deadline_s
         if fetch is not None and recompute_seconds_per_token is not None and self.tiers.l3.read_measured:
             # a read chosen because it beats recomputing is waited for no longer than recomputing would take

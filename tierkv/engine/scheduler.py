@@ -130,8 +130,9 @@ class Scheduler:
 
     def _make_room(self, req: Request, n: int, step: ScheduledStep) -> bool:
         """Reserve slots for `n` more tokens of `req`, preempting others if L1 is short. First
-        `req` lets go of the blocks no query of it reads any more (a model whose every layer is
-        windowed: those before the window of its next query), unless it streams."""
+        `req` lets go of the blocks no query of it reads any more (in a cache whose every layer
+        is windowed, a window group's among them: those before the window of its next query),
+        unless it streams."""
         self.cache.let_go(req.seq, req.num_computed, streams=self._streams(req))
         extra = req.num_computed + n - req.seq.num_tokens  # tokens beyond what its blocks cover
         while extra > 0:
