@@ -29,7 +29,7 @@ from .cache import TieredKVCache
 from .config import CacheConfig
 from .errors import CacheFullError
 from .events import BlockEvents
-from .layout import KVLayout, LayerGroup, group_tag
+from .layout import KVLayout, group_tag
 from .plan import AdmissionPlan, Match
 from .prefetch import Prefetch
 from .sequence import SequenceBlocks
@@ -283,7 +283,9 @@ class KVGroups:
         """Room for `num_tokens` more tokens past `seq.num_tokens` in every group; CacheFullError,
         changing nothing, when one group cannot make it."""
         end = seq.num_tokens + num_tokens
-        if not all(c.can_append(p, max(0, end - p.num_tokens)) for c, p in zip(self.caches, seq.parts)):
+        # (most steps add a token to blocks every group has already: no group is asked for room)
+        short = [(c, p) for c, p in zip(self.caches, seq.parts) if c.blocks_needed(end) > len(p.slots)]
+        if not all(c.can_append(p, end - p.num_tokens) for c, p in short):
             raise CacheFullError(f"a sequence of {end} tokens needs more L1 blocks than some layer group can free")
         for c, p in zip(self.caches, seq.parts):
             if end > p.num_tokens:
