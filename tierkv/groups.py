@@ -103,10 +103,6 @@ class GroupedSequence:
     def committed(self) -> int:
         return min(p.committed for p in self.parts)
 
-    @property
-    def slots(self) -> list[int]:
-        return self.parts[0].slots
-
     def wait(self) -> None:
         for p in self.parts:
             p.wait()
