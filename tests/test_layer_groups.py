@@ -145,3 +145,22 @@ def test_groups_of_the_same_shape_keep_their_l2_and_l3_blocks_apart(alternating,
     read = [g["tiers"]["l3"]["blocks_out"] for g in groups]
     assert read[0] == len(prompt) // BLOCK and 0 < read[1] <= WINDOW // BLOCK + 1, read
     again.close()
+
+
+def test_the_usage_gauge_weighs_each_groups_blocks_by_their_bytes(hybrid):
+    """`tierkv_kv_cache_usage` (vLLM's kv_cache_usage_perc) is the fraction of L1 requests hold.
+    With a cache per group, blocks differ in size (the window group's hold five layers, the full
+    group's one): the gauge weighs them by bytes, not by count."""
+    from tierkv.server.metrics import l1_held_fraction
+
+    llm = LLM(hybrid, device="cpu", dtype="float32", block_size=BLOCK, l1="1MiB", l2=0, max_num_seqs=2,
+              max_num_batched_tokens=32)
+    cache = llm.cache
+    plan = cache.plan(prompt_of(40, 5), budget=32)
+    seq = cache.allocate(None, match=plan.match, reserve=plan.reserve)
+    stats = cache.stats()
+    held = [len(p.slots) * c.layout.bytes_per_block for c, p in zip(cache.caches, seq.parts)]
+    assert held[0] != held[1] and stats["tiers"]["l1"]["used_blocks"] == sum(len(p.slots) for p in seq.parts)
+    assert l1_held_fraction(stats) == pytest.approx(sum(held) / stats["tiers"]["l1"]["capacity_bytes"])
+    cache.free(seq)
+    assert l1_held_fraction(cache.stats()) == 0

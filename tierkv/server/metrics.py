@@ -146,6 +146,19 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
+def l1_held_fraction(stats: dict) -> float:
+    """The fraction of L1 that running requests hold, from cache stats: blocks held over blocks,
+    or, with a cache per group of layers (whose blocks differ in size), bytes held over bytes."""
+    held = capacity = 0.0
+    for part in stats.get("groups") or [stats]:
+        l1 = part.get("tiers", {}).get("l1", {})
+        if l1.get("capacity_blocks"):
+            per_block = l1["capacity_bytes"] / l1["capacity_blocks"] if "groups" in stats else 1.0
+            held += (l1["used_blocks"] - l1["evictable_blocks"]) * per_block
+            capacity += l1["capacity_blocks"] * per_block
+    return held / capacity if capacity else 0.0
+
+
 class _EngineCollector:
     """Reads the engine thread's snapshot at scrape time."""
 
@@ -164,11 +177,8 @@ class _EngineCollector:
         yield GaugeMetricFamily("tierkv_requests_waiting", "requests queued for admission", value=eng.num_waiting)
         s = eng.stats or {}
         tiers = s.get("tiers", {})
-        l1 = tiers.get("l1", {})
-        held = l1.get("used_blocks", 0) - l1.get("evictable_blocks", 0)
-        yield GaugeMetricFamily("tierkv_kv_cache_usage", "fraction of L1 blocks that requests hold (the rest is free "
-                                "or cached and evictable)", value=held / l1["capacity_blocks"] if l1.get(
-                                    "capacity_blocks") else 0.0)
+        yield GaugeMetricFamily("tierkv_kv_cache_usage", "fraction of L1 that requests hold (the rest is free or "
+                                "cached and evictable)", value=l1_held_fraction(s))
         yield CounterMetricFamily("tierkv_prefix_cache_queries", "prefix lookups used (sequences admitted)",
                                   value=s.get("queries", 0))
         yield CounterMetricFamily("tierkv_prefix_cache_query_tokens", "tokens those lookups could have hit",
