@@ -1,4 +1,4 @@
-"""The block-level protocol (tierkv/admission.py, tierkv/paged.py) under misuse: every wrong call is an error that says
+"""The block-level protocol (tierkv/lookup.py, admission.py, paged.py) under misuse: every wrong call is an error that says
 what to change and leaves the cache as it was, never a wrong answer; and `admit` brings a prompt
 in from every tier, L3 included, so that the sequence and the lookup never disagree."""
 
