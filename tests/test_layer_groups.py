@@ -164,3 +164,16 @@ def test_the_usage_gauge_weighs_each_groups_blocks_by_their_bytes(hybrid):
     assert l1_held_fraction(stats) == pytest.approx(sum(held) / stats["tiers"]["l1"]["capacity_bytes"])
     cache.free(seq)
     assert l1_held_fraction(cache.stats()) == 0
+
+
+def test_an_l2_too_small_for_every_group_says_how_large_it_must_be(hybrid):
+    """L2 is shared among the groups by their layers: half a whole-model block leaves the full
+    layer's group less than one of its blocks. The error names the whole l2 the user set and the
+    least that works (one whole-model block), not a group's share."""
+    from tierkv.errors import ConfigError
+
+    bb = LLM(hybrid, device="cpu", dtype="float32", block_size=BLOCK, l1="1MiB").cache.layout.bytes_per_block
+    with pytest.raises(ConfigError, match=f"l2 = {bb // 2} bytes .* raise l2 to at least {bb} bytes"):
+        LLM(hybrid, device="cpu", dtype="float32", block_size=BLOCK, l1="1MiB", l2=bb // 2)
+    assert [c.l2.num_blocks for c in LLM(hybrid, device="cpu", dtype="float32", block_size=BLOCK, l1="1MiB",
+                                         l2=bb).cache.caches] == [1, 1]

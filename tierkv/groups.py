@@ -27,9 +27,9 @@ import torch
 
 from .cache import TieredKVCache
 from .config import CacheConfig
-from .errors import CacheFullError
+from .errors import CacheFullError, ConfigError
 from .events import BlockEvents
-from .layout import KVLayout, group_tag
+from .layout import KVLayout, group_tag, stored_layout
 from .plan import AdmissionPlan, Match
 from .prefetch import Prefetch
 from .sequence import SequenceBlocks
@@ -195,13 +195,20 @@ class KVGroups:
               model: str) -> KVGroups:
         """A cache per group of `layout`, group g with `blocks[g]` L1 blocks (group_l1_blocks) and
         a share of `config.l2` by its layers; each names its blocks `<model>-<group_tag>`."""
+        shares = [config.l2 * len(g.layers) // layout.num_layers for g in layout.groups]  # L2 by layers
+        if config.l2 and any(share < stored_layout(layout.of_group(g), config.kv_offload_dtype).bytes_per_block
+                             for g, share in zip(layout.groups, shares)):
+            least = max(-(-stored_layout(layout.of_group(g), config.kv_offload_dtype).bytes_per_block
+                          * layout.num_layers // len(g.layers)) for g in layout.groups)
+            raise ConfigError(f"l2 = {config.l2} bytes is shared among this model's layer groups by their layers, "
+                              f"and some group's share holds no block of its own: raise l2 to at least {least} "
+                              "bytes, or set it to 0 for no L2")
         caches: list[TieredKVCache] = []
         try:
-            for i, (group, n) in enumerate(zip(layout.groups, blocks)):
+            for i, (group, n, share) in enumerate(zip(layout.groups, blocks, shares)):
                 sub = layout.of_group(group)
                 tag = group_tag(i, group.window)
-                cfg = replace(config, l1=n * sub.bytes_per_block,
-                              l2=config.l2 * len(group.layers) // layout.num_layers,
+                cfg = replace(config, l1=n * sub.bytes_per_block, l2=share,
                               l2_file=f"{config.l2_file}-{tag}" if config.l2_file else None)
                 caches.append(TieredKVCache(sub, cfg, device=device, model=f"{model}-{tag}" if model else ""))
         except BaseException:
