@@ -21,8 +21,8 @@ from collections.abc import Callable
 import numpy as np
 
 from ..config import redact_url
-from ..groups import make_cache
 from ..errors import ConfigError
+from ..groups import make_cache
 from ..layout import stored_layout
 from .config import L2_DEFAULT_RULE, EngineConfig
 from .loader import LoadedModel, check_parallel_model, load_model, resolve_device_dtype
