@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .cache import TieredKVCache
+from .cache import CLOSE_FLUSH_TIMEOUT_S, TieredKVCache
 from .config import CacheConfig
 from .errors import CacheFullError, ConfigError
 from .events import BlockEvents
@@ -175,17 +175,13 @@ class KVGroups:
         self.groups = layout.groups
         self.lead = caches[0]  # the group that decides: full attention where there is one
         self.block_size = layout.block_size
-        # model layer -> (its group, its place among that group's layers)
-        self.group_of = [0] * layout.num_layers
-        self.local = [0] * layout.num_layers
-        for g, group in enumerate(self.groups):
+        # model layer -> its group, its place among that group's layers, and its L1 pool
+        self.group_of, self.local = [0] * layout.num_layers, [0] * layout.num_layers
+        kv = [None] * layout.num_layers
+        for g, (group, cache) in enumerate(zip(self.groups, caches)):
             for j, layer in enumerate(group.layers):
                 self.group_of[layer], self.local[layer] = g, j
-        kv = [None] * layout.num_layers
-        for g, group in enumerate(self.groups):
-            pool = caches[g].l1.kv
-            for j, layer in enumerate(group.layers):
-                kv[layer] = pool[j] if pool is not None else None
+                kv[layer] = cache.l1.kv[j] if cache.l1.kv is not None else None
         self.l1 = GroupPools(sum(c.l1.num_blocks for c in caches), False, kv)
         l2s = [c.l2 for c in caches if c.l2 is not None]
         self.l2 = GroupPools(sum(p.num_blocks for p in l2s), all(p.pinned for p in l2s)) if l2s else None
@@ -195,18 +191,17 @@ class KVGroups:
               model: str) -> KVGroups:
         """A cache per group of `layout`, group g with `blocks[g]` L1 blocks (group_l1_blocks) and
         a share of `config.l2` by its layers; each names its blocks `<model>-<group_tag>`."""
-        shares = [config.l2 * len(g.layers) // layout.num_layers for g in layout.groups]  # L2 by layers
-        if config.l2 and any(share < stored_layout(layout.of_group(g), config.kv_offload_dtype).bytes_per_block
-                             for g, share in zip(layout.groups, shares)):
-            least = max(-(-stored_layout(layout.of_group(g), config.kv_offload_dtype).bytes_per_block
-                          * layout.num_layers // len(g.layers)) for g in layout.groups)
+        subs = [layout.of_group(g) for g in layout.groups]
+        shares = [config.l2 * sub.num_layers // layout.num_layers for sub in subs]  # L2 by layers
+        stored = [stored_layout(sub, config.kv_offload_dtype).bytes_per_block for sub in subs]  # an L2 block's bytes
+        if config.l2 and any(share < b for share, b in zip(shares, stored)):
+            least = max(-(-b * layout.num_layers // sub.num_layers) for sub, b in zip(subs, stored))
             raise ConfigError(f"l2 = {config.l2} bytes is shared among this model's layer groups by their layers, "
                               f"and some group's share holds no block of its own: raise l2 to at least {least} "
                               "bytes, or set it to 0 for no L2")
         caches: list[TieredKVCache] = []
         try:
-            for i, (group, n, share) in enumerate(zip(layout.groups, blocks, shares)):
-                sub = layout.of_group(group)
+            for i, (group, sub, n, share) in enumerate(zip(layout.groups, subs, blocks, shares)):
                 tag = group_tag(i, group.window)
                 cfg = replace(config, l1=n * sub.bytes_per_block, l2=share,
                               l2_file=f"{config.l2_file}-{tag}" if config.l2_file else None)
@@ -220,7 +215,7 @@ class KVGroups:
     # ------------------------------------------------------------------ sizes
 
     def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return self.lead.blocks_needed(num_tokens)
 
     @property
     def stream_window(self) -> int:
@@ -357,12 +352,9 @@ class KVGroups:
         vLLM connector reports them)."""
         self.lead.listen(events)
 
-    def close(self, timeout: float | None = None) -> None:
+    def close(self, timeout: float = CLOSE_FLUSH_TIMEOUT_S) -> None:
         for c in self.caches:
-            if timeout is None:
-                c.close()
-            else:
-                c.close(timeout)
+            c.close(timeout)
 
     def stats(self) -> dict:
         """The first group's stats (lookups and hit tokens: every group serves the same hit) with

@@ -147,15 +147,14 @@ class ServerMetrics:
 
 
 def l1_held_fraction(stats: dict) -> float:
-    """The fraction of L1 that running requests hold, from cache stats: blocks held over blocks,
-    or, with a cache per group of layers (whose blocks differ in size), bytes held over bytes."""
-    held = capacity = 0.0
+    """The fraction of L1's bytes that running requests hold, from cache stats (with a cache per
+    group of layers, whose blocks differ in size, over every group's)."""
+    held = capacity = 0
     for part in stats.get("groups") or [stats]:
         l1 = part.get("tiers", {}).get("l1", {})
         if l1.get("capacity_blocks"):
-            per_block = l1["capacity_bytes"] / l1["capacity_blocks"] if "groups" in stats else 1.0
-            held += (l1["used_blocks"] - l1["evictable_blocks"]) * per_block
-            capacity += l1["capacity_blocks"] * per_block
+            held += (l1["used_blocks"] - l1["evictable_blocks"]) * l1["capacity_bytes"] / l1["capacity_blocks"]
+            capacity += l1["capacity_bytes"]
     return held / capacity if capacity else 0.0
 
 
