@@ -166,23 +166,27 @@ def test_a_body_under_the_limit_reaches_the_route(server):
 
 
 OVER_LONG = "word " * 100_000  # ~500 KB, under the body limit: 100,001 tokens against a context of 512
-STREAM_TOKENS = 300  # a stream's chunks; STREAMS of them give ~200 gaps with the hostile client at work, ~540 without
+STREAM_TOKENS = 300  # a stream's chunks; STREAMS of them give ~400 gaps with the hostile client at work, ~470 without
 # Streams run one after another while the client loops: a p99 of ~130 gaps (one stream) was its top
-# two gaps, and one scheduling hiccup of the 2-core box in the loaded set failed the test (1.25x)
-STREAMS = 3
+# two gaps, and one scheduling hiccup of the 2-core box in the loaded set failed the test (1.25x);
+# with ~400 it is the fourth, and two hiccups in one set no longer decide it
+STREAMS = 4
 # The hostile client, a process of its own (in this one, its thread would hold the GIL that the
 # thread timing the stream needs): until its stdin closes, on for 0.7 s, off for 0.8 s (the quiet
 # gaps keep clear of its requests), POSTing each over-long body with a pause of 0.1 s. Refusing one
 # costs the server ~2.5 ms of CPU (reading and parsing 500 KB) and the client about as much: with no
 # pause, on a 2-core box, the two would keep a core busy, and the comparison would measure the box.
-# It prints one JSON line a request: [start, end, path, status, body] (time.monotonic()).
+# It writes one JSON line a request to a file: [start, end, path, status, body] (time.monotonic()).
+# Not to a pipe read at the end: the pipe's 64 KiB held ~195 lines, then the client blocked in
+# print and loaded nothing for the rest of the run (CI's failing run had 194 answers).
 HOSTILE_CLIENT = """
-import json, sys, threading, time
+import json, os, sys, threading, time
 import httpx
-url, key, bodies = sys.argv[1], sys.argv[2], json.loads(sys.stdin.readline())
+os.nice(19)  # its own CPU yields to the server and the stream's reader: only the server's handling of it is measured
+url, key, log, bodies = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.stdin.readline())
 done = threading.Event()
 threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
-with httpx.Client(base_url=url, timeout=60) as c:
+with httpx.Client(base_url=url, timeout=60) as c, open(log, "w") as out:
     while not done.wait(0.8):
         phase = time.monotonic() + 0.7
         while time.monotonic() < phase and not done.is_set():
@@ -190,12 +194,12 @@ with httpx.Client(base_url=url, timeout=60) as c:
                 start = time.monotonic()
                 r = c.post(path, content=body, headers={"Authorization": "Bearer " + key,
                                                         "Content-Type": "application/json"})
-                print(json.dumps([start, time.monotonic(), path, r.status_code, r.text[:300]]), flush=True)
+                print(json.dumps([start, time.monotonic(), path, r.status_code, r.text[:300]]), file=out, flush=True)
                 time.sleep(0.1)
 """
 
 
-def test_a_client_looping_over_long_prompts_does_not_stall_running_streams(server):
+def test_a_client_looping_over_long_prompts_does_not_stall_running_streams(server, tmp_path):
     """Issue 37 item 4. Each refused prompt was tokenized on the engine thread (~0.2 s for this one,
     ~0.5 s for 1 MiB), and /tokenize's 100,001 ids were encoded on the event loop: a client looping
     them stretched every running stream's token gaps to the length of one refusal. One stream runs
@@ -203,8 +207,9 @@ def test_a_client_looping_over_long_prompts_does_not_stall_running_streams(serve
     with its gaps while no request of the client was under way (the same stream, the same box)."""
     bodies = [("/v1/completions", json.dumps({"model": MODEL, "prompt": OVER_LONG, "max_tokens": 1})),
               ("/tokenize", json.dumps({"model": MODEL, "prompt": OVER_LONG}))]
-    hostile = subprocess.Popen([sys.executable, "-c", HOSTILE_CLIENT, server.url, KEY], stdin=subprocess.PIPE,
-                               stdout=subprocess.PIPE, text=True)
+    log = tmp_path / "hostile.jsonl"
+    hostile = subprocess.Popen([sys.executable, "-c", HOSTILE_CLIENT, server.url, KEY, str(log)],
+                               stdin=subprocess.PIPE, text=True)
     streams = []  # each stream's chunk arrival times
     try:
         hostile.stdin.write(json.dumps(bodies) + "\n")
@@ -219,8 +224,8 @@ def test_a_client_looping_over_long_prompts_does_not_stall_running_streams(serve
                         arrivals.append(time.monotonic())
             streams.append(arrivals)
     finally:
-        out, _ = hostile.communicate(timeout=120)  # closes its stdin: it stops
-    answers = [json.loads(line) for line in out.splitlines()]
+        hostile.communicate(timeout=120)  # closes its stdin: it stops
+    answers = [json.loads(line) for line in log.read_text().splitlines()]
     busy = [(start, end) for start, end, *_ in answers]
     assert [len(a) for a in streams] == [STREAM_TOKENS] * STREAMS
     loaded, quiet = [], []  # gaps during which a hostile request was under way, and those with none near
@@ -233,7 +238,7 @@ def test_a_client_looping_over_long_prompts_does_not_stall_running_streams(serve
     assert len(loaded) >= 10 and len(quiet) >= 10, (len(loaded), len(quiet))
     p99 = {name: statistics.quantiles(gaps, n=100)[98] for name, gaps in (("loaded", loaded), ("quiet", quiet))}
     assert p99["loaded"] <= 1.2 * p99["quiet"], (p99, len(loaded), len(quiet), len(answers))
-    assert len(loaded) >= 150 and len(quiet) >= 150, (len(loaded), len(quiet))  # enough of each for a p99
+    assert len(loaded) >= 300 and len(quiet) >= 300, (len(loaded), len(quiet))  # enough of each for a p99
     for _, _, path, status, text in answers:  # each refused for the context, /tokenize too, from its length
         assert status == 400 and json.loads(text)["error"]["code"] == "context_length_exceeded", (path, text)
 
