@@ -264,11 +264,16 @@ def run_peer(model_dir: Path, prompts, out_lens, device, dtype, attn: str = "sdp
                 elif res is None and not manager.is_running():
                     raise RuntimeError("the continuous batching thread died")
             seconds = time.perf_counter() - t0
+        if error is not None and produced < sum(out_lens):
+            # its generation loop failed (gpt-oss: eager attention's [heads, batch tokens, context]
+            # scores found no room beside the paged cache it sized to the free memory: 8 GiB short)
+            raise RuntimeError(f"its requests ended in an error: {error}")
         peer = f"transformers continuous batching (generate_batch's manager), paged|{attn}"
     except Exception as e:  # an API that moved or broke: fall back, and say so
         print(f"continuous batching failed ({type(e).__name__}: {e}); falling back to generate", flush=True)
         peer, error = f"transformers generate, padded static batches, {attn}", f"{type(e).__name__}: {e}"
         model.set_attn_implementation(attn)
+        release_memory()  # the failed manager's paged cache
         seconds, produced = generate_padded(model, prompts, out_lens, device)
     result = dict(peer=peer, prompts=len(prompts), seconds=seconds, output_tokens=produced,
                   output_tok_s=produced / seconds, all_requests_full_length=produced == sum(out_lens), error=error)

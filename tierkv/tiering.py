@@ -87,6 +87,12 @@ class Tiering:
         if l1 is None:
             l1_bytes = config.l1 if config.l1 is not None else default_l1_bytes(device)
             l1_blocks = blocks_for(l1_bytes, layout.bytes_per_block, "CacheConfig.l1")
+            if l1_blocks == 0 and config.l1 is None and device.type == "cuda":  # other processes fill the GPU
+                free = torch.cuda.mem_get_info(device)[0]
+                raise ConfigError(f"L1 defaults to {GPU_L1_FRACTION:.0%} of the GPU memory free after the weights "
+                                  f"and {ACTIVATION_RESERVE >> 30} GiB kept for activations, but only {free / 2**30:.1f} GiB "
+                                  f"are free on {device} (other processes hold the rest): set l1 to the bytes L1 may "
+                                  f"take (at least one block, {layout.bytes_per_block} bytes), or free GPU memory")
             if l1_blocks == 0:
                 raise ConfigError(f"CacheConfig.l1 must hold at least one block of {layout.bytes_per_block} bytes, got 0")
         l2_blocks = blocks_for(config.l2, self.offload.bytes_per_block, "CacheConfig.l2")
