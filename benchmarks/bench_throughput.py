@@ -250,8 +250,16 @@ def run_peer(model_dir: Path, prompts, out_lens, device, dtype, attn: str = "sdp
         # the hints generate_batch itself would compute (they size the peer's paged cache)
         hints = WorkloadHints(max_prompt_length=max(map(len, prompts)), max_generated_length=max(out_lens),
                               num_requests=len(prompts))
+        options = {}
+        if attn == "eager":
+            from transformers import ContinuousBatchingConfig
+
+            # eager attention materialises [heads, batch tokens, context] scores the paged cache's
+            # sizing does not count: at its default 90% of free memory, gpt-oss's loop ran 8 GiB
+            # short on the H200. Half still holds every prompt and its output many times over.
+            options["continuous_batching_config"] = ContinuousBatchingConfig(max_memory_percent=0.5)
         with model.continuous_batching_context_manager(generation_config=gen, block=True, timeout=5,
-                                                       workload_hints=hints) as manager:
+                                                       workload_hints=hints, **options) as manager:
             t0 = time.perf_counter()  # after the manager's warm-up (CUDA graph capture)
             ids = {manager.add_request(input_ids=p, max_new_tokens=n, eos_token_id=-1)
                    for p, n in zip(prompts, out_lens)}
