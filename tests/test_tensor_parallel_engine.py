@@ -15,6 +15,7 @@ SIGTERMed or SIGKILLed.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -61,14 +62,19 @@ def rounds(llm: LLM, batch: list[list[int]]) -> list[list[list[int]]]:
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "qwen3_moe", "gpt_oss", "gemma3", "deepseek_v3"])
-def test_two_ranks_give_one_rank_greedy_tokens_through_l1_and_l2(checkpoints, kind):
+def test_two_ranks_give_one_rank_greedy_tokens_through_l1_and_l2(checkpoints, kind, caplog):
     batch = prompts([9, 30, 17, 22], seed=1, shared=12)
     options = dict(device="cpu", block_size=4, l2="2MiB")
     one = LLM(checkpoints[kind], **options)
     want = rounds(one, batch)
     one.close()
-    two = LLM(checkpoints[kind], tensor_parallel_size=2, **options)
+    with caplog.at_level(logging.INFO, logger="tierkv.groups"):
+        two = LLM(checkpoints[kind], tensor_parallel_size=2, **options)
     try:
+        # a model of full and window layers keeps one cache under tensor parallelism, and says so
+        hybrid = len(two.cache.layout.groups) > 1
+        assert hybrid == (kind in ("gpt_oss", "gemma3"))
+        assert ("one cache for all 2 layer groups" in caplog.text) == hybrid, (kind, caplog.text)
         assert rounds(two, batch) == want
         stats = two.engine.cache_stats()
         rank0, rank1 = (r["tiers"] for r in stats["ranks"])

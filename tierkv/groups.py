@@ -20,6 +20,7 @@ Never runs a model and never touches tensors; each cache does its own moves.
 from __future__ import annotations
 
 import copy
+import logging
 import time
 from dataclasses import dataclass, field, replace
 
@@ -35,6 +36,8 @@ from .prefetch import Prefetch
 from .sequence import SequenceBlocks
 from .tiering import default_l1_bytes
 from .transfer import Transfer
+
+log = logging.getLogger(__name__)
 
 
 def group_l1_blocks(layout: KVLayout, l1_bytes: int, *, max_num_seqs: int, max_num_batched_tokens: int) -> list[int] | None:
@@ -384,4 +387,8 @@ def make_cache(layout: KVLayout, config: CacheConfig, *, device: torch.device, m
         blocks = group_l1_blocks(layout, l1, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
         if blocks is not None:
             return KVGroups.build(layout, config, blocks, device=device, model=model)
+    elif len(layout.groups) > 1:  # say so: the window layers' L1 is then as large as the full layers'
+        log.info("tensor parallel: one cache for all %d layer groups (a cache per group is not built for tensor "
+                 "parallelism yet), so the sliding-window layers keep every block in L1 that the full-attention "
+                 "layers do", len(layout.groups))
     return TieredKVCache(layout, config, device=device, model=model, exchange=exchange)
