@@ -65,6 +65,15 @@ def default_l1_bytes(device: torch.device) -> int:
     return DEFAULT_CPU_L1
 
 
+def no_room_for_default_l1(device: torch.device, block_bytes: int) -> ConfigError:
+    """The error for a default L1 (`default_l1_bytes`) that holds no block: the GPU is all but full."""
+    free = torch.cuda.mem_get_info(device)[0]
+    return ConfigError(f"L1 defaults to {GPU_L1_FRACTION:.0%} of the GPU memory free after the weights and "
+                       f"{ACTIVATION_RESERVE >> 30} GiB kept for activations, but only {free / 2**30:.1f} GiB are free "
+                       f"on {device} (other processes hold the rest): set l1 to the bytes L1 may take (at least one "
+                       f"block, {block_bytes} bytes), or free GPU memory")
+
+
 def block_id(e: BlockEntry) -> BlockId:
     return BlockId(e.hash, e.parent, e.ns, e.tokens, e.pos)
 
@@ -88,11 +97,7 @@ class Tiering:
             l1_bytes = config.l1 if config.l1 is not None else default_l1_bytes(device)
             l1_blocks = blocks_for(l1_bytes, layout.bytes_per_block, "CacheConfig.l1")
             if l1_blocks == 0 and config.l1 is None and device.type == "cuda":  # other processes fill the GPU
-                free = torch.cuda.mem_get_info(device)[0]
-                raise ConfigError(f"L1 defaults to {GPU_L1_FRACTION:.0%} of the GPU memory free after the weights "
-                                  f"and {ACTIVATION_RESERVE >> 30} GiB kept for activations, but only {free / 2**30:.1f} GiB "
-                                  f"are free on {device} (other processes hold the rest): set l1 to the bytes L1 may "
-                                  f"take (at least one block, {layout.bytes_per_block} bytes), or free GPU memory")
+                raise no_room_for_default_l1(device, layout.bytes_per_block)
             if l1_blocks == 0:
                 raise ConfigError(f"CacheConfig.l1 must hold at least one block of {layout.bytes_per_block} bytes, got 0")
         l2_blocks = blocks_for(config.l2, self.offload.bytes_per_block, "CacheConfig.l2")
