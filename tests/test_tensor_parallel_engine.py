@@ -1,8 +1,9 @@
 """The engine over tensor-parallel ranks (CPU, gloo, 2 processes started by the engine itself).
 
 TP=2 gives TP=1's greedy tokens on tiny Llama, Qwen2, Qwen3, Qwen3-MoE, gpt-oss and Gemma 3 (sliding
-windows: the worker repeats rank 0's loads of the full-attention layers alone) and DeepSeek-V3 (MLA:
-the one latent head is replicated, not split) checkpoints:
+windows: every rank keeps a cache per layer group, split as rank 0 splits L1, and the worker
+repeats each group's moves, the window group's hits loading only their windows) and DeepSeek-V3
+(MLA: the one latent head is replicated, not split) checkpoints:
 - with prefix caching and L2 on, a second round served from L1 and a third from L2 (rank 0's
   decision; the worker repeats its loads on its own L2, and its counters show it), with n=2
   choices whose partial block is copied on write;
@@ -15,7 +16,6 @@ SIGTERMed or SIGKILLed.
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import subprocess
@@ -24,12 +24,15 @@ import textwrap
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from models import save_tiny_checkpoint
 
 from tierkv import LLM, SamplingParams
+from tierkv.engine.step_plan import StepPlan, array_names
 from tierkv.errors import ConfigError, TensorParallelError
+from tierkv.groups import KVGroups, caches_of
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
@@ -62,19 +65,18 @@ def rounds(llm: LLM, batch: list[list[int]]) -> list[list[list[int]]]:
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "qwen3_moe", "gpt_oss", "gemma3", "deepseek_v3"])
-def test_two_ranks_give_one_rank_greedy_tokens_through_l1_and_l2(checkpoints, kind, caplog):
+def test_two_ranks_give_one_rank_greedy_tokens_through_l1_and_l2(checkpoints, kind):
     batch = prompts([9, 30, 17, 22], seed=1, shared=12)
     options = dict(device="cpu", block_size=4, l2="2MiB")
     one = LLM(checkpoints[kind], **options)
     want = rounds(one, batch)
     one.close()
-    with caplog.at_level(logging.INFO, logger="tierkv.groups"):
-        two = LLM(checkpoints[kind], tensor_parallel_size=2, **options)
+    two = LLM(checkpoints[kind], tensor_parallel_size=2, **options)
     try:
-        # a model of full and window layers keeps one cache under tensor parallelism, and says so
+        # a model of full and window layers keeps a cache per layer group on every rank, as one rank does
         hybrid = len(two.cache.layout.groups) > 1
         assert hybrid == (kind in ("gpt_oss", "gemma3"))
-        assert ("one cache for all 2 layer groups" in caplog.text) == hybrid, (kind, caplog.text)
+        assert isinstance(two.cache, KVGroups) == isinstance(one.cache, KVGroups) == hybrid
         assert rounds(two, batch) == want
         stats = two.engine.cache_stats()
         rank0, rank1 = (r["tiers"] for r in stats["ranks"])
@@ -83,16 +85,37 @@ def test_two_ranks_give_one_rank_greedy_tokens_through_l1_and_l2(checkpoints, ki
         assert rank1["l2"]["blocks_out"] == rank0["l2"]["blocks_out"]
         assert rank1["l2"]["blocks_in"] == rank0["l2"]["blocks_in"] > 0
         assert stats["tiers"]["l2"]["bytes_out"] == 2 * rank0["l2"]["bytes_out"]
-        # each rank holds half the KV heads: the same blocks at half the bytes of TP=1's; an MLA
-        # latent is one head, which every rank holds whole
-        share = 1 if one.cache.layout.latent else 2
-        rank_block = rank0["l1"]["capacity_bytes"] // rank0["l1"]["capacity_blocks"]
-        assert rank_block == one.cache.layout.bytes_per_block // share
         assert rank1["l2"]["bytes_out"] == rank0["l2"]["bytes_out"]
-        if one.cache.layout.windows:  # old blocks came back without their window layers, on both ranks
-            assert rank0["l2"]["bytes_out"] < rank0["l2"]["blocks_out"] * rank_block
+        # each rank holds half the KV heads: the same blocks at half the bytes of TP=1's (in each
+        # group's cache); an MLA latent is one head, which every rank holds whole
+        share = 1 if one.cache.layout.latent else 2
+        ranks = [r.get("groups", [r]) for r in stats["ranks"]]  # each rank's caches
+        for cache, *on_ranks in zip(caches_of(one.cache), *ranks):
+            for tiers in (r["tiers"] for r in on_ranks):
+                assert tiers["l1"]["capacity_bytes"] // tiers["l1"]["capacity_blocks"] == \
+                    cache.layout.bytes_per_block // share
+                assert tiers["l2"]["blocks_out"] == on_ranks[0]["tiers"]["l2"]["blocks_out"]  # each cache repeated
+        if hybrid:
+            # the third round's hits loaded each window group's last blocks alone, on both ranks
+            (full, window), _ = ranks
+            assert 0 < window["tiers"]["l2"]["blocks_out"] < full["tiers"]["l2"]["blocks_out"]
+            assert two.cache.caches[1].l1.num_blocks < two.cache.caches[0].l1.num_blocks
     finally:
         two.close()
+
+
+def test_a_step_plan_with_layer_groups_travels_whole():
+    """The wire format another rank decodes: each cache's moves apart, and each layer group's
+    slots and block tables."""
+    arrays = {name: np.arange(i, i + 3) for i, name in enumerate(array_names(3))}
+    plan = StepPlan(moves=[[(1, [4, 5], [6, 7])], [], [(0, [1], [2]), (5, [3], [9])]], arrays=arrays, width=3,
+                    is_decode=True, context=17, streamed_from=1, streamed=[([1, 2], [3, 4])])
+    back = StepPlan.decode(plan.encode())
+    assert back.moves == plan.moves and back.streamed == plan.streamed
+    assert list(back.arrays) == array_names(3) == list(arrays)
+    assert all(np.array_equal(back.arrays[k], v) for k, v in arrays.items())
+    assert (back.width, back.is_decode, back.context, back.streamed_from) == (3, True, 17, 1)
+    assert "block_tables:2" in arrays and StepPlan.decode(StepPlan(moves=[[]]).encode()).arrays == {}
 
 
 def test_fp8_offload_per_rank_matches_one_rank(checkpoints):

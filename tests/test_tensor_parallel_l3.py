@@ -21,6 +21,7 @@ from models import save_tiny_checkpoint
 
 from tierkv import LLM, SamplingParams
 from tierkv.errors import ConfigError, TensorParallelError
+from tierkv.groups import caches_of
 from tierkv.hashing import hash_blocks, token_bytes
 from tierkv.heads import HeadSplit
 from tierkv.tiering import block_id
@@ -32,7 +33,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("tp-l3")
-    return {kind: str(save_tiny_checkpoint(kind, root / kind, seed=5)) for kind in ("llama", "qwen3")}
+    return {kind: str(save_tiny_checkpoint(kind, root / kind, seed=5)) for kind in ("llama", "qwen3", "gpt_oss")}
 
 
 def batch() -> list[list[int]]:
@@ -48,7 +49,9 @@ def greedy(llm: LLM, prompts) -> tuple[list[list[int]], list[int]]:
 
 @pytest.mark.parametrize(("writer", "reader", "kind", "offload"), [
     (2, 1, "llama", None), (1, 2, "llama", None), (2, 1, "qwen3", "fp8_e4m3"),
-], ids=["tp2-writes-tp1-reads", "tp1-writes-tp2-reads", "fp8-tp2-writes-tp1-reads"])
+    (2, 1, "gpt_oss", None), (1, 2, "gpt_oss", None),
+], ids=["tp2-writes-tp1-reads", "tp1-writes-tp2-reads", "fp8-tp2-writes-tp1-reads",
+        "groups-tp2-writes-tp1-reads", "groups-tp1-writes-tp2-reads"])
 def test_disk_l3_written_at_one_tp_size_is_read_at_another(checkpoints, tmp_path, writer, reader, kind, offload):
     path, prompts = checkpoints[kind], batch()
     options = dict(device="cpu", block_size=4, l2="2MiB", l3=[f"file://{tmp_path}/l3"], kv_offload_dtype=offload)
@@ -76,20 +79,22 @@ def test_disk_l3_written_at_one_tp_size_is_read_at_another(checkpoints, tmp_path
         assert stats["l3"]["hit_tokens"] == sum(cached) - 20
         assert stats["l3"]["blocks_out"] > 0
         if reader > 1:
-            # rank 0's L2 slots hold exactly its heads of the stored whole-model bytes
-            tiers = second.cache.tiers
-            store = open_store(options["l3"][0], tiers.l3_layout)
-            # the blocks read from L3: each prompt's cached prefix (the blocks after it this
-            # engine computed, and its bytes for them differ from the writer's in rounding)
-            ns, index = second.cache.namespace(), second.cache.index.entries
-            read = {h for p, n in zip(prompts, cached) for h in hash_blocks(token_bytes(p), 4, ns)[: n // 4]}
-            entries = [index[h] for h in read if index[h].l2 >= 0]
-            assert entries
-            stored = torch.zeros((len(entries), tiers.l3_layout.bytes_per_block), dtype=torch.uint8)
-            assert all(store.get_many([block_id(e) for e in entries], list(stored)))
-            store.close()
-            split = HeadSplit(tiers.l3_layout, tiers.exchange.split.ranks)
-            assert torch.equal(tiers.l2.rows[torch.tensor([e.l2 for e in entries])], split.split(stored, 0))
+            # rank 0's L2 slots hold exactly its heads of the stored whole-model bytes (of each
+            # layer group's cache, under its group's name, where the model has window layers)
+            for cache in caches_of(second.cache):
+                tiers = cache.tiers
+                store = open_store(options["l3"][0], tiers.l3_layout)
+                # the blocks read from L3: each prompt's cached prefix (the blocks after it this
+                # engine computed, and its bytes for them differ from the writer's in rounding)
+                ns, index = cache.namespace(), cache.index.entries
+                read = {h for p, n in zip(prompts, cached) for h in hash_blocks(token_bytes(p), 4, ns)[: n // 4]}
+                entries = [index[h] for h in read if h in index and index[h].l2 >= 0]
+                assert entries
+                stored = torch.zeros((len(entries), tiers.l3_layout.bytes_per_block), dtype=torch.uint8)
+                assert all(store.get_many([block_id(e) for e in entries], list(stored)))
+                store.close()
+                split = HeadSplit(tiers.l3_layout, tiers.exchange.split.ranks)
+                assert torch.equal(tiers.l2.rows[torch.tensor([e.l2 for e in entries])], split.split(stored, 0))
     finally:
         second.close()
 

@@ -14,6 +14,10 @@ part to read; every other group follows, cut to the same hit. A `GroupedSequence
 SequenceBlocks per group. Only the first group streams: a window group's L1 holds its window
 beside a chunk of new tokens (`group_l1_blocks` sizes it so), so it never needs to.
 
+Under tensor parallelism every rank builds the same caches from rank 0's split of L1
+(`l1_split`, engine/workers.py); rank 0 records each cache's moves apart and the other ranks
+repeat them cache by cache, so a group's slots mean the same on every rank.
+
 Never runs a model and never touches tensors; each cache does its own moves.
 """
 
@@ -191,9 +195,11 @@ class KVGroups:
 
     @classmethod
     def build(cls, layout: KVLayout, config: CacheConfig, blocks: list[int], *, device: torch.device,
-              model: str) -> KVGroups:
+              model: str, exchanges: list | None = None, tp_rank: int = 0) -> KVGroups:
         """A cache per group of `layout`, group g with `blocks[g]` L1 blocks (group_l1_blocks) and
-        a share of `config.l2` by its layers; each names its blocks `<model>-<group_tag>`."""
+        a share of `config.l2` by its layers; each names its blocks `<model>-<group_tag>`.
+        Tensor parallel: `exchanges[g]` is group g's way to the other ranks' heads (rank 0, with
+        an L3), `tp_rank` this rank."""
         subs = [layout.of_group(g) for g in layout.groups]
         shares = [config.l2 * sub.num_layers // layout.num_layers for sub in subs]  # L2 by layers
         stored = [stored_layout(sub, config.kv_offload_dtype).bytes_per_block for sub in subs]  # an L2 block's bytes
@@ -202,13 +208,15 @@ class KVGroups:
             raise ConfigError(f"l2 = {config.l2} bytes is shared among this model's layer groups by their layers, "
                               f"and some group's share holds no block of its own: raise l2 to at least {least} "
                               "bytes, or set it to 0 for no L2")
+        exchanges = exchanges or [None] * len(subs)
         caches: list[TieredKVCache] = []
         try:
             for i, (group, sub, n, share) in enumerate(zip(layout.groups, subs, blocks, shares)):
                 tag = group_tag(i, group.window)
                 cfg = replace(config, l1=n * sub.bytes_per_block, l2=share,
                               l2_file=f"{config.l2_file}-{tag}" if config.l2_file else None)
-                caches.append(TieredKVCache(sub, cfg, device=device, model=f"{model}-{tag}" if model else ""))
+                caches.append(TieredKVCache(sub, cfg, device=device, model=f"{model}-{tag}" if model else "",
+                                            exchange=exchanges[i], tp_rank=tp_rank))
         except BaseException:
             for c in caches:
                 c.close()
@@ -377,18 +385,26 @@ class KVGroups:
         return out
 
 
-def make_cache(layout: KVLayout, config: CacheConfig, *, device: torch.device, model: str, max_num_seqs: int,
-               max_num_batched_tokens: int, grouped: bool = True, exchange=None) -> TieredKVCache | KVGroups:
-    """The cache of tierkv's engine: a KVGroups where the model's layers fall into groups that
-    read different blocks and L1 is large enough for each (group_l1_blocks), else one cache
-    (and always one with `grouped` False: tensor parallelism, whose ranks replay one cache's moves)."""
-    if grouped:
-        l1 = config.l1 if config.l1 is not None else default_l1_bytes(device)
-        blocks = group_l1_blocks(layout, l1, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
-        if blocks is not None:
-            return KVGroups.build(layout, config, blocks, device=device, model=model)
-    elif len(layout.groups) > 1:  # say so: the window layers' L1 is then as large as the full layers'
-        log.info("tensor parallel: one cache for all %d layer groups (a cache per group is not built for tensor "
-                 "parallelism yet), so the sliding-window layers keep every block in L1 that the full-attention "
-                 "layers do", len(layout.groups))
-    return TieredKVCache(layout, config, device=device, model=model, exchange=exchange)
+def l1_split(layout: KVLayout, config: CacheConfig, *, device: torch.device, max_num_seqs: int,
+             max_num_batched_tokens: int) -> list[int] | None:
+    """The L1 blocks of each layer group's cache for tierkv's engine (group_l1_blocks) out of
+    `config.l1` (or the default for `device`); None: one cache for every layer. Under tensor
+    parallelism rank 0 decides it and the other ranks take its answer (engine/workers.py)."""
+    l1 = config.l1 if config.l1 is not None else default_l1_bytes(device)
+    return group_l1_blocks(layout, l1, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+
+
+def make_cache(layout: KVLayout, config: CacheConfig, *, device: torch.device, model: str, blocks: list[int] | None,
+               exchanges: list | None = None, tp_rank: int = 0) -> TieredKVCache | KVGroups:
+    """The cache of tierkv's engine: a KVGroups with `blocks[g]` L1 blocks for layer group g
+    (`l1_split`), or one cache where `blocks` is None. `exchanges`: each cache's L3 exchange
+    (tensor parallel rank 0 with an L3); `tp_rank`: this rank."""
+    if blocks is not None:
+        return KVGroups.build(layout, config, blocks, device=device, model=model, exchanges=exchanges, tp_rank=tp_rank)
+    return TieredKVCache(layout, config, device=device, model=model, exchange=exchanges[0] if exchanges else None,
+                         tp_rank=tp_rank)
+
+
+def caches_of(cache: TieredKVCache | KVGroups) -> list[TieredKVCache]:
+    """The caches behind an engine's cache, in group order: each moves its own blocks."""
+    return cache.caches if isinstance(cache, KVGroups) else [cache]

@@ -22,7 +22,7 @@ import numpy as np
 
 from ..config import redact_url
 from ..errors import ConfigError
-from ..groups import make_cache
+from ..groups import caches_of, l1_split, make_cache
 from ..layout import stored_layout
 from .config import L2_DEFAULT_RULE, EngineConfig
 from .loader import LoadedModel, check_parallel_model, load_model, resolve_device_dtype
@@ -99,17 +99,21 @@ class Engine:
         self.config = config = config.for_device(dev, self.lm.config.max_position_embeddings, l2_block)
         if self.workers is not None:
             config = self._agree_sizes(config, layout, l2_default)
-        # tensor parallel with an L3: rank 0 stores whole-model blocks, the ranks lend their heads
-        exchange = None
-        if self.workers is not None and config.l3:
-            whole = self.lm.kv_layout(config.block_size, all_heads=True)
-            exchange = self.workers.l3_exchange(stored_layout(whole, config.kv_offload_dtype))
         # made after the weights: with l1 None the cache sizes L1 from the memory they left. A model
         # of full-attention and sliding-window layers gets a cache per group of layers (groups.py),
-        # except under tensor parallelism, whose ranks replay one cache's moves (not yet per group)
-        self.cache = make_cache(layout, config.cache_config(), device=dev, model=self.lm.fingerprint,
-                                max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-                                grouped=self.workers is None, exchange=exchange)
+        # split as rank 0 decides under tensor parallelism
+        blocks = l1_split(layout, config.cache_config(), device=dev, max_num_seqs=config.max_num_seqs,
+                          max_num_batched_tokens=config.max_num_batched_tokens)
+        exchanges = None
+        if self.workers is not None:
+            self.workers.share_l1_split(blocks)
+            if config.l3:  # rank 0 stores whole-model blocks of each cache, the ranks lend their heads
+                whole = self.lm.kv_layout(config.block_size, all_heads=True)
+                wholes = [whole] if blocks is None else [whole.of_group(g) for g in whole.groups]
+                exchanges = [self.workers.l3_exchange(stored_layout(w, config.kv_offload_dtype), i)
+                             for i, w in enumerate(wholes)]
+        self.cache = make_cache(layout, config.cache_config(), device=dev, model=self.lm.fingerprint, blocks=blocks,
+                                exchanges=exchanges)
         if self.workers is not None:
             self.workers.agree_l2_blocks(self.cache)
         self.config = config = self._fit_context(config, explicit=explicit_len)
@@ -126,7 +130,8 @@ class Engine:
                                   send_plan=self.workers.send if self.workers is not None else None)
         if self.workers is not None:
             self.workers.ready()
-            self.cache.tiers.moves = []  # from now on every L1/L2 move is repeated by the other ranks
+            for cache in caches_of(self.cache):  # from now on every L1/L2 move is repeated by the other ranks
+                cache.tiers.moves = []
         self.requests: dict[str, Request] = {}
         self.in_flight: LaunchedStep | None = None  # launched, its tokens not yet taken back
         self.num_computed_tokens = 0  # tokens the model has run, prompts and decodes together
@@ -391,20 +396,25 @@ class Engine:
         tier's bytes for all ranks together (rank 0's times the rank count: every rank holds and
         moves the same blocks, each of its own KV heads), and under "ranks" each rank's own
         counters: the workers count the L1/L2 moves they repeated, so a rank that fell out of step
-        shows there. L3 figures are rank 0's alone: it reads and writes every rank's heads."""
+        shows there. L3 figures are rank 0's alone: it reads and writes every rank's heads. With a
+        cache per layer group, each rank's entry has its groups' counters too."""
         out = self.cache.stats()
         # what load-or-recompute weighs each L3 read's estimate against (None until measured)
         out["recompute_seconds_per_token"] = self.scheduler.recompute_seconds_per_token
         if self.workers is None:
             return out
-        ranks = [copy.deepcopy(out["tiers"])] + [s["tiers"] for s in self.workers.stats()]
-        out["ranks"] = [{"rank": r, "tiers": tiers} for r, tiers in enumerate(ranks)]
-        for tier, counters in out["tiers"].items():
-            if tier == "l3":  # rank 0 alone moves L3's whole-model blocks: counted once already
-                continue
-            for key in ("bytes_in", "bytes_out", "capacity_bytes", "used_bytes"):
-                if key in counters:
-                    counters[key] *= len(ranks)
+        each = [copy.deepcopy(out)] + self.workers.stats()
+        out["ranks"] = [{"rank": r, "tiers": s["tiers"],
+                         **({"groups": [{"group": g["group"], "tiers": g["tiers"]} for g in s["groups"]]}
+                            if "groups" in s else {})}
+                        for r, s in enumerate(each)]
+        for tiers in [out["tiers"], *(g["tiers"] for g in out.get("groups", []))]:
+            for tier, counters in tiers.items():
+                if tier == "l3":  # rank 0 alone moves L3's whole-model blocks: counted once already
+                    continue
+                for key in ("bytes_in", "bytes_out", "capacity_bytes", "used_bytes"):
+                    if key in counters:
+                        counters[key] *= len(each)
         return out
 
     def close(self) -> None:

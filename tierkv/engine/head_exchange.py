@@ -18,7 +18,9 @@ rounds of ROUND_BYTES; only small headers and barriers go over gloo:
 
 The moves a ticket names are sent before the job starts (Tiering._l3_ticket), so a rank always
 gets them. One gloo group each way, used by one thread on each rank, so a group's collectives
-meet in the same order everywhere (rank 0's L3Mover has one writer and one reader thread). The
+meet in the same order everywhere (rank 0's L3Mover has one writer and one reader thread). A
+model with a cache per layer group (tierkv/groups.py) has all of this once per cache: its own
+exchange, staging, gloo groups, threads and move count, as the caches move their blocks apart. The
 data threads wait only for the main thread's moves, and the main thread only for the read
 thread's count, whose waits lie before the point it waits at: no cycle. Headers are int64
 tensors and pieces raw bytes: nothing is pickled. Why shared memory: on the H200 host gloo moved
@@ -51,9 +53,9 @@ def staging_dir(init_file: str) -> str:
     return os.path.join(os.environ.get("TIERKV_SHM_DIR", SHM_ROOT), os.path.basename(os.path.dirname(init_file)))
 
 
-def create_staging(directory: str, split: HeadSplit) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def create_staging(directory: str, split: HeadSplit, cache: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Rank 0, before the other ranks open them: a put and a get buffer for each rank 1..N-1, each
-    [pieces per round, piece bytes] uint8 in a shared file. Too little shared memory is a
+    [pieces per round, piece bytes] uint8 in a shared file, for cache `cache` (one per layer group). Too little shared memory is a
     ConfigError saying how much and where to get it (it is allocated now, so it cannot fail later)."""
     per = max(1, ROUND_BYTES // split.whole.bytes_per_block)
     nbytes = per * split.part.bytes_per_block
@@ -63,7 +65,7 @@ def create_staging(directory: str, split: HeadSplit) -> list[tuple[torch.Tensor,
         for rank in range(1, split.size):
             pair = []
             for kind in ("put", "get"):
-                path = os.path.join(directory, f"rank{rank}-{kind}")
+                path = _staging_path(directory, cache, rank, kind)
                 fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
                 try:
                     os.posix_fallocate(fd, 0, nbytes)  # tmpfs refuses here, not with SIGBUS on first touch
@@ -74,15 +76,19 @@ def create_staging(directory: str, split: HeadSplit) -> list[tuple[torch.Tensor,
     except OSError as e:
         total = 2 * (split.size - 1) * nbytes
         raise ConfigError(f"tensor parallelism with an L3 stages the ranks' KV heads in shared memory: "
-                          f"{total / 2**20:.0f} MiB under {directory}, which failed ({e}). Give the process "
+                          f"{total / 2**20:.0f} MiB{f' for cache {cache}' if cache else ''} under {directory}, which failed ({e}). Give the process "
                           f"more /dev/shm (docker: --shm-size 1g or --ipc=host), or point TIERKV_SHM_DIR at "
                           f"a RAM file system with room") from e
     return out
 
 
-def open_staging(directory: str, rank: int, piece_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank `rank`'s put and get buffers, made by rank 0 (create_staging)."""
-    return tuple(_map(os.path.join(directory, f"rank{rank}-{kind}"), piece_bytes) for kind in ("put", "get"))
+def open_staging(directory: str, rank: int, piece_bytes: int, cache: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank `rank`'s put and get buffers for cache `cache`, made by rank 0 (create_staging)."""
+    return tuple(_map(_staging_path(directory, cache, rank, kind), piece_bytes) for kind in ("put", "get"))
+
+
+def _staging_path(directory: str, cache: int, rank: int, kind: str) -> str:
+    return os.path.join(directory, f"cache{cache}-rank{rank}-{kind}")
 
 
 def _map(path: str, piece_bytes: int) -> torch.Tensor:

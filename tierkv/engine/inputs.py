@@ -100,11 +100,8 @@ class StepInputs:
         np.cumsum(new, out=cu[1:])
         total = int(cu[-1])
         width = max((len(t) for group in tables for t in group), default=0)
-        self._fit(input_ids=total, positions=total, slot_mapping=total, block_tables=b_count * width,
-                  seq_lens=b_count, cu_seqlens_q=b_count + 1, logits_indices=b_count,
-                  pending_at=b_count, pending_from=b_count,
-                  **{f"{name}:{g}": n for g in range(1, self.num_groups)
-                     for name, n in (("slot_mapping", total), ("block_tables", b_count * width))})
+        self._fit(input_ids=total, logits_indices=b_count, pending_at=b_count, pending_from=b_count,
+                  **self._step_sizes(total, b_count, width))
         host = self._hosts[self._turn]
         self._turn ^= 1
         h = host.np
@@ -152,8 +149,7 @@ class StepInputs:
         Its token ids are left to the caller (broadcast from rank 0 on the device)."""
         total, b_count = len(arrays["positions"]), len(arrays["seq_lens"])
         n_sample = len(arrays["logits_indices"])
-        self._fit(input_ids=total, positions=total, slot_mapping=total, block_tables=b_count * width,
-                  seq_lens=b_count, cu_seqlens_q=b_count + 1, logits_indices=n_sample)
+        self._fit(input_ids=total, logits_indices=n_sample, **self._step_sizes(total, b_count, width))
         host = self._hosts[self._turn]
         self._turn ^= 1
         for name, values in arrays.items():
@@ -161,6 +157,15 @@ class StepInputs:
         input_ids, positions, meta = self._to_device(host, total, b_count, width, n_sample, is_decode, context)
         return BuiltStep(input_ids, positions, meta, [], arrays["cu_seqlens_q"].tolist(),
                          self._views(host, total, b_count, width, n_sample), width)
+
+    def _step_sizes(self, total: int, b_count: int, width: int) -> dict[str, int]:
+        """What a step of `total` tokens over `b_count` sequences and `width` table columns needs of
+        the arrays that rank 0 sends to the other ranks (`_views`)."""
+        sizes = {"positions": total, "slot_mapping": total, "block_tables": b_count * width, "seq_lens": b_count,
+                 "cu_seqlens_q": b_count + 1}
+        for g in range(1, self.num_groups):
+            sizes |= {f"slot_mapping:{g}": total, f"block_tables:{g}": b_count * width}
+        return sizes
 
     def _copy(self, host: _HostSet, name: str, n: int) -> torch.Tensor:
         """The first `n` values of host array `name`, copied into its device buffer (no wait)."""
@@ -187,9 +192,8 @@ class StepInputs:
             meta.layer_group = self.layer_group
         return self._copy(host, "input_ids", total), self._copy(host, "positions", total), meta
 
-    @staticmethod
-    def _views(host: _HostSet, total: int, b_count: int, width: int, n_sample: int) -> dict[str, np.ndarray]:
-        h = host.np
-        return {"positions": h["positions"][:total], "slot_mapping": h["slot_mapping"][:total],
-                "block_tables": h["block_tables"][: b_count * width], "seq_lens": h["seq_lens"][:b_count],
-                "cu_seqlens_q": h["cu_seqlens_q"][: b_count + 1], "logits_indices": h["logits_indices"][:n_sample]}
+    def _views(self, host: _HostSet, total: int, b_count: int, width: int, n_sample: int) -> dict[str, np.ndarray]:
+        """The step's host arrays that another tensor-parallel rank needs (step_plan.ARRAYS and
+        each further layer group's), as views of `host`."""
+        sizes = self._step_sizes(total, b_count, width) | {"logits_indices": n_sample}
+        return {name: host.np[name][:n] for name, n in sizes.items()}

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 
 from ..cache import TieredKVCache
-from ..groups import KVGroups
+from ..groups import GroupedSequence, KVGroups, caches_of
 from ..sequence import SequenceBlocks
 from .attention import AttentionMetadata, StreamedAttention
 from .config import EngineConfig
@@ -208,8 +208,12 @@ class ModelRunner:
     def _plan(self, built: BuiltStep, step: ScheduledStep) -> StepPlan:
         """What the other ranks need of this step: the moves made since the last one, its inputs,
         and the blocks of its streamed sequences (the batch's last, in `prepare`'s order)."""
-        moves, self.cache.tiers.moves = self.cache.tiers.moves, []
-        seqs = [r.seq for r in step.requests if r.seq.offloaded]
+        moves = []
+        for cache in caches_of(self.cache):  # each cache's own, in group order
+            moves.append(cache.tiers.moves)
+            cache.tiers.moves = []
+        # only the first group's cache streams: its blocks are the ones to stream
+        seqs = [r.seq if self.layer_group is None else r.seq.parts[0] for r in step.requests if r.seq.offloaded]
         return StepPlan(moves=moves, arrays=built.host, width=built.width, is_decode=built.meta.is_decode,
                         context=built.meta.context, streamed_from=len(step) - len(seqs) if seqs else None,
                         streamed=[(list(s.slots), list(s.l2_slots)) for s in seqs])
@@ -222,9 +226,12 @@ class ModelRunner:
         self.tp.broadcast(built.input_ids)
         if plan.streamed_from is not None:
             # rank 0's streamed sequences, as this rank's cache holds them (same slots, its own heads)
+            streams = caches_of(self.cache)[0]  # the first group's cache, the one that streams
             seqs = [SequenceBlocks(ns=b"", priority=0, slots=slots, entries=[None] * len(slots), hashes=[],
                                    committed=0, num_tokens=0, num_cached_tokens=0, pending=[], l2_slots=l2,
-                                   owner=self.cache)
+                                   owner=streams)
                     for slots, l2 in plan.streamed]
+            if self.layer_group is not None:
+                seqs = [GroupedSequence([s]) for s in seqs]  # KVGroups.stream reads their first part
             built.meta.streamed = self._streamed(built, plan.streamed_from, seqs)
         self._forward(built)

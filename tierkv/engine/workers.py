@@ -4,10 +4,11 @@ Rank 0 runs the whole engine: scheduler, cache decisions, sampling. `Workers` sp
 per other rank (torch.multiprocessing, spawn: CUDA cannot be forked) and joins them in a process
 group: NCCL on GPUs (gloo on CPU) for the model's collectives, and a gloo group beside it for
 control (StepPlans, sizes, stats), which never waits on a GPU. A worker loads its shard of the
-model, builds its own cache (the same L1/L2 block counts, its own KV heads, no L3) and runner,
-then repeats every StepPlan rank 0 sends until it is told to stop. With an L3, the workers'
-heads of the blocks rank 0 writes and reads pass through shared memory, paced by two more gloo
-groups (head_exchange.py).
+model, builds its own cache (the same L1/L2 block counts, its own KV heads, no L3; a cache per
+layer group where rank 0 has one, with rank 0's split of L1) and runner, then repeats every
+StepPlan rank 0 sends until it is told to stop. With an L3, the workers' heads of the blocks
+rank 0 writes and reads pass through shared memory, paced by two more gloo groups for each of
+rank 0's caches (head_exchange.py).
 
 A failure ends every rank. A worker that raises sends its traceback to rank 0 and exits; rank 0's
 next collective with it fails, and rank 0 raises TensorParallelError naming the rank and stops
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -35,6 +37,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ..errors import ConfigError, TensorParallelError
+from ..groups import caches_of, make_cache
 from ..heads import HeadSplit
 from ..layout import KVLayout, OffloadLayout
 from ..tiering import default_l1_bytes
@@ -87,7 +90,9 @@ class Workers:
     def __init__(self, config: EngineConfig, size: int) -> None:
         self.size, self.closed = size, False
         self.serving = False  # every worker built its part and waits for plans (see `ready`)
-        self.moves_sent = 0  # L1/L2 moves sent in plans so far (an L3 job's ticket counts them)
+        self.moves_sent: dict[int, int] = {}  # cache -> L1/L2 moves sent in plans so far (an L3 job's ticket counts them)
+        self._has_l3 = bool(config.l3)
+        self.l3_groups: list[tuple] = []  # each cache's put and get groups (`share_l1_split`)
         device = rank_device(config.device, 0)
         if device.type == "cuda" and torch.cuda.device_count() < size:
             raise ConfigError(f"tensor_parallel_size {size} needs {size} GPUs, but {torch.cuda.device_count()} "
@@ -113,7 +118,6 @@ class Workers:
             self._wait_joining()
             self.tp = init_process_group(0, size, init_file, device)
             self.control = dist.new_group(backend="gloo")
-            self.l3_groups = _l3_groups(config)
         except BaseException:
             self.close()
             raise
@@ -139,6 +143,12 @@ class Workers:
     def agree_sizes(self, l1_blocks: int, l2_bytes: int, max_model_len: int, max_tokens: int) -> tuple[int, ...]:
         return self._guard(agree_sizes, self.control, l1_blocks, l2_bytes, max_model_len, max_tokens)
 
+    def share_l1_split(self, blocks: list[int] | None) -> None:
+        """Tell the workers how rank 0 splits L1 among the model's layer groups (None: one cache),
+        and make each cache's L3 groups with them."""
+        self._guard(_broadcast, torch.tensor([-1] if blocks is None else blocks, dtype=torch.int64), self.control)
+        self.l3_groups = self._guard(_l3_groups, self._has_l3, 1 if blocks is None else len(blocks))
+
     def agree_l2_blocks(self, cache) -> None:
         self._guard(agree_l2_blocks, self.control, cache)
 
@@ -154,19 +164,24 @@ class Workers:
             raise self._failure()
         data = torch.from_numpy(plan.encode())
         self._guard(_broadcast, data, self.control)
-        self.moves_sent += len(plan.moves)
+        for cache, moves in enumerate(plan.moves):
+            self.moves_sent[cache] = self.moves_sent.get(cache, 0) + len(moves)
 
-    def send_moves(self, moves: list) -> int:
-        """Send `moves` now, without a step; returns how many moves the workers have been sent in all."""
+    def send_moves(self, moves: list, cache: int = 0) -> int:
+        """Send cache `cache`'s `moves` now, without a step; returns how many moves of that cache
+        the workers have been sent in all."""
         if moves:
-            self.send(StepPlan(MOVES, moves=moves))
-        return self.moves_sent
+            self.send(StepPlan(MOVES, moves=[[] for _ in range(cache)] + [moves]))
+        return self.moves_sent.get(cache, 0)
 
-    def l3_exchange(self, whole: KVLayout | OffloadLayout) -> HeadExchange:
-        """Rank 0's way to the workers' KV heads of blocks of `whole` (every head), for L3 I/O."""
+    def l3_exchange(self, whole: KVLayout | OffloadLayout, cache: int = 0) -> HeadExchange:
+        """Rank 0's way to the workers' KV heads of cache `cache`'s blocks of `whole` (every
+        head), for L3 I/O: its own staging and L3 groups, so that the caches' L3 threads never
+        meet in one collective."""
         heads = (whole.kv if isinstance(whole, OffloadLayout) else whole).num_kv_heads
         split = HeadSplit(whole, [TensorParallel(r, self.size).kv_heads(heads) for r in range(self.size)])
-        return HeadExchange(split, self.send_moves, *self.l3_groups, create_staging(self._staging, split))
+        return HeadExchange(split, functools.partial(self.send_moves, cache=cache), *self.l3_groups[cache],
+                            create_staging(self._staging, split, cache))
 
     def stats(self) -> list[dict]:
         """Each worker's cache stats (ranks 1..N-1, in order)."""
@@ -229,17 +244,22 @@ class Workers:
 
 
 def agree_l2_blocks(control: dist.ProcessGroup, cache) -> None:
-    """After every rank built its cache: each uses as many L2 slots as the rank with the fewest
-    (a rank whose pinning fell short holds fewer than the bytes agreed, and slots must mirror)."""
-    n = torch.tensor([cache.l2.num_blocks if cache.l2 is not None else 0], dtype=torch.int64)
+    """After every rank built its cache: each of its caches uses as many L2 slots as that cache
+    of the rank with the fewest (a rank whose pinning fell short holds fewer than the bytes
+    agreed, and slots must mirror)."""
+    caches = caches_of(cache)
+    n = torch.tensor([c.l2.num_blocks if c.l2 is not None else 0 for c in caches], dtype=torch.int64)
     dist.all_reduce(n, op=dist.ReduceOp.MIN, group=control)
-    if cache.l2 is not None:
-        cache.l2.limit(int(n))
+    for c, blocks in zip(caches, n.tolist()):
+        if c.l2 is not None:
+            c.l2.limit(blocks)
 
 
-def _l3_groups(config: EngineConfig) -> tuple:
-    """The put and get groups of head_exchange.py (every rank makes them, in this order); none without an L3."""
-    return (dist.new_group(backend="gloo"), dist.new_group(backend="gloo")) if config.l3 else (None, None)
+def _l3_groups(has_l3: bool, caches: int) -> list[tuple]:
+    """Each cache's put and get groups of head_exchange.py (every rank makes them, in this order);
+    none without an L3."""
+    return [(dist.new_group(backend="gloo"), dist.new_group(backend="gloo")) if has_l3 else (None, None)
+            for _ in range(caches)]
 
 
 def _broadcast(data: torch.Tensor, control: dist.ProcessGroup) -> None:
@@ -248,12 +268,17 @@ def _broadcast(data: torch.Tensor, control: dist.ProcessGroup) -> None:
     dist.broadcast(data, 0, group=control)
 
 
-def _receive(control: dist.ProcessGroup) -> StepPlan:
+def _receive_array(control: dist.ProcessGroup) -> torch.Tensor:
+    """A worker's side of `_broadcast`: the int64 payload."""
     n = torch.zeros(1, dtype=torch.int64)
     dist.broadcast(n, 0, group=control)
     data = torch.empty(int(n), dtype=torch.int64)
     dist.broadcast(data, 0, group=control)
-    return StepPlan.decode(data.numpy())
+    return data
+
+
+def _receive(control: dist.ProcessGroup) -> StepPlan:
+    return StepPlan.decode(_receive_array(control).numpy())
 
 
 def _send_bytes(payload: bytes, control: dist.ProcessGroup) -> None:
@@ -291,7 +316,6 @@ def _exit_with_parent(parent: int) -> None:
 
 
 def _serve(rank: int, size: int, init_file: str, config: EngineConfig, messages) -> None:
-    from ..cache import TieredKVCache
     from .loader import load_model
     from .runner import ModelRunner
 
@@ -299,24 +323,31 @@ def _serve(rank: int, size: int, init_file: str, config: EngineConfig, messages)
     messages.put((rank, "joining", ""))
     tp = init_process_group(rank, size, init_file, device)
     control = dist.new_group(backend="gloo")
-    l3_groups = _l3_groups(config)
     lm = load_model(config.model, device=device, dtype=config.dtype, cache_dir=config.cache_dir, tp=tp)
     layout = lm.kv_layout(config.block_size)
     l1_blocks, l2_bytes, max_model_len, max_tokens = agree_sizes(control, own_l1_blocks(config, layout, device))
+    has_l3 = bool(config.l3)
     config = dataclasses.replace(config, l1=l1_blocks * layout.bytes_per_block, l2=l2_bytes, l3=(),
                                  max_model_len=max_model_len, max_num_batched_tokens=max_tokens)
-    cache = TieredKVCache(layout, config.cache_config(), device=device, model=lm.fingerprint, tp_rank=rank)
+    split = _receive_array(control).tolist()  # rank 0's L1 blocks of each layer group's cache; [-1]: one cache
+    blocks = None if split == [-1] else split
+    l3_groups = _l3_groups(has_l3, 1 if blocks is None else len(blocks))
+    cache = make_cache(layout, config.cache_config(), device=device, model=lm.fingerprint, blocks=blocks, tp_rank=rank)
     agree_l2_blocks(control, cache)
     runner = ModelRunner(lm, cache, config)
-    # with an L3 (rank 0's), moves wait where a read lands, and two threads serve the reads and writes
-    replay = cache.tiers.replay
-    if l3_groups[0] is not None:
-        staging = open_staging(staging_dir(init_file), rank, cache.l2.layout.bytes_per_block)
-        replay = HeadFollower(cache.tiers, *l3_groups, staging).replay
+    # each cache repeats its own moves; with an L3 (rank 0's), its moves wait where a read lands,
+    # and two threads of its own serve the reads and writes of its heads
+    caches = caches_of(cache)
+    replays = [c.tiers.replay for c in caches]
+    if has_l3:
+        shm = staging_dir(init_file)
+        replays = [HeadFollower(c.tiers, *groups, open_staging(shm, rank, c.l2.layout.bytes_per_block, i)).replay
+                   for i, (c, groups) in enumerate(zip(caches, l3_groups))]
     dist.barrier(group=control)  # ready: rank 0 built its own
     while True:
         plan = _receive(control)
-        replay(plan.moves)
+        for replay, moves in zip(replays, plan.moves):
+            replay(moves)
         if plan.kind == STEP:
             runner.run_plan(plan)
         elif plan.kind == STATS:
