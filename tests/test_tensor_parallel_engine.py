@@ -7,7 +7,8 @@ repeats each group's moves, the window group's hits loading only their windows) 
 - with prefix caching and L2 on, a second round served from L1 and a third from L2 (rank 0's
   decision; the worker repeats its loads on its own L2, and its counters show it), with n=2
   choices whose partial block is copied on write;
-- with an L1 of a few blocks, where a long prompt streams from L2 and requests are preempted.
+- with an L1 of a few blocks, where a long prompt streams from L2 and requests are preempted
+  (Llama, and gpt-oss, whose full-attention group's cache streams).
 
 Bad input fails before any process starts. A worker killed mid-generate ends the call with
 TensorParallelError naming it, and no process is left; nor after the user's process is
@@ -138,23 +139,29 @@ def test_fp8_offload_per_rank_matches_one_rank(checkpoints):
         two.close()
 
 
-def test_streaming_and_preemption_in_a_tiny_l1_match_one_rank(checkpoints):
-    path = checkpoints["llama"]
+@pytest.mark.parametrize("kind", ["llama", "gpt_oss"])
+def test_streaming_and_preemption_in_a_tiny_l1_match_one_rank(checkpoints, kind):
+    path = checkpoints[kind]
     long, *short = prompts([150, 21, 33, 12], seed=2)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     want = [o.token_ids for o in LLM(path, device="cpu").generate([long, *short], params, use_tqdm=False)]
     bb = LLM(path, device="cpu", l1=1 << 20, block_size=4).cache.layout.bytes_per_block
-    # TP=2 blocks are half as big: 16 of them hold 64 tokens, under half the long prompt; the
-    # short ones and their outputs compete for the rest, so some are preempted
+    # TP=2 blocks are half as big: L1 of 16 of them holds 64 tokens (gpt-oss: in each layer
+    # group's cache), under half the long prompt; the short ones and their outputs compete for
+    # the rest, so some are preempted
     two = LLM(path, device="cpu", tensor_parallel_size=2, block_size=4, l1=16 * bb // 2, l2=128 * bb // 2,
               max_num_seqs=3)
     try:
-        assert two.cache.l1.num_blocks == 16
+        assert [c.l1.num_blocks for c in caches_of(two.cache)] == [16] * len(two.cache.layout.groups)
         assert [o.token_ids for o in two.generate([long, *short], params, use_tqdm=False)] == want
         assert two.engine.scheduler.num_preemptions > 0
-        rank0, rank1 = (r["tiers"] for r in two.engine.cache_stats()["ranks"])
-        assert rank0["l2"]["bytes_out"] > 0  # the long prompt streamed its offloaded blocks from L2
-        assert rank1["l2"]["bytes_out"] == rank0["l2"]["bytes_out"]
+        rank0, rank1 = two.engine.cache_stats()["ranks"]
+        # the long prompt streamed its offloaded blocks from L2 (the full-attention group's, with
+        # groups), and the worker repeated every load of every cache
+        assert rank0["tiers"]["l2"]["bytes_out"] > 0
+        assert rank1["tiers"]["l2"]["bytes_out"] == rank0["tiers"]["l2"]["bytes_out"]
+        assert [g["tiers"]["l2"]["bytes_out"] for g in rank1.get("groups", [])] == \
+            [g["tiers"]["l2"]["bytes_out"] for g in rank0.get("groups", [])]
     finally:
         two.close()
 
