@@ -55,8 +55,9 @@ def staging_dir(init_file: str) -> str:
 
 def create_staging(directory: str, split: HeadSplit, cache: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Rank 0, before the other ranks open them: a put and a get buffer for each rank 1..N-1, each
-    [pieces per round, piece bytes] uint8 in a shared file, for cache `cache` (one per layer group). Too little shared memory is a
-    ConfigError saying how much and where to get it (it is allocated now, so it cannot fail later)."""
+    [pieces per round, piece bytes] uint8 in a shared file, for cache `cache` (one per layer
+    group). Too little shared memory is a ConfigError saying how much and where to get it (it is
+    allocated now, so it cannot fail later)."""
     per = max(1, ROUND_BYTES // split.whole.bytes_per_block)
     nbytes = per * split.part.bytes_per_block
     out = []
@@ -75,8 +76,9 @@ def create_staging(directory: str, split: HeadSplit, cache: int = 0) -> list[tup
             out.append(tuple(pair))
     except OSError as e:
         total = 2 * (split.size - 1) * nbytes
+        which = f" for cache {cache}" if cache else ""
         raise ConfigError(f"tensor parallelism with an L3 stages the ranks' KV heads in shared memory: "
-                          f"{total / 2**20:.0f} MiB{f' for cache {cache}' if cache else ''} under {directory}, which failed ({e}). Give the process "
+                          f"{total / 2**20:.0f} MiB{which} under {directory}, which failed ({e}). Give the process "
                           f"more /dev/shm (docker: --shm-size 1g or --ipc=host), or point TIERKV_SHM_DIR at "
                           f"a RAM file system with room") from e
     return out

@@ -90,7 +90,8 @@ class Workers:
     def __init__(self, config: EngineConfig, size: int) -> None:
         self.size, self.closed = size, False
         self.serving = False  # every worker built its part and waits for plans (see `ready`)
-        self.moves_sent: dict[int, int] = {}  # cache -> L1/L2 moves sent in plans so far (an L3 job's ticket counts them)
+        # cache -> its L1/L2 moves sent in plans so far (an L3 job's ticket counts them)
+        self.moves_sent: dict[int, int] = {}
         self._has_l3 = bool(config.l3)
         self.l3_groups: list[tuple] = []  # each cache's put and get groups (`share_l1_split`)
         device = rank_device(config.device, 0)
