@@ -183,6 +183,46 @@ def test_an_l3_tail_is_read_while_the_head_is_computed_then_adopted(tmp_path):
         cache.free(seq)
 
 
+def test_a_windowed_sequence_adopts_only_the_window_of_an_l3_tail_and_lets_go_of_the_rest(tmp_path):
+    """Every layer slides (8 tokens): of an L3 tail read while its start is computed, a sequence
+    takes only the blocks its window reads from the tail's end (blocks 38 and 39: the window of
+    the query at 160) and lets go of the rest unread. Up to a given end it takes all or nothing."""
+    layout = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, dtype=torch.float16, block_size=4, windows=(8,) * 3)
+    url = f"file://{tmp_path}?size=64MiB"
+
+    def windowed() -> TieredKVCache:
+        bpb = layout.bytes_per_block
+        return TieredKVCache(layout, CacheConfig(l1=48 * bpb, l2=48 * bpb, l3=[url]), device="cpu", model="w")
+
+    doc, j = list(range(4 * 40 + 1)), 20  # 40 full blocks and the token whose logits are computed
+    with windowed() as first:
+        first.store(doc, prefix_kv(layout, doc))
+        assert first.flush(timeout=30)
+    with windowed() as cache:
+        assert cache.lets_go
+        seq = cache.allocate(doc, match=cache.match(doc, limit=0))  # the engine computes blocks 0..j-1
+        write_into_slots(cache, seq, doc[: 4 * j], 0)
+        cache.commit(seq, doc[: 4 * j])
+        cache.let_go(seq, 4 * j)
+        m = cache.match(doc)
+        assert cache.prefetch(m, 30, blocks=(j, 39)).wait(30)  # the tail's end, but for its last block
+        free = len(cache.l1.free)
+        # ending at 39 needs blocks 37 and 38, held; at 40, block 39 too, which is not
+        assert cache.adoptable(seq, doc)[0] == 39 and 40 not in cache.adoptable(seq, doc)
+        assert cache.adopt(seq, doc, upto=40) == 0 and seq.committed == j and len(cache.l1.free) == free
+        assert cache.prefetch(m, 30, blocks=(39, 40)).wait(30)
+        loaded = cache.stats()["tiers"]["l2"]["blocks_out"]
+        assert cache.adopt(seq, doc) == 40 - j and seq.committed == 40 and seq.released == 38
+        assert cache.stats()["tiers"]["l2"]["blocks_out"] - loaded == 2  # blocks 38 and 39 alone
+        assert seq.slots[:38] == [-1] * 38 and seq.entries[:38] == [None] * 38
+        kv = cache.l1.kv[:, torch.tensor(seq.slots[38:40])]  # [L, 2 blocks, 2, bs, H, D]
+        assert torch.equal(kv.transpose(1, 2).reshape(3, 2, 8, 2, 8), prefix_kv(layout, doc)[:, :, 152:160])
+        # skipped blocks count as computed, with L1 as allocate's window hits; the read ones as L3
+        assert seq.cached_by_tier == {"l1": 4 * (38 - j), "l2": 0, "l3": 8}
+        cache.free(seq)
+        assert not cache.live_sequences() and len(cache.l1.free) + cache.index.evictable("l1") == 48
+
+
 def test_redis_dying_mid_run_slows_nothing_down_to_wrong(redis_server):
     cache = make([redis_server.url])
     docs = [list(range(i * 100, i * 100 + 13)) for i in range(4)]

@@ -10,12 +10,14 @@ named apart even where two groups have the same shape.
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from models import HYBRID_WINDOW, save_tiny_checkpoint
 
 from tierkv import LLM, SamplingParams
-from tierkv.groups import KVGroups, group_l1_blocks
+from tierkv.groups import GroupedPrefetch, KVGroups, group_l1_blocks
 from tierkv.layout import KVLayout
 
 transformers = pytest.importorskip("transformers")
@@ -145,6 +147,53 @@ def test_groups_of_the_same_shape_keep_their_l2_and_l3_blocks_apart(alternating,
     read = [g["tiers"]["l3"]["blocks_out"] for g in groups]
     assert read[0] == len(prompt) // BLOCK and 0 < read[1] <= WINDOW // BLOCK + 1, read
     again.close()
+
+
+@pytest.mark.parametrize("window_read", ["lands", "stalls"])
+def test_an_l3_tail_is_read_by_every_group_while_the_start_is_recomputed(alternating, tmp_path, window_read):
+    """Load-or-recompute splits an L3 part: the start is recomputed while the end is read. The
+    full group reads the whole end, the window group only its last window; both take what landed
+    at the same block, and the tokens equal transformers'. Where the window group's read stalls,
+    no group takes any of the tail (the full group's landed blocks included): it is recomputed."""
+    prompt = prompt_of(121, 23)  # 30 full blocks, then the token whose logits are computed
+    expected = hf_greedy(alternating, prompt, 8)
+    l3 = [f"file://{tmp_path}/l3?size=64MiB"]
+    first = LLM(alternating, device="cpu", dtype="float32", block_size=BLOCK, l2="1MiB", l3=l3)
+    first.generate([prompt], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    assert first.cache.flush(30)
+    first.close()
+    llm = LLM(alternating, device="cpu", dtype="float32", block_size=BLOCK, l2="1MiB", l3=l3)
+    cache, engine = llm.cache, llm.engine
+    for c in cache.caches:  # one read in each group: block 0, and the disk's speed measured
+        assert c.prefetch(c.match(prompt), 30, blocks=(0, 1)).wait(30)
+    lead = cache.caches[0]
+    # recomputing a block costs half of reading one: the end is read while the start is computed
+    engine.scheduler.recompute_seconds_per_token = lead.tiers.load_seconds("l3", 29) / 29 / 2 / BLOCK
+    gate = threading.Event()
+    if window_read == "stalls":  # the window group's disk stalls: its part of the tail comes late
+        cache.caches[1].tiers.l3._reader.submit(gate.wait)
+    try:
+        req = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=8))
+        engine.step()
+        start = req.adopt_at
+        assert isinstance(req.tail, GroupedPrefetch) and BLOCK < start < 30 * BLOCK - 2 * WINDOW
+        assert req.num_computed == start  # it stopped where the tail starts
+        assert req.tail.parts[0].wait(30)
+        while engine.has_unfinished():
+            engine.step()
+    finally:
+        gate.set()
+    assert req.output_ids == expected
+    read = [g["tiers"]["l3"]["blocks_out"] for g in cache.stats()["groups"]]
+    if window_read == "lands":
+        assert req.cached_tokens == BLOCK + (30 * BLOCK - start)  # block 0, and the whole tail
+        # the full group read block 0 and the tail; the window group block 0 and the tail's last
+        # window (the query at 120 reads keys from 105 on: blocks 26 to 29)
+        assert read == [1 + 30 - start // BLOCK, 1 + 4], read
+    else:  # the full group's tail landed and was not taken: every group recomputed it
+        assert req.cached_tokens == BLOCK and read == [1 + 30 - start // BLOCK, 1], read
+    assert not cache.live_sequences()
+    llm.close()
 
 
 def test_the_usage_gauge_weighs_each_groups_blocks_by_their_bytes(hybrid):

@@ -21,7 +21,7 @@ from models import save_tiny_checkpoint
 
 from tierkv import LLM, SamplingParams
 from tierkv.errors import ConfigError, TensorParallelError
-from tierkv.groups import caches_of
+from tierkv.groups import GroupedPrefetch, caches_of
 from tierkv.hashing import hash_blocks, token_bytes
 from tierkv.heads import HeadSplit
 from tierkv.tiering import block_id
@@ -98,6 +98,40 @@ def test_disk_l3_written_at_one_tp_size_is_read_at_another(checkpoints, tmp_path
     finally:
         second.close()
 
+
+
+def test_an_l3_tail_read_by_every_layer_group_over_two_ranks_gives_one_ranks_tokens(checkpoints, tmp_path):
+    """gpt-oss at TP=2 from a disk L3 written at TP=1: load-or-recompute splits the L3 part, its
+    end is read while its start is recomputed, by the full group whole and by the window group
+    its last window, each through its own heads exchange; the worker repeats each group's loads."""
+    path = checkpoints["gpt_oss"]
+    prompt = torch.randint(0, 256, (121,), generator=torch.Generator().manual_seed(12)).tolist()  # 30 blocks
+    l3 = [f"file://{tmp_path}/l3"]
+    one = LLM(path, device="cpu", block_size=4, l2="2MiB", l3=l3)
+    want = one.generate([prompt], GREEDY, use_tqdm=False)[0].token_ids
+    assert one.cache.flush(timeout=60)
+    one.close()
+    two = LLM(path, device="cpu", tensor_parallel_size=2, block_size=4, l2="2MiB", l3=l3)
+    try:
+        cache, engine = two.cache, two.engine
+        for c in cache.caches:  # one read in each group: block 0, and the disk's speed measured
+            assert c.prefetch(c.match(prompt), 30, blocks=(0, 1)).wait(30)
+        lead = cache.caches[0]
+        engine.scheduler.recompute_seconds_per_token = lead.tiers.load_seconds("l3", 29) / 29 / 2 / 4
+        req = engine.add_request(prompt, GREEDY)
+        engine.step()
+        start = req.adopt_at
+        assert isinstance(req.tail, GroupedPrefetch) and 4 < start < 100
+        assert req.tail.wait(30)
+        while engine.has_unfinished():
+            engine.step()
+        assert req.output_ids == want
+        assert req.cached_tokens == 4 + (120 - start)  # block 0, and the whole tail
+        rank0, rank1 = (r["groups"] for r in engine.cache_stats()["ranks"])
+        loads = [g["tiers"]["l2"]["blocks_out"] for g in rank0]
+        assert [g["tiers"]["l2"]["blocks_out"] for g in rank1] == loads and 0 < loads[1] < loads[0]
+    finally:
+        two.close()
 
 
 def test_tierkv_serve_over_two_ranks_flushes_whole_blocks_to_l3_on_sigterm(checkpoints, tmp_path):

@@ -10,7 +10,9 @@ manager keeps a block table per group, and how the vLLM connector maps it (integ
 
 The first group decides (the full-attention one where there is one): its plan says where the hit
 ends (load-or-recompute weighs its loads, the largest), whether a sequence streams and what L3
-part to read; every other group follows, cut to the same hit. A `GroupedSequence` is one
+part to read; every other group follows, cut to the same hit. Where it splits an L3 part (its
+start recomputed while its end is read), a window group reads only its last window's blocks of
+that end, and the groups take what landed at the same block (`adopt`). A `GroupedSequence` is one
 SequenceBlocks per group. Only the first group streams: a window group's L1 holds its window
 beside a chunk of new tokens (`group_l1_blocks` sizes it so), so it never needs to.
 
@@ -118,14 +120,20 @@ class GroupedSequence:
 @dataclass(slots=True)
 class GroupedPlan:
     """Every group's AdmissionPlan for one prompt, all cut to the same hit. The scheduler reads
-    it as one AdmissionPlan and hands its `match` and `reserve` back to `KVGroups`."""
+    it as one AdmissionPlan and hands its `match`, `reserve` and `tail` back to `KVGroups`."""
 
     plans: list[AdmissionPlan]
-    # an L3 tail (read while its start is recomputed) is not split across groups: the groups
-    # recompute the L3 part instead, so these stay unset
-    tail: None = None
-    tail_deadline_s: float = 0.0
-    adopt_at: None = None
+    # the end of the L3 part that each group reads while the start is recomputed (the first
+    # group's split; a window group's last window of it), None without one
+    tail: list[tuple[int, int] | None] | None = None
+
+    @property
+    def tail_deadline_s(self) -> float:
+        return self.plans[0].tail_deadline_s
+
+    @property
+    def adopt_at(self) -> int | None:
+        return self.plans[0].adopt_at
 
     @property
     def match(self) -> list[Match]:
@@ -155,12 +163,35 @@ class GroupedPlan:
 
 @dataclass(slots=True)
 class GroupedPrefetch:
-    """Every group's L3 read for one prompt; done once each group's is."""
+    """Every group's L3 read for one prompt, as one Prefetch: done once each group's is, expected
+    when the last is, and as long as the first group's (the one that decides) to recompute."""
 
     parts: list[Prefetch | None]
+    # set by a caller that waits for it (Prefetch's): since when, when it stops, and when it did
+    reached_at: float | None = None
+    give_up_at: float | None = None
+    abandoned_at: float | None = None
 
     def done(self) -> bool:
         return all(p is None or p.done() for p in self.parts)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        end = None if timeout is None else time.monotonic() + timeout
+        return all([p is None or p.wait(None if end is None else max(0.0, end - time.monotonic()))
+                    for p in self.parts])
+
+    def expected_by(self, now: float) -> float:
+        return max((p.expected_by(now) for p in self.parts if p is not None), default=0.0)
+
+    def abandon(self) -> None:
+        for p in self.parts:
+            if p is not None:
+                p.abandon()
+
+    @property
+    def num_blocks(self) -> int:
+        """The first group's blocks: the tokens its read saves recomputing."""
+        return 0 if self.parts[0] is None else self.parts[0].num_blocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,7 +282,7 @@ class KVGroups:
     def plan(self, tokens, salt: str | None = None, *, budget: int, prefix_caching: bool = True,
              recompute_seconds_per_token: float | None = None, deadline_s: float = 1.0) -> GroupedPlan:
         """Each group's plan, cut to the hit every group holds. The first group weighs
-        load-or-recompute; an L3 tail it would split off is recomputed instead (GroupedPlan)."""
+        load-or-recompute; where it splits off an L3 tail, each group reads its part (`_tails`)."""
         lead = self.lead.plan(tokens, salt, budget=budget, prefix_caching=prefix_caching,
                               recompute_seconds_per_token=recompute_seconds_per_token, deadline_s=deadline_s)
         hit = lead.match.tokens
@@ -260,10 +291,20 @@ class KVGroups:
                                      limit=hit) for c in self.caches[1:]]
             least = min(p.match.tokens for p in plans)
             if least == hit:
-                return GroupedPlan(plans)
+                return GroupedPlan(plans, self._tails(plans[0]))
             hit = least  # a group holds less: every group stops there
             lead = self.lead.plan(tokens, salt, budget=budget, prefix_caching=prefix_caching, deadline_s=deadline_s,
                                   limit=hit)
+
+    def _tails(self, lead: AdmissionPlan) -> list[tuple[int, int] | None] | None:
+        """The L3 blocks each group reads while the first recomputes up to its split: the first
+        group's tail, and of it a window group's last window (no query past the tail reads the
+        window layers' keys before that)."""
+        if lead.tail is None:
+            return None
+        first, end = lead.tail
+        bs = self.block_size
+        return [lead.tail] + [(max(first, c.layout.first_block_read(end * bs)), end) for c in self.caches[1:]]
 
     def prefetch(self, matches: list[Match], deadline_s: float | None = None, *, priority: int = 0,
                  blocks: list[tuple[int, int] | None] | None = None) -> GroupedPrefetch:
@@ -299,6 +340,19 @@ class KVGroups:
         for c, p in zip(self.caches, seq.parts):
             if end > p.num_tokens:
                 c.append(p, end - p.num_tokens)
+
+    def adopt(self, seq: GroupedSequence, tokens) -> int:
+        """Take the landed end of an L3 part in every group, up to the furthest block where every
+        group holds what it needs (the first group every block from its committed prefix on, a
+        window group its last window's), or none: the groups always stand at the same block."""
+        ends = self.lead.adoptable(seq.parts[0], tokens)
+        for c, p in zip(self.caches[1:], seq.parts[1:]):
+            ends = c.adoptable(p, tokens, ends) if ends else []
+        if not ends:
+            return 0
+        for c, p in zip(self.caches[1:], seq.parts[1:]):
+            c.adopt(p, tokens, upto=ends[0])
+        return self.lead.adopt(seq.parts[0], tokens, upto=ends[0])
 
     def let_go(self, seq: GroupedSequence, first_query: int, streams: bool = False) -> int:
         """Each window group lets go of the blocks its window has left (they never stream); the

@@ -27,7 +27,7 @@ from .hashing import hash_blocks, token_bytes
 from .index import BlockEntry
 from .sequence import LayerSave, SequenceBlocks, fill_block_table
 from .streaming import LayerStream, StreamPlan
-from .transfer import DONE, Transfer, in_flight, layer_groups
+from .transfer import DONE, in_flight, layer_groups
 
 COPY_CHUNK = 128  # blocks a commit enters before it tells the tiers (see commit)
 
@@ -86,46 +86,123 @@ class PagedCache(Admission):
         seq.num_tokens += int(num_tokens)
 
     @guarded
-    def adopt(self, seq: SequenceBlocks, tokens) -> int:
+    def adopt(self, seq: SequenceBlocks, tokens, upto: int | None = None) -> int:
         """Take the blocks right after the sequence's committed prefix from the cache instead of
         computing them, where the cache holds them now (a `prefetch` of `match.tail` landed, or
         another request computed them): L1 copies are shared, L2 ones loaded into the sequence's
-        own slots. Returns how many blocks; their tokens count as computed. The last token of
-        `tokens` is never taken (its logits must be computed).
+        own slots. A sequence that lets go of what its windows have left (`lets_go`) takes only
+        the blocks its window reads from where the taking ends, and lets go of those before.
+        `upto`: take exactly the blocks up to block `upto`, or nothing (`adoptable` says which
+        ends work now: a cache per layer group takes the same ones in every group). Returns how
+        many blocks it moved past; their tokens count as computed. The last token of `tokens`
+        is never taken (its logits must be computed).
         """
         self._check_seq(seq, "adopt")
         self.tiers.reap()
+        start, held = self._held(seq, tokens)
+        ends = self._adoptable(seq, start, held, None if upto is None else [upto])
+        if not ends:
+            return 0
+        stop = ends[0]
+        first, entries = self._taken(start, held, stop)
+        if self.lets_go and first > seq.released:  # the window leaves these behind: let go of them, untaken
+            self.release(seq, first)
+            seq.slots += [-1] * (first - len(seq.slots))
+            seq.entries += [None] * (first - len(seq.entries))
+            seq.released = first
+        shared = [e for e in entries if e.l1 >= 0]
+        for e in shared:
+            self.index.pin(e)
+        from_l2 = [(i, e) for i, e in enumerate(entries, start=first) if e.l1 < 0]
+        self.index.hold_l2([e for _, e in from_l2])  # the slots taken below must not evict them
+        fresh = iter(self.tiers.take_l1(sum(1 for i, _ in from_l2 if i >= len(seq.slots))))
+        for i, e in enumerate(entries, start=first):
+            slot = e.l1 if e.l1 >= 0 else (seq.slots[i] if i < len(seq.slots) else next(fresh))
+            if i < len(seq.slots):
+                if e.l1 >= 0:  # shared: the private slot reserved for it goes back
+                    self.tiers.give_l1([seq.slots[i]])
+                seq.slots[i], seq.entries[i] = slot, e
+            else:
+                seq.slots.append(slot)
+                seq.entries.append(e)
+        taken = [e for _, e in from_l2]
+        loads = [e.loading for e in shared]  # a shared block may still be landing for someone else
+        loads.append(self.tiers.load_pinned(taken, [seq.slots[i] for i, _ in from_l2]))
+        self.index.release_l2(taken)
+        # (blocks let go of untaken, as allocate's window hits: counted with L1)
+        skipped = [None] * (first - start)
+        for tier, n in self._count_hits(None, [*skipped, *shared], taken).items():
+            seq.cached_by_tier[tier] += n  # cached tokens too, past num_cached_tokens
+        seq.pending = in_flight([*seq.pending, *loads])
+        self.tiers.used(entries, seq.priority)
+        seq.committed = stop
+        seq.num_tokens = max(seq.num_tokens, stop * self.block_size)
+        return stop - start
+
+    @guarded
+    def adoptable(self, seq: SequenceBlocks, tokens, ends: list[int] | None = None) -> list[int]:
+        """The block ends, furthest first, up to which `adopt(seq, tokens, upto=end)` would take
+        what it needs now (among `ends`; by default every end past the committed prefix)."""
+        self._check_seq(seq, "adoptable")
+        self.tiers.reap()
+        start, held = self._held(seq, tokens)
+        return self._adoptable(seq, start, held, ends)
+
+    def _held(self, seq: SequenceBlocks, tokens) -> tuple[int, list[BlockEntry | None]]:
+        """Where `seq` would take blocks from (past its committed and let-go prefix), and the
+        entry the cache holds now of each block from there to the prompt's last full block
+        (None: not held). A sequence that does not let go of blocks takes none past its slots,
+        and only a run from the start: the walk stops at the first miss."""
         bs = self.block_size
         tb = token_bytes(tokens)
-        end = min((len(tb) // 4 - 1) // bs, len(seq.slots), len(seq.hashes))
-        self._check_extends(seq, tb[4 * seq.committed * bs : 4 * end * bs], seq.committed * bs, "adopt")
-        start = i = seq.committed
-        from_l2: list[tuple[int, BlockEntry]] = []
-        shared: list[BlockEntry] = []  # found in L1
-        loads: list[Transfer | None] = []
-        while i < end and seq.entries[i] is None and seq.slots[i] >= 0:
+        start = max(seq.committed, seq.released)
+        end = (len(tb) // 4 - 1) // bs
+        if not self.lets_go:
+            end = min(end, len(seq.slots))
+        if end <= start:
+            return start, []
+        self._check_extends(seq, tb[4 * start * bs : 4 * end * bs], start * bs, "adopt")
+        if len(seq.hashes) < end:  # (a sequence allocated without a lookup hashes as it commits)
+            known = len(seq.hashes)
+            seq.hashes += hash_blocks(tb[4 * known * bs : 4 * end * bs], bs, seq.ns,
+                                      parent=seq.hashes[-1] if known else 0)
+        held: list[BlockEntry | None] = []
+        for i in range(start, end):
             entry, _ = self.index.lookup(seq.hashes[i], seq.hashes[i - 1] if i else 0, seq.ns,
                                          tb[i * 4 * bs : (i + 1) * 4 * bs])
-            if entry is None:
+            if entry is None and not self.lets_go:
                 break
-            if entry.l1 >= 0:  # share it; the private slot we had reserved for it goes back
-                self.index.pin(entry)
-                self.tiers.give_l1([seq.slots[i]])
-                seq.slots[i] = entry.l1
-                shared.append(entry)
-                loads.append(entry.loading)  # the block may still be landing for someone else
-            else:
-                from_l2.append((i, entry))
-            seq.entries[i] = entry
-            i += 1
-        taken = [e for _, e in from_l2]
-        loads.append(self.tiers.load_pinned(taken, [seq.slots[j] for j, _ in from_l2]))
-        for tier, tokens in self._count_hits(None, shared, taken).items():
-            seq.cached_by_tier[tier] += tokens  # cached tokens too, past num_cached_tokens
-        seq.pending = in_flight([*seq.pending, *loads])
-        self.tiers.used(seq.entries[start:i], seq.priority)
-        seq.committed = i
-        return i - start
+            held.append(entry)
+        return start, held
+
+    def _taken(self, start: int, held: list[BlockEntry | None], stop: int) -> tuple[int, list[BlockEntry | None]]:
+        """The first block an adoption that ends at block `stop` takes, and the entries of the
+        blocks it takes: all from `start`, or, letting go of blocks, those its window reads."""
+        first = max(start, self.layout.first_block_read(stop * self.block_size)) if self.lets_go else start
+        return first, held[first - start : stop - start]
+
+    def _adoptable(self, seq: SequenceBlocks, start: int, held: list[BlockEntry | None],
+                   ends: list[int] | None) -> list[int]:
+        """`adoptable` from `_held`'s answer: ends whose blocks are all held, where L1 has room
+        for the slots the taking adds, and where letting go of blocks can be done now."""
+        ends = range(start + len(held), start, -1) if ends is None else ends
+        ends = [stop for stop in ends if start < stop <= start + len(held)]
+        if not self.lets_go:  # held is a run from the start, into slots the sequence has
+            return ends
+        out = []
+        for stop in ends:
+            first, entries = self._taken(start, held, stop)
+            if any(e is None for e in entries):
+                continue
+            if first > seq.released and (in_flight(seq.pending) or seq.offloaded or seq.saving is not None
+                                          or self.tiers.engine_owned):
+                continue  # (release could not let go of them now)
+            new = sum(1 for i, e in enumerate(entries, start=first) if e.l1 < 0 and i >= len(seq.slots))
+            pinned = sum(1 for e in entries if e.l1 >= 0 and e.ref == 0)  # evictable now, not once taken
+            if new and new > self.tiers.l1_room() - pinned:
+                continue
+            out.append(stop)
+        return out
 
     def _check_extends(self, seq: SequenceBlocks, tb: bytes, start: int, call: str) -> None:
         """`tb`, the token_bytes of positions start.., must equal what the sequence knows there;
