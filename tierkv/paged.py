@@ -194,8 +194,7 @@ class PagedCache(Admission):
             first, entries = self._taken(start, held, stop)
             if any(e is None for e in entries):
                 continue
-            if first > seq.released and (in_flight(seq.pending) or seq.offloaded or seq.saving is not None
-                                          or self.tiers.engine_owned):
+            if first > seq.released and (in_flight(seq.pending) or seq.offloaded or seq.saving is not None):
                 continue  # (release could not let go of them now)
             new = sum(1 for i, e in enumerate(entries, start=first) if e.l1 < 0 and i >= len(seq.slots))
             pinned = sum(1 for e in entries if e.l1 >= 0 and e.ref == 0)  # evictable now, not once taken
