@@ -177,6 +177,35 @@ def test_a_sliding_model_serves_a_prompt_longer_than_l1_without_l2(sliding):
     assert most <= 40 and req.output_ids == hf_greedy(sliding, prompt, 16)
 
 
+def test_a_sliding_model_reads_only_the_last_window_of_an_l3_tail(sliding, tmp_path):
+    """Every layer slides over 16 tokens: where load-or-recompute splits an L3 part (its start
+    recomputed while its end is read), only the end's last window is read from disk, and the
+    sequence takes it at the split: the blocks in between are neither read nor computed."""
+    prompt = torch.randint(0, 512, (121,), generator=torch.Generator().manual_seed(14)).tolist()  # 30 blocks
+    l3 = [f"file://{tmp_path}/l3?size=64MiB"]
+    first = LLM(sliding, device="cpu", dtype="float32", block_size=BLOCK, l1=L1, l2="1MiB", l3=l3)
+    first.generate([prompt], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    assert first.cache.flush(30)
+    first.close()
+    llm = LLM(sliding, device="cpu", dtype="float32", block_size=BLOCK, l1=L1, l2="1MiB", l3=l3)
+    cache, engine = llm.cache, llm.engine
+    assert cache.lets_go and cache.prefetch(cache.match(prompt), 30, blocks=(0, 1)).wait(30)  # the disk's speed
+    # recomputing a block costs half of reading one: the end is read while the start is computed
+    engine.scheduler.recompute_seconds_per_token = cache.tiers.load_seconds("l3", 29) / 29 / 2 / BLOCK
+    req = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=8))
+    engine.step()
+    start = req.adopt_at
+    assert req.tail is not None and BLOCK < start < 120 - 2 * WINDOW and req.num_computed == start
+    assert req.tail.wait(30)
+    while engine.has_unfinished():
+        engine.step()
+    assert req.output_ids == hf_greedy(sliding, prompt, 8)
+    assert req.cached_tokens == BLOCK + (120 - start)  # block 0, and the whole tail taken
+    # read from disk: block 0 and the window of the query at 120 (keys from 105 on: blocks 26-29)
+    assert cache.stats()["tiers"]["l3"]["blocks_out"] == 1 + 4
+    llm.close()
+
+
 def test_a_window_hit_needs_only_the_blocks_its_window_reads():
     """Every layer slides over 8 tokens: a prefix is a hit once the blocks its next query reads
     are cached, even where no tier holds the blocks before them any more (they left L1 first:

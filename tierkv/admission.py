@@ -143,18 +143,19 @@ class Admission(Lookups):
         stream = self.must_stream(num_tokens)
         fetch = self._l3_part(m) if m.by_tier["l3"] else None
         if fetch is not None and m.window_hits:  # only the blocks the window reads: a window hit needs no more
-            fetch = (max(fetch[0], self.layout.first_block_read(fetch[1] * bs)), fetch[1])
+            fetch = self.window_reads(*fetch)
         fetch_deadline_s = deadline_s
         if fetch is not None and recompute_seconds_per_token is not None and self.tiers.l3.read_measured:
             # a read chosen because it beats recomputing is waited for no longer than recomputing would take
             fetch_deadline_s = min(deadline_s, m.by_tier["l3"] * recompute_seconds_per_token)
         tail, tail_deadline_s = None, 0.0
         if fetch is None and m.tail is not None and not stream:
-            # the start of the L3 part is recomputed while its end is read. The scheduler abandons
-            # the read once waiting for it would take longer than recomputing the tail
+            # the start of the L3 part is recomputed while its end is read (where every layer
+            # slides, the end's last window: `adopt` takes no more). The scheduler abandons the
+            # read once waiting for it would take longer than recomputing the tail
             # (Scheduler._tail_on_its_way); this deadline only ends a read nobody abandons (an
             # engine of its own): `deadline_s` past the time recomputing all of the part takes
-            tail = m.tail
+            tail = self.window_reads(*m.tail)
             tail_deadline_s = (m.tail[1] * bs - m.tokens) * recompute_seconds_per_token + deadline_s
         chunked = stream or self.lets_go  # room for the cached prefix and one chunk; `append` adds the rest
         reserve = min(num_tokens, m.tokens + min(budget, self.stream_window)) if chunked else None
@@ -162,8 +163,17 @@ class Admission(Lookups):
             match=m, stream=stream, reserve=reserve,
             fits=self.can_allocate(num_tokens, m, stream=stream, reserve=reserve),
             fetch=fetch, fetch_deadline_s=fetch_deadline_s,
-            tail=tail, tail_deadline_s=tail_deadline_s, adopt_at=None if tail is None else tail[0] * bs,
+            tail=tail, tail_deadline_s=tail_deadline_s, adopt_at=None if tail is None else m.tail[0] * bs,
+            tail_tokens=0 if tail is None else (m.tail[1] - m.tail[0]) * bs,
         )
+
+    def window_reads(self, first: int, end: int) -> tuple[int, int]:
+        """Of blocks [first, end) of a prompt, those a sequence reads once it computes on from
+        block `end`: where it lets go of what its windows have left (`lets_go`), from the first
+        block its last window reads; all of them otherwise."""
+        if not self.lets_go:
+            return first, end
+        return max(first, self.layout.first_block_read(end * self.block_size)), end
 
     def admit(
         self, tokens, salt: str | None = None, *, priority: int = 0, deadline_s: float = DEFAULT_L3_DEADLINE_S,

@@ -136,6 +136,10 @@ class GroupedPlan:
         return self.plans[0].adopt_at
 
     @property
+    def tail_tokens(self) -> int:
+        return self.plans[0].tail_tokens
+
+    @property
     def match(self) -> list[Match]:
         return [p.match for p in self.plans]
 
@@ -163,8 +167,8 @@ class GroupedPlan:
 
 @dataclass(slots=True)
 class GroupedPrefetch:
-    """Every group's L3 read for one prompt, as one Prefetch: done once each group's is, expected
-    when the last is, and as long as the first group's (the one that decides) to recompute."""
+    """Every group's L3 read for one prompt, as one Prefetch: done once each group's is, and
+    expected when the last is."""
 
     parts: list[Prefetch | None]
     # set by a caller that waits for it (Prefetch's): since when, when it stops, and when it did
@@ -187,11 +191,6 @@ class GroupedPrefetch:
         for p in self.parts:
             if p is not None:
                 p.abandon()
-
-    @property
-    def num_blocks(self) -> int:
-        """The first group's blocks: the tokens its read saves recomputing."""
-        return 0 if self.parts[0] is None else self.parts[0].num_blocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -298,13 +297,12 @@ class KVGroups:
 
     def _tails(self, lead: AdmissionPlan) -> list[tuple[int, int] | None] | None:
         """The L3 blocks each group reads while the first recomputes up to its split: the first
-        group's tail, and of it a window group's last window (no query past the tail reads the
-        window layers' keys before that)."""
+        group's tail, and of that part a window group's last window (`window_reads`: no query
+        past the tail reads the window layers' keys before it)."""
         if lead.tail is None:
             return None
-        first, end = lead.tail
-        bs = self.block_size
-        return [lead.tail] + [(max(first, c.layout.first_block_read(end * bs)), end) for c in self.caches[1:]]
+        first, end = lead.adopt_at // self.block_size, lead.tail[1]
+        return [lead.tail] + [c.window_reads(first, end) for c in self.caches[1:]]
 
     def prefetch(self, matches: list[Match], deadline_s: float | None = None, *, priority: int = 0,
                  blocks: list[tuple[int, int] | None] | None = None) -> GroupedPrefetch:

@@ -61,10 +61,12 @@ class AdmissionPlan:
     fetch: tuple[int, int] | None
     fetch_deadline_s: float
     # Blocks [first, end) of an L3 hit to read in the background while the blocks before them are
-    # recomputed, taken (`adopt`) once the computation reaches them; with their deadline.
+    # recomputed, taken (`adopt`) once the computation reaches them; with their deadline. Where
+    # every layer slides, only the last window's blocks of that end are read (`window_reads`).
     tail: tuple[int, int] | None
     tail_deadline_s: float
     adopt_at: int | None  # prompt position where the computation stops to take the tail
+    tail_tokens: int = 0  # the tokens taking the tail saves computing: from adopt_at to its end
 
 
 def worth_loading(tiers: Tiering, blocks: list[BlockEntry], usable: int, per_block: float) -> list[BlockEntry]:

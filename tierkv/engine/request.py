@@ -52,6 +52,7 @@ class Request:
     prefetch_until: float = 0.0
     tail: Prefetch | None = None  # the end of its L3 hit, read into L2 while the start is computed
     adopt_at: int | None = None  # prompt position where that tail is taken
+    tail_tokens: int = 0  # the tokens taking that tail saves computing (it waits no longer than they take)
     generator: torch.Generator | None = None
     detokenizer: IncrementalDetokenizer | None = None
     text: str = ""  # the output's text so far (cut at a stop string)

@@ -191,7 +191,7 @@ class Scheduler:
             return False
         now = time.monotonic()
         if tail.give_up_at is None:  # it reached the tail just now
-            recompute_s = tail.num_blocks * self.cache.block_size * (self.recompute_seconds_per_token or 0.0)
+            recompute_s = req.tail_tokens * (self.recompute_seconds_per_token or 0.0)
             tail.reached_at, tail.give_up_at = now, now + recompute_s
         if max(now, tail.expected_by(now)) < tail.give_up_at:
             return True
@@ -249,7 +249,7 @@ class Scheduler:
                 # recompute the start of the L3 part while its end is read into L2 in the background
                 req.tail = self.cache.prefetch(plan.match, plan.tail_deadline_s, priority=req.priority,
                                                blocks=plan.tail)
-                req.adopt_at = plan.adopt_at
+                req.adopt_at, req.tail_tokens = plan.adopt_at, plan.tail_tokens
             self.waiting.remove(req)
             req.status = Status.RUNNING
             req.prefetch = None
