@@ -60,7 +60,11 @@ def test_guidellm_completes_every_request(server, tmp_path):
         tmp_path)
     (bench,) = json.loads((tmp_path / "report.json").read_text())["benchmarks"]
     requests = bench["requests"]
-    assert len(requests["successful"]) == REQUESTS and not requests["errored"] and not requests["incomplete"]
+    # (once in a full run, 2 of 3 came back successful: what went wrong with the third, and the server's side)
+    failed = [{"kind": kind, "status": r["info"]["status"], "error": r["info"]["error"],
+               "traceback": (r["info"].get("traceback") or "")[-800:]} for kind in ("errored", "incomplete")
+              for r in requests[kind]]
+    assert len(requests["successful"]) == REQUESTS and not failed, (failed, server.log()[-3000:])
     for r in requests["successful"]:
         body = json.loads(r["request_args"])["body"]
         assert body["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}

@@ -5,7 +5,9 @@ A model of full-attention and sliding-window layers (gpt-oss, Gemma 3; a tiny Qw
 let go of the blocks their window has left, so L1 holds the window of those layers rather than
 the whole context, and the room goes to the full group: a prompt that one cache of the same L1
 bytes could not hold runs, with tokens equal to transformers'. L2 and L3 objects are per group,
-named apart even where two groups have the same shape.
+named apart even where two groups have the same shape. An L3 tail (read while the start is
+recomputed) is read by every group, the window group only its last window, and taken by all
+groups at the same block or by none.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ stores, so the same directory serves TP=1 and TP=2 in both directions: a prompt 
 served from L3 to the other, which then gives TP=1's greedy tokens. With L1 and L2 emptied first,
 every prefix block the second engine uses came through L3; a rank whose heads were lost or put in
 the wrong place changes the tokens. Rank 0's L2 slots hold exactly its heads of the stored bytes.
+gpt-oss (full and window layers) does the same with a cache, and an exchange, per layer group,
+and takes an L3 tail read while its start is recomputed in every group over two ranks.
 `tierkv-serve -tp 2` under write_back fills L3 only by its shutdown flush, and one rank reads it.
 A worker killed while L3 writes go on fails the call, and the engine still closes.
 """
