@@ -147,7 +147,8 @@ class Lookups:
         stride = 4 * self.block_size
         # (a match limited to no tokens hashed none: a layer group's, following a first group
         # that recomputes from the start while it reads the end)
-        hashes = match.hashes if len(match.hashes) >= end else hash_blocks(match.token_bytes, self.block_size, match.ns)
+        hashes = match.hashes if len(match.hashes) >= end else \
+            hash_blocks(match.token_bytes[: end * stride], self.block_size, match.ns)
         return [
             BlockId(hashes[i], hashes[i - 1] if i else 0, match.ns, match.token_bytes[i * stride : (i + 1) * stride], i)
             for i in range(first, end)

@@ -162,10 +162,7 @@ class PagedCache(Admission):
         if end <= start:
             return start, []
         self._check_extends(seq, tb[4 * start * bs : 4 * end * bs], start * bs, "adopt")
-        if len(seq.hashes) < end:  # (a sequence allocated without a lookup hashes as it commits)
-            known = len(seq.hashes)
-            seq.hashes += hash_blocks(tb[4 * known * bs : 4 * end * bs], bs, seq.ns,
-                                      parent=seq.hashes[-1] if known else 0)
+        self._hash_to(seq, tokens, end)
         held: list[BlockEntry | None] = []
         for i in range(start, end):
             entry, _ = self.index.lookup(seq.hashes[i], seq.hashes[i - 1] if i else 0, seq.ns,
@@ -203,6 +200,14 @@ class PagedCache(Admission):
             out.append(stop)
         return out
 
+    def _hash_to(self, seq: SequenceBlocks, tokens, end: int) -> None:
+        """Extend `seq.hashes` to its first `end` blocks of `tokens` (the sequence's, from position
+        0): a sequence allocated without a lookup hashes as it commits or adopts."""
+        known, bs = len(seq.hashes), self.block_size
+        if known < end:
+            tail = token_bytes(tokens[known * bs : end * bs])
+            seq.hashes += hash_blocks(tail, bs, seq.ns, parent=seq.hashes[-1] if known else 0)
+
     def _check_extends(self, seq: SequenceBlocks, tb: bytes, start: int, call: str) -> None:
         """`tb`, the token_bytes of positions start.., must equal what the sequence knows there;
         what it did not know yet is added (the tokens generated since)."""
@@ -234,10 +239,7 @@ class PagedCache(Admission):
             return 0
         tb = token_bytes(tokens[start * bs : full * bs])
         self._check_extends(seq, tb, start * bs, "commit")
-        if len(seq.hashes) < full:
-            known_hashes = len(seq.hashes)
-            tail = token_bytes(tokens[known_hashes * bs : full * bs])
-            seq.hashes += hash_blocks(tail, bs, seq.ns, parent=seq.hashes[-1] if known_hashes else 0)
+        self._hash_to(seq, tokens, full)
         if self.tiers.engine_owned:
             self._save_engine_blocks(seq, tb, start, full)
             seq.committed = full
