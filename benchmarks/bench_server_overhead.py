@@ -60,7 +60,7 @@ sys.path.insert(0, str(HERE.parent / "tests"))  # the server launcher the tests 
 import pyspy  # noqa: E402
 from common import RESULTS, environment, machine_tag, write_results  # noqa: E402
 from serving.client import stats_delta  # noqa: E402
-from serving.model import describe, make_model  # noqa: E402
+from serving.model import given_or_made, take_positions  # noqa: E402
 from server_helpers import ServerProcess, metric  # noqa: E402
 
 TARGET = 1.15  # issues 29 and 40: TTFT through HTTP <= 1.15x LLM.generate's on a 12K-token L2 hit
@@ -412,19 +412,10 @@ def main(argv=None) -> Path:
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-server-overhead-", dir=a.tmp))
     try:
-        if a.model is not None:
-            model = describe(json.loads((a.model / "config.json").read_text()), "dir", a.model)
-            build_s = None
-        else:
-            threads = torch.get_num_threads()
-            model, build_s = make_model("tiny" if a.smoke else "llama-3.1-8b", tmp)
-            torch.set_num_threads(threads)  # as many as the server's: making a tiny model sets 1
+        model, build_s = given_or_made(a.model, a.smoke, tmp)
         tier = sizes(a, model.kv_bytes_per_token)
-        if a.model is None and tier["max_model_len"] > model.max_position_embeddings:
-            # random weights: RoPE takes any position, so the made model may say it takes the longest prompt
-            config = json.loads((model.path / "config.json").read_text())
-            config["max_position_embeddings"] = tier["max_model_len"]
-            (model.path / "config.json").write_text(json.dumps(config))
+        if a.model is None:
+            take_positions(model, tier["max_model_len"])
         prompts = make_prompts(a, model.vocab_size)
         print(f"model {model.source} {model.shape}; L1 {tier['l1'] / 2**30:.2f} GiB ({a.l1_users} histories), "
               f"L2 {tier['l2'] / 2**30:.2f} GiB; {a.users} users x {a.rounds} rounds, prefix {a.prefix_tokens}",

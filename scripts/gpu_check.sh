@@ -3,7 +3,7 @@
 # ../shared/tools/device-wheels.sh, carried), then run the named parts in order, each under its
 # own time limit, so one failure never costs the others. Everything lands in $OUT (log, JSON, PNG).
 #   parts: tests (pytest -m gpu, or the files in GPU_TESTS; all 175 took ~430 s at 995d4e8, over two calls; TESTS_LIMIT s allowed, 480), kernels, throughput, latency,
-#          long_context, serving, tiers (bench_tiers: disk, and Redis/S3 when .devsvc/ is carried),
+#          long_context, serving, rounds (bench_rounds: hit rounds against their bound), tiers (bench_tiers: disk, and Redis/S3 when .devsvc/ is carried),
 #          families (bench_families: MoE / sliding-window shapes, decode and a 100K L2 hit), moe, mla,
 #          fleet (bench_routers --gpu: replicas on one GPU behind vllm-router; carry .fleet from
 #          scripts/device_fleet.sh, which holds redis and every wheel it needs; FLEET_LIMIT s, 540)
@@ -11,7 +11,7 @@
 # (carry it, with the .whl/ files of boto3, botocore, s3transfer, jmespath and redis).
 # Usage (device tool, carry [".whl"]): TIERKV_COMMIT=<sha sent> bash scripts/gpu_check.sh tests kernels throughput
 # (the device's copy of .git can lag the tree it runs: without TIERKV_COMMIT the JSONs may name an older commit)
-# Extra arguments per part: TESTS_ARGS (e.g. "-n 6 --dist loadfile" with pytest-xdist's wheels in .whl/), KERNELS_ARGS, THROUGHPUT_ARGS, LATENCY_ARGS, LONG_ARGS, SERVING_ARGS, FLEET_ARGS.
+# Extra arguments per part: TESTS_ARGS (e.g. "-n 6 --dist loadfile" with pytest-xdist's wheels in .whl/), KERNELS_ARGS, THROUGHPUT_ARGS, LATENCY_ARGS, LONG_ARGS, SERVING_ARGS, ROUNDS_ARGS, FLEET_ARGS.
 # throughput with its HF peer on all 256 prompts takes ~6 min: give it a call of its own.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -74,6 +74,7 @@ part() {  # part NAME SECONDS COMMAND...
       latency) part latency 240 python3 benchmarks/bench_latency.py --out "$OUT" ${LATENCY_ARGS:-} ;;
       long_context) part long_context 420 python3 benchmarks/bench_long_context.py --out "$OUT" ${LONG_ARGS:-} ;;
       serving) part serving 540 python3 benchmarks/bench_serving.py --out "$OUT" ${SERVING_ARGS:-} ;;
+      rounds) part rounds 540 python3 benchmarks/bench_rounds.py --out "$OUT" ${ROUNDS_ARGS:---profile-seconds 2} ;;
       families) part families 540 python3 benchmarks/bench_families.py --out "$OUT" ${FAMILIES_ARGS:---hit} ;;
       moe) part moe 240 python3 benchmarks/bench_moe.py --out "$OUT" ${MOE_ARGS:-} ;;
       mla) part mla 240 python3 benchmarks/bench_mla_decode.py --out "$OUT" ${MLA_ARGS:-} ;;

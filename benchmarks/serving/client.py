@@ -5,9 +5,11 @@ counters. It only speaks the public HTTP API and never decides what to send or w
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 
@@ -88,6 +90,20 @@ async def send(h: Http, prompt: list[int], max_tokens: int, res: Result | None =
     if res.error is None and (res.ttft is None or res.completion_tokens != max_tokens):
         res.error = f"{res.completion_tokens} of {max_tokens} tokens"
     return res
+
+
+async def profile_server(h: Http, seconds: float, after: float = 0.0) -> Path | str:
+    """The server's torch profiler (/start_profile, /stop_profile) on for `seconds`, from `after`
+    seconds on: the trace's path as the server answers it, or what went wrong."""
+    await asyncio.sleep(after)
+    r = await h.client.post(h.url + "/start_profile", headers=h.headers)
+    if r.status_code != 200:
+        return f"/start_profile answered {r.status_code}: {r.text[:300]}"
+    await asyncio.sleep(seconds)
+    r = await h.client.post(h.url + "/stop_profile", headers=h.headers)
+    if r.status_code != 200:
+        return f"/stop_profile answered {r.status_code}: {r.text[:300]}"
+    return Path(r.json()["trace"])
 
 
 async def cache_stats(h: Http) -> dict | None:

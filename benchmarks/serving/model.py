@@ -66,3 +66,26 @@ def model_info(a, tmp: Path) -> tuple[ModelInfo, float | None]:
 
     config = json.loads((bundled_model_dir() / "config.json").read_text())
     return describe(config, "bundled" if not a.url else "external (shape of the bundled model)", None), None
+
+
+def given_or_made(path: Path | None, smoke: bool, tmp: Path) -> tuple[ModelInfo, float | None]:
+    """The model at `path`, or a random-weight Llama made under `tmp` (the 8B shape, tiny with
+    `smoke`), and the seconds making it took (None for a given one)."""
+    if path is not None:
+        return describe(json.loads((path / "config.json").read_text()), "dir", path), None
+    import torch
+
+    threads = torch.get_num_threads()
+    made = make_model("tiny" if smoke else "llama-3.1-8b", tmp)
+    torch.set_num_threads(threads)  # as many as the server's: making a tiny model sets 1
+    return made
+
+
+def take_positions(model: ModelInfo, positions: int) -> None:
+    """Let a made model take `positions` tokens: random weights with RoPE take any position, so its
+    config may say so (the server refuses a --max-model-len beyond it)."""
+    if positions <= model.max_position_embeddings:
+        return
+    config = json.loads((model.path / "config.json").read_text())
+    config["max_position_embeddings"] = model.max_position_embeddings = positions
+    (model.path / "config.json").write_text(json.dumps(config))

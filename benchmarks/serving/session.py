@@ -17,7 +17,7 @@ import httpx
 import numpy as np
 
 from .bounds import point_bound
-from .client import Http
+from .client import Http, profile_server
 from .figures import summarize
 from .probes import cold_probe, prime, warm_up
 from .report import fmt
@@ -60,17 +60,7 @@ async def profiled_point(a, h: Http, src: Source, rate: float, trace_to: Path) -
     """One more point at `rate`, with the server's torch profiler on for --profile-seconds from a
     third of the way in: the point's figures (the profiler slows the server: they stay apart from
     the sweep's), the trace copied to `trace_to`, and its summary (trace_summary.py)."""
-
-    async def profile() -> Path | str:
-        await asyncio.sleep(a.point_seconds / 3)
-        r = await h.client.post(h.url + "/start_profile", headers=h.headers)
-        if r.status_code != 200:
-            return f"/start_profile answered {r.status_code}: {r.text[:300]}"
-        await asyncio.sleep(a.profile_seconds)
-        r = await h.client.post(h.url + "/stop_profile", headers=h.headers)
-        return Path(r.json()["trace"]) if r.status_code == 200 else f"/stop_profile answered {r.status_code}: {r.text[:300]}"
-
-    profiling = asyncio.create_task(profile())
+    profiling = asyncio.create_task(profile_server(h, a.profile_seconds, after=a.point_seconds / 3))
     clock = rng_for(a.seed, src.name, 8)
     results, delta, span, late = await run_point(h, src, rate, a.point_seconds, a.drain_seconds, clock)
     trace = await profiling

@@ -1,0 +1,309 @@
+"""bench_rounds: closed multi-round chat through tierkv-serve, each hit round's time against its bound
+(issue 40 item 3: "hit rounds reach >= 80% of their bound, stated in the benchmark").
+
+How: --users conversations each start from a --context-tokens history (random ids, seeded). A round
+sends every user's next request, its history plus --question-tokens new ids, with at most
+--concurrency in flight, each asking --max-tokens tokens (greedy, ignore_eos). Then --answer-tokens
+fixed random ids stand for the answer in the history, so every config sends the same prompts
+whatever it generates. Round 0 is cold; from round 1 on each history is cached, and L1 (--l1-gib)
+holds only a few of them:
+  l1     tierkv-serve with --l2 0: a history L1 lost is recomputed;
+  l1+l2  a pinned L2 of --l2-gib (default: every history 1.25 times over): it is loaded over PCIe.
+Per config and round: wall time, TTFT p50 / p99 (from when the request was sent: the client's
+concurrency is not the server's queue), cached tokens, bytes L2 gave L1.
+
+The bound of a round, from limits measured in this run on the same server (probes before round 0):
+  pcie     bytes L2 gave L1 during the round / the pinned host->device copy's bandwidth
+  compute  prompt tokens the round computed (prompt - cached) x the cold prefill cost a token
+           + decode steps x one decode step at batch C.
+           C = the requests that run at once: --concurrency, or fewer where L1 holds fewer of the
+           round's histories; a step serves at most C of them, so steps = ceil(requests x
+           (max_tokens - 1) / C) (a request's first token comes from its prefill).
+           The prefill cost is one isolated cold request's TTFT per token; the step at batch C is the
+           median gap between the tokens of C cold requests of a round's length sent at once, over
+           the second half of their tokens (all C decode by then).
+The GPU and the copy engine run side by side, so a round takes at least max(pcie, compute):
+bound / wall is the share of the hardware's pace the round reached (target >= 0.8 for l1+l2's hit
+rounds), and the larger term names what binds. Also the l1 / l1+l2 ratio of hit-round time.
+With --profile-seconds, the server's torch profiler runs that long from the start of the second
+hit round: its trace goes to --out, a summary (GPU and per-stream busy shares, the top kernels and
+the engine thread's top ops) to the JSON.
+
+    python benchmarks/bench_rounds.py                       # H200: random-weight Llama-3.1-8B, ~6 min
+    python benchmarks/bench_rounds.py --profile-seconds 2   # and a trace of a saturated hit round
+    python benchmarks/bench_rounds.py --smoke               # CPU: tiny Llama, ~1 min
+
+Writes benchmarks/results/bench_rounds-<machine>.json (--out for another folder). It reads the
+servers only through their HTTP API.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "tests"))  # the server launcher the tests use
+from common import RESULTS, machine_tag, write_results  # noqa: E402
+from serving.bounds import h2d_bandwidth  # noqa: E402
+from serving.client import Http, cache_stats, profile_server, send, stats_delta  # noqa: E402
+from serving.model import given_or_made, take_positions  # noqa: E402
+from serving.probes import cold_probe, warm_up  # noqa: E402
+from serving.trace_summary import summarize_trace  # noqa: E402
+from server_helpers import ServerProcess  # noqa: E402
+
+TARGET = 0.8  # issue 40 item 3: l1+l2's hit rounds at >= 80% of their bound
+BLOCK = 16
+CONFIGS = ("l1", "l1+l2")
+# issue 40's run: 32 users x 8K tokens, 16 at a time, L1 6 GiB, 4 rounds, 32 tokens each
+H200 = dict(users=32, rounds=4, context_tokens=8000, question_tokens=100, answer_tokens=32, max_tokens=32,
+            concurrency=16)
+SMOKE = dict(users=6, rounds=3, context_tokens=600, question_tokens=24, answer_tokens=8, max_tokens=8, concurrency=3)
+SMOKE_L1_HISTORIES = 2  # with --smoke and no --l1-gib, L1 holds this many of the longest histories
+
+
+def parse(argv) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add = p.add_argument
+    add("--smoke", action="store_true", help="a tiny Llama on a CPU, small sizes (checks that everything runs)")
+    add("--model", type=Path, help="a ready HF model directory (default: make a random-weight Llama: the "
+        "Llama-3.1-8B shape on a GPU, the tiny one with --smoke)")
+    for k, v in H200.items():
+        add(f"--{k.replace('_', '-')}", type=int, help=f"H200 {v}, smoke {SMOKE[k]}")
+    add("--l1-gib", type=float, help=f"L1 in GiB (H200 6; smoke: {SMOKE_L1_HISTORIES} of the longest histories)")
+    add("--l2-gib", type=float, help="L2 in GiB for l1+l2 (default: every history 1.25 times over)")
+    add("--configs", default=",".join(CONFIGS), help=f"comma list of {', '.join(CONFIGS)} (default both)")
+    add("--profile-seconds", type=float, default=0.0, help="trace the server this long from the start of the "
+        "second hit round (default 0: off)")
+    add("--server-args", default="", help="more tierkv-serve flags, space separated")
+    add("--timeout", type=float, default=900.0, help="seconds for a server to start, and for one request")
+    add("--seed", type=int, default=0)
+    add("--tmp", type=Path, help="directory for the made model (default: system temp)")
+    add("--out", type=Path, default=RESULTS)
+    a = p.parse_args(argv)
+    a.argv = list(sys.argv[1:] if argv is None else argv)
+    for k, v in (SMOKE if a.smoke else H200).items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
+    if a.l1_gib is None and not a.smoke:
+        a.l1_gib = 6.0
+    bad = set(a.configs.split(",")) - set(CONFIGS)
+    if bad:
+        p.error(f"unknown configs {sorted(bad)}: give some of {', '.join(CONFIGS)}")
+    if a.rounds < 2 or a.users < 1 or a.concurrency < 1 or a.max_tokens < 2:
+        p.error("--rounds must be >= 2 (round 0 is cold), --users and --concurrency >= 1, --max-tokens >= 2")
+    return a
+
+
+def conversations(a, vocab: int) -> tuple[list[list[list[int]]], list[list[int]]]:
+    """Each round's prompts in user order (round r's prompt is round r-1's plus an answer and a
+    question), and --concurrency cold prompts of round 0's length for the batch probe. Ids are random
+    in [100, vocab), seeded: no two prompts share a block unless one extends the other."""
+    rng = np.random.default_rng(a.seed)
+
+    def ids(n: int) -> list[int]:
+        return rng.integers(100, vocab, n).tolist()
+
+    history = [ids(a.context_tokens) for _ in range(a.users)]
+    rounds = []
+    for r in range(a.rounds):
+        for u in range(a.users):
+            history[u] = history[u] + (ids(a.answer_tokens) if r else []) + ids(a.question_tokens)
+        rounds.append(list(history))
+    probes = [ids(a.context_tokens + a.question_tokens) for _ in range(a.concurrency)]
+    return rounds, probes
+
+
+def blocks_of(tokens: int) -> int:
+    return math.ceil(tokens / BLOCK)
+
+
+def sizes(a, rounds, kv_bytes_per_token: int) -> dict:
+    """L1 and L2 bytes, the longest sequence, and per round the requests that can run at once (C)."""
+    block_bytes = BLOCK * kv_bytes_per_token
+    longest = max(len(p) for p in rounds[-1]) + a.max_tokens
+    l1_blocks = (int(a.l1_gib * 2**30) // block_bytes if a.l1_gib
+                 else SMOKE_L1_HISTORIES * (blocks_of(longest) + 1))
+    l2_blocks = (int(a.l2_gib * 2**30) // block_bytes if a.l2_gib
+                 else math.ceil(1.25 * a.users * blocks_of(longest)))
+    at_once = [min(a.concurrency, l1_blocks // blocks_of(len(prompts[0]) + a.max_tokens)) for prompts in rounds]
+    if min(at_once) < 1:
+        raise SystemExit(f"L1 ({l1_blocks} blocks of {BLOCK} tokens) holds none of the longest histories "
+                         f"({longest} tokens): give a larger --l1-gib")
+    if a.users * blocks_of(len(rounds[1][0])) <= l1_blocks:
+        raise SystemExit("L1 holds every user's history: nothing would hit L2; give a smaller --l1-gib")
+    return dict(l1_bytes=l1_blocks * block_bytes, l2_bytes=l2_blocks * block_bytes, block_bytes=block_bytes,
+                max_model_len=BLOCK * (blocks_of(longest) + 1), at_once=at_once)
+
+
+async def batch_probe(h: Http, prompts: list[list[int]], max_tokens: int) -> dict:
+    """len(prompts) cold requests sent at once: the median gap between their tokens over the second
+    half of each (all of them decode by then, after their prefills) is the decode step at that batch."""
+    tokens = max(max_tokens, 4 * len(prompts))  # enough tokens that the prefills are over by half way
+    results = await asyncio.gather(*(send(h, p, tokens) for p in prompts))
+    errors = [r.error for r in results if r.error]
+    if errors:
+        return dict(batch=len(prompts), error=errors[0])
+    gaps = [g for r in results for g in r.itl[len(r.itl) // 2:]]
+    step = statistics.median(gaps)
+    return dict(batch=len(prompts), prompt_tokens=len(prompts[0]), tokens=tokens, step_s=step,
+                step_ms=step * 1e3, error=None)
+
+
+def pct(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else math.nan
+
+
+async def run_round(h: Http, prompts: list[list[int]], a) -> dict:
+    slots = asyncio.Semaphore(a.concurrency)
+
+    async def one(prompt):
+        async with slots:
+            return await send(h, prompt, a.max_tokens)
+
+    before = await cache_stats(h)
+    t = time.perf_counter()
+    results = await asyncio.gather(*(one(p) for p in prompts))
+    wall = time.perf_counter() - t
+    delta = stats_delta(before, await cache_stats(h))
+    ttft = [r.ttft for r in results if r.ttft is not None]
+    return dict(wall_s=wall, requests=len(results), errors=[r.error for r in results if r.error],
+                prompt_tokens=sum(len(p) for p in prompts), cached_tokens=sum(r.cached_tokens for r in results),
+                output_tokens=sum(r.completion_tokens for r in results),
+                ttft_p50_s=pct(ttft, 50), ttft_p99_s=pct(ttft, 99),
+                l2_bytes_out=delta["l2"]["bytes_out"] if delta else None, tiers=delta)
+
+
+def round_bound(rnd: dict, at_once: int, cold: dict, batch: dict, h2d: float, max_tokens: int) -> dict:
+    """The round's bound (module docstring): its terms in seconds, the binding one, bound / wall."""
+    computed = rnd["prompt_tokens"] - rnd["cached_tokens"]
+    steps = math.ceil(rnd["requests"] * (max_tokens - 1) / at_once)
+    seconds = dict(compute=computed * cold["s_per_token"] + steps * batch["step_s"],
+                   pcie=(rnd["l2_bytes_out"] or 0) / h2d)
+    binding = max(seconds, key=seconds.get)
+    return dict(computed_tokens=computed, at_once=at_once, decode_steps=steps, seconds=seconds, binding=binding,
+                bound_s=seconds[binding], bound_over_wall=seconds[binding] / rnd["wall_s"])
+
+
+async def session(a, url: str, vocab: int, rounds, probes, tier: dict, h2d: float, trace_to: Path | None) -> dict:
+    async with httpx.AsyncClient(timeout=a.timeout, limits=httpx.Limits(max_connections=256)) as client:
+        h = Http(client, url, {}, "bench", vocab)
+        g = np.random.default_rng([a.seed, 1000])  # warm-up and cold probe: the same prompts in every config
+        await warm_up(h, len(probes[0]), g)
+        cold = await cold_probe(h, len(probes[0]), a.max_tokens, g)
+        batch = await batch_probe(h, probes[: tier["at_once"][0]], a.max_tokens)
+        for probe in (cold, batch):
+            if probe["error"]:
+                raise RuntimeError(f"a probe failed: {probe}")
+        print(f"  cold prefill {cold['s_per_token'] * 1e6:.0f} us a token; decode step at batch {batch['batch']} "
+              f"{batch['step_ms']:.1f} ms", flush=True)
+        out, profiled = [], min(2, len(rounds) - 1)
+        for r, prompts in enumerate(rounds):
+            tracing = asyncio.create_task(profile_server(h, a.profile_seconds)) if trace_to and r == profiled else None
+            rnd = await run_round(h, prompts, a)
+            rnd["bound"] = round_bound(rnd, tier["at_once"][r], cold, batch, h2d, a.max_tokens)
+            if tracing is not None:
+                rnd["profile"] = await traced(await tracing, trace_to)
+            b = rnd["bound"]
+            print(f"  round {r}: {rnd['wall_s']:.2f} s, TTFT p50 {rnd['ttft_p50_s'] * 1e3:.0f} ms p99 "
+                  f"{rnd['ttft_p99_s'] * 1e3:.0f} ms, cached {rnd['cached_tokens'] / rnd['prompt_tokens']:.0%}, "
+                  f"L2->L1 {(rnd['l2_bytes_out'] or 0) / 1e9:.2f} GB; bound {b['bound_s']:.2f} s ({b['binding']}), "
+                  f"{b['bound_over_wall']:.0%} of it", flush=True)
+            out.append(rnd)
+    hit = out[1:]
+    return dict(cold_probe=cold, batch_probe=batch, rounds=out,
+                hit_rounds=dict(wall_s=sum(x["wall_s"] for x in hit), bound_s=sum(x["bound"]["bound_s"] for x in hit),
+                                bound_over_wall=sum(x["bound"]["bound_s"] for x in hit) / sum(x["wall_s"] for x in hit),
+                                errors=sum(len(x["errors"]) for x in out)))
+
+
+async def traced(trace: Path | str, trace_to: Path) -> dict:
+    if isinstance(trace, str):
+        print(f"  profile: {trace}", flush=True)
+        return dict(error=trace)
+    shutil.copyfile(trace, trace_to)  # the server wrote it where this process can read (started here)
+    summary = await asyncio.to_thread(summarize_trace, trace_to)
+    print(f"  profiled: GPU busy {summary['gpu_busy_fraction']:.0%}; trace {trace_to.name}", flush=True)
+    return dict(trace=trace_to.name, summary=summary)
+
+
+def run_config(a, config: str, model, tier: dict, rounds, probes, h2d: float, tmp: Path) -> dict:
+    args = ["--model", str(model.path), "--served-model-name", "bench", "--l1", str(tier["l1_bytes"]),
+            "--l2", str(tier["l2_bytes"]) if config == "l1+l2" else "0", "--max-model-len", str(tier["max_model_len"]),
+            "--max-num-seqs", str(a.concurrency), "--log-level", "warning", "--grace-period", "5",
+            "--flush-timeout", "1"]
+    trace_to = None
+    if a.profile_seconds:
+        args += ["--profile-dir", str(tmp / f"traces-{config.replace('+', '_')}")]
+        trace_to = a.out / f"bench_rounds-{config.replace('+', '_')}-{machine_tag()}.pt.trace.json.gz"
+        trace_to.parent.mkdir(parents=True, exist_ok=True)
+    srv = ServerProcess(args + a.server_args.split(), tmp / f"server-{config}.log")
+    try:
+        t = time.perf_counter()
+        srv.wait_ready(a.timeout)
+        print(f"{config}: server up in {time.perf_counter() - t:.1f} s", flush=True)
+        return asyncio.run(session(a, srv.url, model.vocab_size, rounds, probes, tier, h2d, trace_to))
+    finally:
+        code = srv.stop()
+        if code != 0:
+            print(f"{config}: server exited with {code}; log tail:\n{srv.log()[-1500:]}", flush=True)
+
+
+def main(argv=None) -> Path:
+    a = parse(argv)
+    import torch
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-rounds-", dir=a.tmp))
+    try:
+        model, build_s = given_or_made(a.model, a.smoke, tmp)
+        rounds, probes = conversations(a, model.vocab_size)
+        tier = sizes(a, rounds, model.kv_bytes_per_token)
+        if a.model is None:
+            take_positions(model, tier["max_model_len"])
+        h2d, h2d_kind = h2d_bandwidth(4 << 30 if torch.cuda.is_available() else 256 << 20)
+        print(f"model {model.source} {model.shape}; L1 {tier['l1_bytes'] / 2**30:.2f} GiB (runs {tier['at_once']} "
+              f"at once by round), L2 {tier['l2_bytes'] / 2**30:.2f} GiB; {a.users} users x {a.rounds} rounds, "
+              f"{a.concurrency} at a time; host->device {h2d / 1e9:.1f} GB/s ({h2d_kind})", flush=True)
+        out = dict(device="cuda" if torch.cuda.is_available() else "cpu", argv=a.argv,
+                   model=dict(source=model.source, **model.shape, vocab_size=model.vocab_size,
+                              kv_bytes_per_token=model.kv_bytes_per_token, build_and_save_s=build_s),
+                   workload={k: getattr(a, k) for k in H200}, sizes=tier,
+                   limits=dict(h2d_bytes_per_s=h2d, h2d_kind=h2d_kind), target_bound_over_wall=TARGET, configs={})
+        for config in a.configs.split(","):
+            out["configs"][config] = run_config(a, config, model, tier, rounds, probes, h2d, tmp)
+        figures = out["configs"]
+        if "l1+l2" in figures:
+            out["l1_l2_hit_rounds_bound_over_wall"] = figures["l1+l2"]["hit_rounds"]["bound_over_wall"]
+            out["meets_target"] = out["l1_l2_hit_rounds_bound_over_wall"] >= TARGET
+        if set(CONFIGS) <= figures.keys():
+            walls = {c: figures[c]["hit_rounds"]["wall_s"] for c in CONFIGS}
+            out["hit_rounds_l1_over_l1_l2"] = walls["l1"] / walls["l1+l2"]
+        for config, f in figures.items():
+            hr = f["hit_rounds"]
+            print(f"{config}: hit rounds {hr['wall_s']:.2f} s, bound {hr['bound_s']:.2f} s: "
+                  f"{hr['bound_over_wall']:.0%} of it (target >= {TARGET:.0%} for l1+l2)", flush=True)
+        if "hit_rounds_l1_over_l1_l2" in out:
+            print(f"l1 / l1+l2 hit rounds: {out['hit_rounds_l1_over_l1_l2']:.2f}x", flush=True)
+        path = write_results("bench_rounds", out, a.out)
+        print(f"wrote {path}")
+        return path
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    # `timeout` sends SIGTERM: leave through the finally blocks, so the servers are stopped too
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    main()

@@ -1,0 +1,45 @@
+"""benchmarks/bench_rounds.py end to end on a tiny random Llama: closed multi-round chat through two
+real tierkv-serve processes (L1 only, L1+L2), whose L1 holds two of six histories, so the hit
+rounds load from L2 in one and recompute in the other; each round's bound is built from the probes
+and the bytes the server reports, and the profiled hit round leaves a trace."""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import bench_rounds  # noqa: E402
+
+
+def test_hit_rounds_load_from_l2_and_are_read_against_their_bound(tmp_path):
+    path = bench_rounds.main(["--smoke", "--profile-seconds", "0.3", "--out", str(tmp_path)])
+    out = json.loads(path.read_text())
+    l1, l2 = out["configs"]["l1"], out["configs"]["l1+l2"]
+    h2d = out["limits"]["h2d_bytes_per_s"]
+    for config in (l1, l2):
+        assert config["hit_rounds"]["errors"] == 0
+        rounds = config["rounds"]
+        assert len(rounds) == 3 and all(r["output_tokens"] == r["requests"] * 8 for r in rounds)
+        assert rounds[0]["cached_tokens"] == 0  # round 0 is cold
+        for r in rounds:
+            b = r["bound"]
+            assert b["seconds"]["pcie"] == pytest.approx((r["l2_bytes_out"] or 0) / h2d)
+            assert b["bound_s"] == max(b["seconds"].values()) > 0
+            assert b["bound_over_wall"] == pytest.approx(b["bound_s"] / r["wall_s"])
+            # a step serves at most the two histories L1 holds: 6 requests x 7 decoded tokens / 2
+            assert b["at_once"] == 2 and b["decode_steps"] == math.ceil(6 * 7 / 2)
+    # L1 only: the six histories rotate through room for two, so every hit round recomputes them
+    assert all(r["l2_bytes_out"] == 0 and r["cached_tokens"] == 0 for r in l1["rounds"])
+    # with L2 the histories come back over the copy: most of each hit round's prompt is cached
+    for r in l2["rounds"][1:]:
+        assert r["l2_bytes_out"] > 0 and r["cached_tokens"] > 0.8 * r["prompt_tokens"], r
+        assert r["bound"]["computed_tokens"] < l1["rounds"][1]["bound"]["computed_tokens"] / 4
+    assert out["hit_rounds_l1_over_l1_l2"] > 0 and "meets_target" in out
+    # the second hit round (round 2) was traced on each server
+    for name in ("l1", "l1+l2"):
+        prof = out["configs"][name]["rounds"][2]["profile"]
+        assert "error" not in prof, prof
+        assert (tmp_path / prof["trace"]).stat().st_size > 0 and prof["summary"]["window_ms"] > 0
