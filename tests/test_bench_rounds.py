@@ -38,7 +38,9 @@ def test_hit_rounds_load_from_l2_and_are_read_against_their_bound(tmp_path):
         assert r["l2_bytes_out"] > 0 and r["cached_tokens"] > 0.8 * r["prompt_tokens"], r
         assert r["bound"]["computed_tokens"] < l1["rounds"][1]["bound"]["computed_tokens"] / 4
     assert out["hit_rounds_l1_over_l1_l2"] > 0 and "meets_target" in out
-    # the second hit round (round 2) was traced on each server
+    # the second hit round (round 2) was traced on each server, and is left out of the hit rounds' sums
+    for config in (l1, l2):
+        assert config["hit_rounds"]["wall_s"] == config["rounds"][1]["wall_s"]
     for name in ("l1", "l1+l2"):
         prof = out["configs"][name]["rounds"][2]["profile"]
         assert "error" not in prof, prof
