@@ -3,7 +3,8 @@
 Continuous batching under a per-step token budget. Running requests go first (a decode costs
 one token), then prompts continue in chunks, then waiting requests are admitted by priority and
 arrival while L1 can hold them. Admission goes through the cache: L1 hits are shared, L2 hits
-load while other requests compute, and L3 hits are prefetched into L2 first (the request waits
+load while other requests compute (a step waits for one request's loads at most, when nothing
+else can run), and L3 hits are prefetched into L2 first (the request waits
 for them up to a deadline, then recomputes what has not arrived; when loading all of it first
 would be slower than recomputing, the end of the L3 part is read in the background while the
 start is recomputed, and taken once the computation reaches it). When L1 runs out, the
@@ -105,8 +106,13 @@ class Scheduler:
             step.requests.append(req)
             step.num_new.append(n)
             budget -= n
-        self._admit(step, budget)
-        if not step.requests:  # nothing else to compute: they start now, layer by layer as it lands
+        self._admit(step, budget, loading)
+        if not step.requests:
+            # Nothing else to compute: the one whose blocks land first (loads queue on one copy
+            # stream, in admission order) starts now, layer by layer as they land; the others join
+            # once theirs have. Were they all to start together, the step would wait for the last
+            # one's loads, so the GPU would compute nothing while all of them load, and requests
+            # admitted together would keep finishing together, each wave's loads again alone.
             for req in loading:
                 if self._ends_by_length(req):
                     continue
@@ -114,7 +120,7 @@ class Scheduler:
                 if n > 0 and self._make_room(req, n, step):
                     step.requests.append(req)
                     step.num_new.append(n)
-                    budget -= n
+                    break
         return step
 
     def _new_tokens(self, req: Request, budget: int) -> int:
@@ -215,8 +221,10 @@ class Scheduler:
         candidates = [r for r in self.running if r not in exclude]
         return min(candidates, key=lambda r: (r.priority, -r.arrival))
 
-    def _admit(self, step: ScheduledStep, budget: int) -> None:
-        """Admit waiting requests, each by the cache's plan for it, while L1 and the budget last."""
+    def _admit(self, step: ScheduledStep, budget: int, loading: list[Request]) -> None:
+        """Admit waiting requests, each by the cache's plan for it, while L1 and the budget last.
+        One whose blocks load joins this step only if the step would otherwise wait for no load
+        (it is empty and no running request is `loading`)."""
         now = time.monotonic()
         # highest priority first, then first come first served
         for req in sorted(self.waiting, key=lambda r: (-r.priority, r.arrival)):
@@ -259,8 +267,8 @@ class Scheduler:
                 req.cached_by_tier = dict(req.seq.cached_by_tier)
                 req.admitted = now
             self.running.append(req)
-            if step.requests and _loading(req):
-                continue  # others compute this step while its blocks load; it joins once they landed
+            if (step.requests or loading) and _loading(req):
+                continue  # others compute (or load) meanwhile; it joins once its blocks landed
             # a streamed request reserved one chunk; one with an L3 tail stops where the tail starts
             n = min(req.seq.num_tokens - req.num_computed, budget, self._until_adopt(req))
             step.requests.append(req)
