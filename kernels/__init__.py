@@ -126,18 +126,19 @@ def decode_launch(kv: torch.Tensor, batch: int, max_tokens: int) -> tuple[int, i
 
 
 def paged_prefill(q, kv, block_tables, cu_seqlens_q, seq_lens, scale: float, sliding_window: int | None = None,
-                  context: int | None = None, sinks=None):
+                  context: int | None = None, sinks=None, plans: dict | None = None):
     """Flat varlen q [T, Hq, D], causal over the paged kv; see reference.paged_prefill.
 
     context: when the batch is one sequence, its cached token count as the host knows it; a long
     chunk may then take a faster path on the GPU (kernels/dense.py). The result is the same.
     sinks: None, or [Hq] attention-sink logits (gpt-oss; any float dtype, read in fp32), one more
     softmax column per head.
+    plans: a dict kept for one batch, so that its layers share one launch plan (prefill.py).
     """
     if backend_for(q) == "reference":
         return _reference().paged_prefill(q, kv, block_tables, cu_seqlens_q, seq_lens, scale, sliding_window, sinks)
     return _impl("paged_prefill", q)(q, kv, block_tables, cu_seqlens_q, seq_lens, scale, sliding_window, context,
-                                     sinks)
+                                     sinks, plans)
 
 
 def mla_decode(q_latent, q_pe, kv, block_tables, seq_lens, scale: float):

@@ -280,9 +280,23 @@ def choose_launch(num_tokens: int, num_seqs: int, num_heads: int, kv_heads: int,
     return Launch(bm, bn, warps, heads, splits)
 
 
+@dataclass(slots=True)
+class Plan:
+    """A batch's launch and tile map: what every layer of one step with the same shapes shares."""
+    launch: Launch
+    seq_of_tile: torch.Tensor   # [grid] int32, the sequence of each program's tile (B: none)
+    tile_in_seq: torch.Tensor   # [grid] int32, which of its sequence's tiles
+    grid: int
+
+
+def _plan(cu_seqlens_q, num_tokens, num_seqs, hq, hkv, max_tokens, d, device, **choices) -> Plan:
+    launch = choose_launch(num_tokens, num_seqs, hq, hkv, max_tokens, d, device, **choices)
+    return Plan(launch, *_tile_map(cu_seqlens_q, num_tokens, launch.tokens_per_tile))
+
+
 def _paged_prefill(q, kv, block_tables, cu_seqlens_q, seq_lens, scale, sliding_window=None, sinks=None, *,
                    block_m=None, block_n=None, num_warps=None, num_stages=None, num_splits=None,
-                   pack=None):
+                   pack=None, plans: dict | None = None):
     """paged_prefill with its launch choices exposed (tests and benchmarks sweep them)."""
     hq, hkv, d = _checks.check_prefill(q, kv, block_tables, cu_seqlens_q, seq_lens, sliding_window, sinks)
     check_triton_device(q, kv, block_tables, cu_seqlens_q, seq_lens)
@@ -292,9 +306,14 @@ def _paged_prefill(q, kv, block_tables, cu_seqlens_q, seq_lens, scale, sliding_w
         return out
     if INTERPRETING:
         block_m, block_n = block_m or 16, block_n or 16
-    launch = choose_launch(num_tokens, num_seqs, hq, hkv, block_tables.shape[1] * page, d, q.device,
-                           block_m=block_m, block_n=block_n, pack=pack, num_splits=num_splits,
-                           num_warps=num_warps)
+    shape = (num_tokens, num_seqs, hq, hkv, block_tables.shape[1] * page, d, q.device)
+    choices = dict(block_m=block_m, block_n=block_n, pack=pack, num_splits=num_splits, num_warps=num_warps)
+    if plans is None:
+        plan = _plan(cu_seqlens_q, *shape, **choices)
+    else:  # one per shape and batch: the layers of a step share it (the key names the batch's offsets)
+        key = (cu_seqlens_q.data_ptr(), *shape, *choices.values())
+        plan = plans.get(key) or plans.setdefault(key, _plan(cu_seqlens_q, *shape, **choices))
+    launch, seq_of_tile, tile_in_seq, grid = plan.launch, plan.seq_of_tile, plan.tile_in_seq, plan.grid
     direct = launch.num_splits == 1
     if direct:
         part, lse = out, out  # unused placeholders
@@ -303,7 +322,6 @@ def _paged_prefill(q, kv, block_tables, cu_seqlens_q, seq_lens, scale, sliding_w
         part = torch.empty(num_tokens, hq, launch.num_splits, d, dtype=torch.float32, device=q.device)
         lse = torch.empty(num_tokens, hq, launch.num_splits, dtype=torch.float32, device=q.device)
         part_strides, lse_strides = part.stride()[:3], lse.stride()[:2]
-    seq_of_tile, tile_in_seq, grid = _tile_map(cu_seqlens_q, num_tokens, launch.tokens_per_tile)
     block_d = pow2(d, 16)
     has_sinks = sinks is not None
     sinks = sinks if has_sinks else seq_lens  # an unused placeholder pointer
@@ -334,6 +352,7 @@ def paged_prefill(
     sliding_window: int | None = None,
     context: int | None = None,
     sinks: torch.Tensor | None = None,
+    plans: dict | None = None,
 ) -> torch.Tensor:
     """Flat varlen q [T, Hq, D] over the paged kv, causal; see reference.paged_prefill.
 
@@ -341,12 +360,15 @@ def paged_prefill(
     sequence's new-token count; neither is checked here, as checking would sync the host.
     context: the cached tokens of a one-sequence batch, known on the host (seq_lens[0] - T); a
     long chunk then runs through cuDNN (dense.py) when `dense.applies`.
+    plans: a dict the caller keeps for one batch (every layer of a step): the launch and its tile
+    map (a few small device ops) are made once per shape and taken from it after. It must not
+    outlive the batch: cu_seqlens_q's values are read when a plan is made, not on each call.
     """
     if dense.applies(q, kv, seq_lens.shape[0], context, sliding_window):
         _checks.check_prefill(q, kv, block_tables, cu_seqlens_q, seq_lens, sliding_window, sinks)
         _checks.check_context(context, q.shape[0], block_tables, kv.shape[2])
         return dense.prefill_one(q, kv, block_tables[0], context, scale, sinks)
-    return _paged_prefill(q, kv, block_tables, cu_seqlens_q, seq_lens, scale, sliding_window, sinks)
+    return _paged_prefill(q, kv, block_tables, cu_seqlens_q, seq_lens, scale, sliding_window, sinks, plans=plans)
 
 
 def launch_variants(num_heads: int, kv_heads: int, head_dim: int, device: torch.device) -> list[Launch]:

@@ -167,6 +167,36 @@ def test_prefill_automatic_splits_match_reference(tk, monkeypatch):
     assert used[0].num_splits > 1 and used[0].pack == 4
 
 
+def test_prefill_layers_of_a_batch_share_one_plan(tk, monkeypatch):
+    """With a plans dict, the launch and tile map are made by the first layer and taken by the
+    others (a window layer among them: the plan does not depend on it); another batch, or another
+    head count, gets a plan of its own; every layer's output equals the reference's."""
+    made = []
+    tile_map = tk.prefill._tile_map
+
+    def counted(*args):
+        made.append(args[1:])
+        return tile_map(*args)
+
+    monkeypatch.setattr(tk.prefill, "_tile_map", counted)
+    g = torch.Generator().manual_seed(3)
+    lens, q_lens = [40, 7, 66], [5, 7, 30]
+    cu, plans = cu_seqlens(q_lens), {}
+    for layer, window in enumerate((None, 16, None)):
+        pb = make_paged(lens, 2, 16, 16, dtype=torch.float32, generator=g)   # each layer's own pool
+        q = torch.randn(sum(q_lens), 8, 16, generator=g)
+        got = tk.prefill._paged_prefill(q, pb.kv, pb.block_tables, cu, pb.seq_lens, 0.25, window, plans=plans)
+        want = ref.paged_prefill(q, pb.kv, pb.block_tables, cu, pb.seq_lens, 0.25, window)
+        torch.testing.assert_close(got, want, **TOL[torch.float32])
+    assert len(made) == 1 and len(plans) == 1
+    q4 = torch.randn(sum(q_lens), 4, 16, generator=g)                    # 4 query heads: another launch
+    tk.prefill._paged_prefill(q4, pb.kv, pb.block_tables, cu, pb.seq_lens, 0.25, plans=plans)
+    other = cu_seqlens([5, 7, 29])                                       # another batch
+    shorter = pb.seq_lens - torch.tensor([0, 0, 1])
+    tk.prefill._paged_prefill(q[:41], pb.kv, pb.block_tables, other, shorter, 0.25, plans=plans)
+    assert len(made) == 3 and len(plans) == 3
+
+
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     lens=st.lists(st.integers(1, 90), min_size=1, max_size=3),

@@ -10,7 +10,7 @@ with the layer's KV from L2 and L1; they come last in the batch.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -43,6 +43,8 @@ class AttentionMetadata:
                     each group's metadata, this one first (the group that may stream). They
                     differ in slot_mapping and block_tables only; layer i reads
                     groups[layer_group[i]] (`for_layer`).
+    plans:          the prefill kernel's launch plans for this batch, made by its first layer and
+                    taken by the others (kernels.paged_prefill); never carried into another step.
     """
 
     slot_mapping: torch.Tensor
@@ -56,6 +58,7 @@ class AttentionMetadata:
     wait_layer: Callable[[int], None] | None = None
     groups: list[AttentionMetadata] | None = None
     layer_group: list[int] | None = None
+    plans: dict = field(default_factory=dict)
 
     def for_layer(self, layer: int) -> AttentionMetadata:
         """The metadata model layer `layer` reads: its group's (itself without groups)."""
@@ -95,7 +98,7 @@ def _attend(q: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata, scale: f
     if meta.is_decode:  # one query per sequence: [B, Hq, D] with B == T
         return kernels.paged_decode(q, kv, meta.block_tables, meta.seq_lens, scale, window, sinks)
     return kernels.paged_prefill(q, kv, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens, scale, window,
-                                 meta.context, sinks)
+                                 meta.context, sinks, meta.plans)
 
 
 def paged_attention(

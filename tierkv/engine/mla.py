@@ -207,5 +207,5 @@ class MLAttention(nn.Module):
         up = torch.stack([F.pad(keys, (0, dim - spec.qk_head_dim)), F.pad(v, (0, dim - spec.v_head_dim))], dim=1)
         tables = torch.arange(rows * width, dtype=torch.int32, device=q.device).view(rows, width)
         out = kernels.paged_prefill(F.pad(q, (0, dim - spec.qk_head_dim)), up, tables, meta.cu_seqlens_q,
-                                    meta.seq_lens, spec.scale, None, meta.context)
+                                    meta.seq_lens, spec.scale, None, meta.context, plans=meta.plans)
         return out[..., : spec.v_head_dim]
