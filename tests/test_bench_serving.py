@@ -11,6 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_serving  # noqa: E402
+from serving.bounds import disk_ceiling, recompute_cost  # noqa: E402
 from serving.sweep import next_rate  # noqa: E402
 from serving.trace_summary import busy_us  # noqa: E402
 
@@ -52,6 +53,9 @@ def test_long_doc_sweep_on_l1_l2_disk(tmp_path):
     moved = {t: sum(p["cache"][t]["bytes_out"] for p in points) for t in ("l2", "l3")}
     assert moved["l2"] > 0 and moved["l3"] > 0, moved
     assert any(p["bound"]["seconds"]["disk"] > 0 for p in points)
+    ceiling = out["ratios"]["disk_ceiling"]  # from this run's two cold probes and disk read bandwidth
+    assert ceiling["goodput_ratio"] > 1 and 0 < ceiling["recompute_first"] < ceiling["tokens"]
+    assert run["cold_probe_short"]["tokens"] == run["cold_probe"]["tokens"] // 4
     lim = out["limits"]
     assert lim["disk_write_bytes_per_s"] > 0
     for p in points:  # the disk is busy with what the tier writes as well as with what it reads
@@ -69,3 +73,29 @@ def test_long_doc_sweep_on_l1_l2_disk(tmp_path):
     assert (tmp_path / prof["trace"]).stat().st_size > 0
     assert prof["summary"]["window_ms"] > 0 and 0 < prof["summary"]["engine_thread_busy_fraction"] <= 1
     assert any(op.startswith("aten::") for op in prof["summary"]["engine_thread_top_cpu_ops_inclusive_ms"])
+
+
+def test_the_disk_ceiling_balances_the_read_against_the_recompute():
+    """Without attention's quadratic term the split gives 1 + alpha / d; with it the start is cheap to
+    recompute and the ceiling is the best split a search over every s finds."""
+    flat = disk_ceiling(8000, 20e-6, 0.0, 80e-6)
+    assert flat["goodput_ratio"] == pytest.approx(1 + 20 / 80)
+    assert flat["recompute_first"] == pytest.approx(8000 * 80 / 100)
+    alpha, beta, d, n = 21.6e-6, 1.04e-9, 80e-6, 32000
+    best = min(max(alpha * s + beta * s * s / 2, d * (n - s)) for s in range(0, n + 1))
+    got = disk_ceiling(n, alpha, beta, d)
+    assert got["goodput_ratio"] == pytest.approx((alpha * n + beta * n * n / 2) / best, rel=1e-4)
+    assert got["seconds_split"] == pytest.approx(d * got["read_last"])  # read and recompute end together
+
+
+def test_recompute_cost_fits_two_cold_probes():
+    alpha, beta = 20e-6, 1e-9
+
+    def probe(n):
+        return {"tokens": n, "s_per_token": alpha + beta * n / 2, "error": None}
+
+    assert recompute_cost(probe(32000), probe(8000)) == pytest.approx((alpha, beta))
+    # noise that would make attention's share negative leaves a flat cost: the longer probe's
+    assert recompute_cost(probe(8000), {"tokens": 2000, "s_per_token": 30e-6, "error": None}) == \
+        pytest.approx((probe(8000)["s_per_token"], 0.0))
+    assert recompute_cost(probe(8000), {"tokens": 2000, "error": "HTTP 500"}) is None

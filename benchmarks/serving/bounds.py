@@ -17,6 +17,7 @@ GPU compute, the copy engine and the disk work side by side, so the request rate
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 
@@ -71,3 +72,39 @@ def point_bound(p: dict, cold: dict, limits: dict) -> dict | None:
                 requests_per_s=1 / seconds[binding] if seconds[binding] else None,
                 served_over_bound=rate * seconds[binding],
                 served_over_pcie_bound=rate * seconds["pcie"] if seconds["pcie"] else None)
+
+
+def recompute_cost(cold: dict, short: dict) -> tuple[float, float] | None:
+    """(alpha s/token, beta s/token^2) of a cold prefill of n tokens taking alpha n + beta n^2 / 2
+    seconds (the layers' work grows with n, attention's with n^2), from two isolated cold
+    probes of different lengths (TTFT and tokens); None where either failed. Noise that makes beta
+    negative leaves the longer probe's cost per token, flat."""
+    if cold.get("error") or short.get("error") or not cold.get("s_per_token") or not short.get("s_per_token"):
+        return None
+    (n1, t1), (n2, t2) = sorted(((p["tokens"], p["s_per_token"] * p["tokens"]) for p in (cold, short)))
+    beta = 2 * (t2 / n2 - t1 / n1) / (n2 - n1) if n2 > n1 else 0.0
+    if beta <= 0:
+        return t2 / n2, 0.0
+    return t2 / n2 - beta * n2 / 2, beta
+
+
+def disk_ceiling(tokens: int, alpha: float, beta: float, read_s_per_token: float) -> dict:
+    """The most a disk tier can raise goodput over recomputing, where compute binds, for requests
+    whose `tokens`-token prefix only the disk holds: read the end of it while the start is
+    recomputed, the split where both take the same time (the disk and the GPU work side by side,
+    so a request costs the larger of the two), against recomputing all of it. Recomputing the
+    start costs C(s) = alpha s + beta s^2 / 2; reading the rest D = read_s_per_token (tokens - s).
+    Requests that hit L1 or L2, and the disk's writes, only lower it."""
+    n, d = tokens, read_s_per_token
+
+    def cost(m: float) -> float:
+        return alpha * m + beta * m * m / 2
+
+    if beta > 0:  # C(s) = D(s): beta/2 s^2 + (alpha + d) s - d n = 0
+        s = (math.sqrt((alpha + d) ** 2 + 2 * beta * d * n) - (alpha + d)) / beta
+    else:
+        s = d * n / (alpha + d)
+    return dict(tokens=tokens, recompute_first=s, read_last=n - s, seconds_recompute=cost(n), seconds_split=cost(s),
+                goodput_ratio=cost(n) / cost(s), alpha_s_per_token=alpha, beta_s_per_token2=beta,
+                read_s_per_token=d)
+

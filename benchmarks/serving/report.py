@@ -103,7 +103,7 @@ def plot(out: dict, path: Path) -> None:
 
 
 def save(out: dict, a) -> Path:
-    out["ratios"] = ratios(out["workload"]["name"], out["configs"])
+    out["ratios"] = ratios(out["workload"]["name"], out["configs"], out["limits"], out["model"]["kv_bytes_per_token"])
     name = out["workload"]["name"]
     if name == "long_doc" and not a.smoke and a.ld_doc_tokens != H200["ld_doc_tokens"]:
         name += f"_{a.ld_doc_tokens // 1000}k"  # a 32K-document run keeps the 8K one's file

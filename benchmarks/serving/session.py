@@ -83,6 +83,8 @@ async def session(a, h: Http, src: Source, limits: dict, max_len: int, deadline:
     await warm_up(h, min(a.warm_tokens, max_len - 24), g)  # long enough to be a chunked prefill
     cold_tokens = min(src.largest_request - src.answer_tokens, max_len - src.answer_tokens - 2)
     cold = await cold_probe(h, cold_tokens, src.answer_tokens, g)
+    # a quarter as long: how the prefill's cost grows with length (bounds.recompute_cost)
+    cold_short = await cold_probe(h, max(1, cold_tokens // 4), src.answer_tokens, g)
     primed = await prime(h, src, PRIME_CONCURRENCY, a.settle_seconds)
     # unless given: the rate at which requests that all miss, served one at a time, keep the server busy
     one_cold = cold["s_per_token"] * cold_tokens + src.answer_tokens * cold["step_s"] if not cold["error"] else 1.0
@@ -113,8 +115,8 @@ async def session(a, h: Http, src: Source, limits: dict, max_len: int, deadline:
             extra["profile"] = dict(error="no time left in the budget for the profiled point")
         else:
             extra["profile"] = await profiled_point(a, h, src, best["requests_per_s"], trace_to)
-    return dict(cold_probe=cold, prime=primed, start_rate=start, points=points, stopped=stopped,
-                goodput=best, **extra)
+    return dict(cold_probe=cold, cold_probe_short=cold_short, prime=primed, start_rate=start, points=points,
+                stopped=stopped, goodput=best, **extra)
 
 
 async def run_session(a, url: str, src: Source, limits: dict, max_len: int, vocab: int, deadline: float,
