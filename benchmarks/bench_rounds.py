@@ -34,8 +34,8 @@ as long on the H200): that round is left out of the hit rounds' sums.
     python benchmarks/bench_rounds.py --profile-seconds 2   # and a trace of a saturated hit round
     python benchmarks/bench_rounds.py --smoke               # CPU: tiny Llama, ~1 min
 
-Writes benchmarks/results/bench_rounds-<machine>.json (--out for another folder). It reads the
-servers only through their HTTP API.
+Writes benchmarks/results/bench_rounds-<machine>.json and a PNG of each round against its bound
+(--out for another folder). It reads the servers only through their HTTP API.
 """
 
 from __future__ import annotations
@@ -241,6 +241,36 @@ async def traced(trace: Path | str, trace_to: Path) -> dict:
     return dict(trace=trace_to.name, summary=summary)
 
 
+def plot(out: dict, path: Path) -> None:
+    """Each round's wall time beside its bound, per config (a hatched bar: the profiled round)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    configs = out["configs"]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / len(configs)
+    for i, (config, f) in enumerate(configs.items()):
+        rounds = f["rounds"]
+        xs = [r + (i - (len(configs) - 1) / 2) * width for r in range(len(rounds))]
+        bars = ax.bar(xs, [x["wall_s"] for x in rounds], width * 0.9, label=f"{config}: wall time")
+        for bar, x in zip(bars, rounds):
+            if "profile" in x:
+                bar.set_hatch("//")
+        ax.scatter(xs, [x["bound"]["bound_s"] for x in rounds], marker="_", s=300, color="k", zorder=3,
+                   label="bound" if i == 0 else None)
+    ax.set_xticks(range(len(next(iter(configs.values()))["rounds"])))
+    ax.set_xticklabels(["0 (cold)"] + [str(r) for r in range(1, len(next(iter(configs.values()))["rounds"]))])
+    commit = (out.get("environment") or {}).get("git_commit", "")
+    ax.set(xlabel="round", ylabel="seconds", title=f"bench_rounds {commit}: {out['model']['source']}, "
+           f"{out['device']} (hatched: profiled)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def run_config(a, config: str, model, tier: dict, rounds, probes, h2d: float, tmp: Path) -> dict:
     args = ["--model", str(model.path), "--served-model-name", "bench", "--l1", str(tier["l1_bytes"]),
             "--l2", str(tier["l2_bytes"]) if config == "l1+l2" else "0", "--max-model-len", str(tier["max_model_len"]),
@@ -299,7 +329,8 @@ def main(argv=None) -> Path:
         if "hit_rounds_l1_over_l1_l2" in out:
             print(f"l1 / l1+l2 hit rounds: {out['hit_rounds_l1_over_l1_l2']:.2f}x", flush=True)
         path = write_results("bench_rounds", out, a.out)
-        print(f"wrote {path}")
+        plot(out, path.with_suffix(".png"))
+        print(f"wrote {path} and its PNG")
         return path
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -17,6 +17,7 @@ import bench_rounds  # noqa: E402
 def test_hit_rounds_load_from_l2_and_are_read_against_their_bound(tmp_path):
     path = bench_rounds.main(["--smoke", "--profile-seconds", "0.3", "--out", str(tmp_path)])
     out = json.loads(path.read_text())
+    assert path.with_suffix(".png").stat().st_size > 0
     l1, l2 = out["configs"]["l1"], out["configs"]["l1+l2"]
     h2d = out["limits"]["h2d_bytes_per_s"]
     for config in (l1, l2):
