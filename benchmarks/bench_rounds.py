@@ -60,9 +60,10 @@ sys.path.insert(0, str(HERE.parent / "tests"))  # the server launcher the tests 
 from common import RESULTS, machine_tag, write_results  # noqa: E402
 from serving.bounds import h2d_bandwidth  # noqa: E402
 from serving.client import Http, cache_stats, profile_server, send, stats_delta  # noqa: E402
+from serving.figures import pct  # noqa: E402
 from serving.model import given_or_made, take_positions  # noqa: E402
 from serving.probes import cold_probe, warm_up  # noqa: E402
-from serving.trace_summary import summarize_trace  # noqa: E402
+from serving.trace_summary import keep_trace  # noqa: E402
 from server_helpers import ServerProcess  # noqa: E402
 
 TARGET = 0.8  # issue 40 item 3: l1+l2's hit rounds at >= 80% of their bound
@@ -164,10 +165,6 @@ async def batch_probe(h: Http, prompts: list[list[int]], max_tokens: int) -> dic
                 step_ms=step * 1e3, error=None)
 
 
-def pct(values: list[float], q: float) -> float:
-    return float(np.percentile(values, q)) if values else math.nan
-
-
 async def run_round(h: Http, prompts: list[list[int]], a) -> dict:
     slots = asyncio.Semaphore(a.concurrency)
 
@@ -180,11 +177,11 @@ async def run_round(h: Http, prompts: list[list[int]], a) -> dict:
     results = await asyncio.gather(*(one(p) for p in prompts))
     wall = time.perf_counter() - t
     delta = stats_delta(before, await cache_stats(h))
-    ttft = [r.ttft for r in results if r.ttft is not None]
+    ttft = pct([r.ttft for r in results if r.ttft is not None], scale=1.0)
     return dict(wall_s=wall, requests=len(results), errors=[r.error for r in results if r.error],
                 prompt_tokens=sum(len(p) for p in prompts), cached_tokens=sum(r.cached_tokens for r in results),
                 output_tokens=sum(r.completion_tokens for r in results),
-                ttft_p50_s=pct(ttft, 50), ttft_p99_s=pct(ttft, 99),
+                ttft_p50_s=ttft["p50"], ttft_p99_s=ttft["p99"],
                 l2_bytes_out=delta["l2"]["bytes_out"] if delta else None, tiers=delta)
 
 
@@ -217,7 +214,10 @@ async def session(a, url: str, vocab: int, rounds, probes, tier: dict, h2d: floa
             rnd = await run_round(h, prompts, a)
             rnd["bound"] = round_bound(rnd, tier["at_once"][r], cold, batch, h2d, a.max_tokens)
             if tracing is not None:
-                rnd["profile"] = await traced(await tracing, trace_to)
+                rnd["profile"] = kept = await asyncio.to_thread(keep_trace, await tracing, trace_to)
+                print(f"  profile: {kept['error']}" if "error" in kept else
+                      f"  profiled: GPU busy {kept['summary']['gpu_busy_fraction']:.0%}; trace {trace_to.name}",
+                      flush=True)
             b = rnd["bound"]
             print(f"  round {r}: {rnd['wall_s']:.2f} s, TTFT p50 {rnd['ttft_p50_s'] * 1e3:.0f} ms p99 "
                   f"{rnd['ttft_p99_s'] * 1e3:.0f} ms, cached {rnd['cached_tokens'] / rnd['prompt_tokens']:.0%}, "
@@ -229,16 +229,6 @@ async def session(a, url: str, vocab: int, rounds, probes, tier: dict, h2d: floa
                 hit_rounds=dict(wall_s=sum(x["wall_s"] for x in hit), bound_s=sum(x["bound"]["bound_s"] for x in hit),
                                 bound_over_wall=sum(x["bound"]["bound_s"] for x in hit) / sum(x["wall_s"] for x in hit),
                                 errors=sum(len(x["errors"]) for x in out)))
-
-
-async def traced(trace: Path | str, trace_to: Path) -> dict:
-    if isinstance(trace, str):
-        print(f"  profile: {trace}", flush=True)
-        return dict(error=trace)
-    shutil.copyfile(trace, trace_to)  # the server wrote it where this process can read (started here)
-    summary = await asyncio.to_thread(summarize_trace, trace_to)
-    print(f"  profiled: GPU busy {summary['gpu_busy_fraction']:.0%}; trace {trace_to.name}", flush=True)
-    return dict(trace=trace_to.name, summary=summary)
 
 
 def plot(out: dict, path: Path) -> None:

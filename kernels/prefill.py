@@ -308,11 +308,12 @@ def _paged_prefill(q, kv, block_tables, cu_seqlens_q, seq_lens, scale, sliding_w
         block_m, block_n = block_m or 16, block_n or 16
     shape = (num_tokens, num_seqs, hq, hkv, block_tables.shape[1] * page, d, q.device)
     choices = dict(block_m=block_m, block_n=block_n, pack=pack, num_splits=num_splits, num_warps=num_warps)
-    if plans is None:
-        plan = _plan(cu_seqlens_q, *shape, **choices)
-    else:  # one per shape and batch: the layers of a step share it (the key names the batch's offsets)
-        key = (cu_seqlens_q.data_ptr(), *shape, *choices.values())
-        plan = plans.get(key) or plans.setdefault(key, _plan(cu_seqlens_q, *shape, **choices))
+    # one plan per shape and batch: the layers of a step share it (the key names the batch's offsets)
+    plans = {} if plans is None else plans
+    key = (cu_seqlens_q.data_ptr(), *shape, *choices.values())
+    plan = plans.get(key)
+    if plan is None:
+        plan = plans[key] = _plan(cu_seqlens_q, *shape, **choices)
     launch, seq_of_tile, tile_in_seq, grid = plan.launch, plan.seq_of_tile, plan.tile_in_seq, plan.grid
     direct = launch.num_splits == 1
     if direct:

@@ -9,7 +9,6 @@ stops one.
 from __future__ import annotations
 
 import asyncio
-import shutil
 import time
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from .figures import summarize
 from .probes import cold_probe, prime, warm_up
 from .report import fmt
 from .sweep import next_rate, run_point
-from .trace_summary import summarize_trace
+from .trace_summary import keep_trace
 from .workloads import Source, rng_for
 
 PRIME_CONCURRENCY = 8
@@ -66,15 +65,15 @@ async def profiled_point(a, h: Http, src: Source, rate: float, trace_to: Path) -
     trace = await profiling
     p = summarize(rate, a.point_seconds, results, span, late, delta, a.slo)
     out = dict(offered_rate=rate, profile_seconds=a.profile_seconds, point=p)
-    if isinstance(trace, str):
-        print(f"  profile: {trace}", flush=True)
-        return dict(out, error=trace)
-    shutil.copyfile(trace, trace_to)  # the server wrote it where this process can read (started here)
-    summary = await asyncio.to_thread(summarize_trace, trace_to)
+    kept = await asyncio.to_thread(keep_trace, trace, trace_to)
+    if "error" in kept:
+        print(f"  profile: {kept['error']}", flush=True)
+        return dict(out, **kept)
+    summary = kept["summary"]
     print(f"  profiled {rate:.2f}/s for {a.profile_seconds:g} s: GPU busy {summary['gpu_busy_fraction']:.0%}, by "
           f"stream {', '.join(f'{k} {v:.0%}' for k, v in summary['stream_busy_fraction'].items())}; trace "
           f"{trace_to.name}", flush=True)
-    return dict(out, trace=trace_to.name, summary=summary)
+    return dict(out, **kept)
 
 
 async def session(a, h: Http, src: Source, limits: dict, max_len: int, deadline: float,

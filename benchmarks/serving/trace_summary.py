@@ -3,13 +3,14 @@
 kept it busy; the whole GPU's busy share (any stream); the kernels and copies that took the most
 GPU time; and on the busiest CPU thread (the engine's) the share of the window it spent inside
 ops and the ops that took longest (inclusive: an op's time counts in its callers too). It reads a
-trace file and never talks to a server.
+trace file (`keep_trace` copies one out of the server's folder first) and never talks to a server.
 """
 
 from __future__ import annotations
 
 import gzip
 import json
+import shutil
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -59,3 +60,12 @@ def summarize_trace(path: Path) -> dict:
         engine_thread_busy_fraction=busy_us([(e["ts"], e["ts"] + e["dur"]) for e in engine]) / window,
         engine_thread_top_cpu_ops_inclusive_ms={n: d / 1e3 for n, d in ops.most_common(TOP)},
     )
+
+
+def keep_trace(trace: Path | str, trace_to: Path) -> dict:
+    """What `profile_server` answered, kept: the trace copied to `trace_to` (a server started by
+    the benchmark writes where it can read) and its summary; {"error": ...} where none was taken."""
+    if isinstance(trace, str):
+        return dict(error=trace)
+    shutil.copyfile(trace, trace_to)
+    return dict(trace=trace_to.name, summary=summarize_trace(trace_to))
