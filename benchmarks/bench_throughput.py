@@ -23,7 +23,7 @@ hbm_bw = bytes read + written by a large device-to-device copy, measured in this
 it beats SDPA's contiguous-KV read figure, so it is the better ceiling of the two). Prefill FLOPs
 are ignored, so the whole-run fraction is pessimistic; the decode-only fraction (pure decode
 steps, each timed between consecutive schedule calls: the engine syncs once per step) is the
-one the target (>= 50%) is about.
+one the target (>= 70%, issue 40) is about.
 
     python benchmarks/bench_throughput.py [--num-prompts 256] [--peer-prompts K] [--out DIR]
     python benchmarks/bench_throughput.py --smoke --out /tmp/x     # tiny model on CPU, seconds
@@ -44,7 +44,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, machine_tag, write_results
-from profiling import print_profile, profile_run
+from profiling import StepWindow, print_profile
 
 import tierkv
 
@@ -218,11 +218,22 @@ def run_tierkv(model_dir: Path, device, dtype, prompts, out_lens, warm, a, sizes
         decode_gpu_roofline_fraction=sum(roof_s[i] for i in decode) / gpu_decode_s if gpu_decode_s else None,
     )
     if a.profile and device.type == "cuda":
-        # 64 prompts decoding together, under the profiler: the step's host and GPU timeline
-        short = [tierkv.SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)] * 64
+        # the same workload again, tracing decode steps in its steady state (the batch full, the
+        # contexts mixed), which is what the roofline fraction above is about
         trace = Path(a.out or RESULTS) / f"throughput_trace-{machine_tag()}.json.gz"
-        result["profile"] = profile_run(lambda: llm.generate(warm_like(prompts[:64]), short, use_tqdm=False), trace)
-        print_profile(result["profile"], "64 prompts x 32 tokens")
+        window = StepWindow(first=len(steps) // 3, count=a.profile_steps, trace_path=trace, top=20)
+
+        def profiled_run(step, previous=None):
+            launched = run(step, previous)
+            window.step()
+            return launched
+
+        runner.run = profiled_run
+        llm.generate(warm_like(prompts), params, use_tqdm=False)
+        runner.run = run
+        result["profile"] = window.summary
+        if window.summary is not None:
+            print_profile(window.summary, f"{a.profile_steps} steps from step {window.first} of the workload")
     llm.close()
     del llm, outs
     release_memory()
@@ -325,7 +336,9 @@ def main() -> None:
     p.add_argument("--warmup-prompts", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--smoke", action="store_true", help="tiny model on CPU, 8 short prompts: checks the script")
-    p.add_argument("--profile", action="store_true", help="also trace 64 prompts x 32 tokens with torch.profiler")
+    p.add_argument("--profile", action="store_true",
+                   help="run the workload again and trace --profile-steps of its steady state with torch.profiler")
+    p.add_argument("--profile-steps", type=int, default=20)
     p.add_argument("--out", type=Path, default=None, help="results directory (benchmarks/results)")
     a = p.parse_args()
     if a.smoke:
@@ -357,7 +370,7 @@ def main() -> None:
         hbm_bandwidth_gbps=bw / 1e9,
         roofline_formula="step bytes = weight_bytes + kv_bytes_per_token * sum(context read by each sequence); "
                          "roofline_s = sum(step bytes) / hbm_bw (d2d copy, read+write); fraction = roofline_s / wall_s",
-        targets=dict(ratio_vs_peer=25.0, decode_roofline_fraction=0.6, prefix_caching_cost=0.02),
+        targets=dict(ratio_vs_peer=35.0, decode_roofline_fraction=0.7, prefix_caching_cost=0.02),
     )
     with tempfile.TemporaryDirectory(prefix="bench-throughput-") as tmp:
         model, sizes = save_random_model(config, Path(tmp), device, dtype, attn=ATTN.get(a.family, "sdpa"))
@@ -383,13 +396,15 @@ def main() -> None:
     print(f"\n{'engine':<48} {'prompts':>7} {'out tok':>8} {'s':>7} {'tok/s':>9}")
     for name, n, r in rows:
         print(f"{name:<48} {n:7d} {r['output_tokens']:8d} {r['seconds']:7.2f} {r['output_tok_s']:9.1f}")
+    targets = figures["targets"]
     if "peer" in figures:
-        print(f"ratio tierkv / peer: {figures['ratio_vs_peer']:.2f}x (target >= 25x)")
+        print(f"ratio tierkv / peer: {figures['ratio_vs_peer']:.2f}x (target >= {targets['ratio_vs_peer']:.0f}x)")
     print(f"HBM bw (d2d copy) {bw / 1e9:.0f} GB/s; roofline {ours['roofline_tok_s']:.0f} tok/s; "
           f"fraction whole run {ours['roofline_fraction']:.1%}, decode steps "
-          f"{ours['decode_roofline_fraction'] or 0:.1%} (target >= 60%; GPU time of those steps "
-          f"{ours['decode_gpu_seconds'] or 0:.2f} s of {ours['decode_seconds']:.2f} s wall); mean decode batch "
-          f"{ours['mean_decode_batch']:.1f}; all requests full length: {ours['all_requests_full_length']}")
+          f"{ours['decode_roofline_fraction'] or 0:.1%} (target >= {targets['decode_roofline_fraction']:.0%}; "
+          f"GPU time of those steps {ours['decode_gpu_seconds'] or 0:.2f} s of {ours['decode_seconds']:.2f} s wall); "
+          f"mean decode batch {ours['mean_decode_batch']:.1f}; "
+          f"all requests full length: {ours['all_requests_full_length']}")
     if "prefix_caching_cost" in figures:
         print(f"prefix caching cost (tok/s off / on - 1): {figures['prefix_caching_cost']:+.1%} (target <= 2%)")
     print(f"wrote {path}")
