@@ -1,0 +1,72 @@
+"""Triton matrix-vector product for one row of activations: y [N] = W [N, K] @ x [K] (+ bias).
+
+Batch-1 decode reads every weight once per token, so its linear layers are pure HBM reads. Each
+program owns BLOCK_N whole output rows and streams their K weights in BLOCK_K chunks, multiplying
+and summing in fp32 registers: no tensor cores (one row of x leaves them idle), no split over K
+and so no second kernel to reduce partial sums (cuBLAS's split-K GEMVs launch one). Many
+independent 16-byte loads per thread keep enough bytes in flight to fill the memory pipes.
+
+Experimental: not dispatched by the engine; benchmarks/bench_gemv.py times it against cuBLAS.
+This file never syncs the host and never allocates anything but the output.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._launch import check_triton_device
+
+
+@triton.jit
+def _gemv_kernel(X, W, Bias, Y, N, K, stride_wn,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, HAS_BIAS: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)                  # [BLOCK_N]
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = W + rows.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]      # [BLOCK_N, BLOCK_K]
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN:
+            w = tl.load(w_ptrs + k0, eviction_policy="evict_first")
+            x = tl.load(X + k0 + offs_k)
+        else:
+            k_mask = k0 + offs_k < K
+            w = tl.load(w_ptrs + k0, mask=(rows < N)[:, None] & k_mask[None, :], other=0.0,
+                        eviction_policy="evict_first")
+            x = tl.load(X + k0 + offs_k, mask=k_mask, other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    y = tl.sum(acc, 1)                                                           # [BLOCK_N] fp32
+    if HAS_BIAS:
+        y += tl.load(Bias + rows, mask=rows < N, other=0.0).to(tl.float32)
+    tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=rows < N)
+
+
+def choose_launch(n: int, k: int) -> tuple[int, int, int]:
+    """(rows per program, K chunk, warps): a placeholder default until bench_gemv's sweep on the
+    H200 says otherwise."""
+    return 4, min(1024, triton.next_power_of_2(k)), 4
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+         block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
+         num_stages: int | None = None) -> torch.Tensor:
+    """x [1, K] or [K] times weight [N, K] (row-major, as nn.Linear holds it) -> [1, N] or [N]."""
+    check_triton_device(x, weight)
+    k = x.shape[-1]
+    if x.numel() != k or weight.dim() != 2 or weight.shape[1] != k or weight.stride(1) != 1:
+        raise ValueError(f"gemv takes one row x [1, K] and a row-major weight [N, K]; got x {tuple(x.shape)}, "
+                         f"weight {tuple(weight.shape)} with strides {weight.stride()}")
+    n = weight.shape[0]
+    bn, bk, warps = choose_launch(n, k)
+    bn, bk, warps = block_n or bn, block_k or bk, num_warps or warps
+    xv = x.reshape(k)
+    if xv.stride(0) != 1:
+        xv = xv.contiguous()
+    y = torch.empty(n, dtype=x.dtype, device=x.device)
+    _gemv_kernel[(triton.cdiv(n, bn),)](
+        xv, weight, bias if bias is not None else y, y, n, k, weight.stride(0),
+        BLOCK_N=bn, BLOCK_K=bk, EVEN=(n % bn == 0 and k % bk == 0), HAS_BIAS=bias is not None,
+        num_warps=warps, num_stages=num_stages or 1,
+    )
+    return y.view(*x.shape[:-1], n)
