@@ -3,7 +3,7 @@
 Batch-1 decode of Llama-3.1-8B spends ~85% of a step in five matrix-vector products (qkv, o,
 gate_up, down per layer; the LM head once); bench_latency's profile shows cuBLAS reading the
 smaller ones (qkv, o) at ~3.1 TB/s and splitting o and down over K with a second reduce kernel.
-For each shape this times torch's F.linear and kernels/gemv.py (its default and, with --sweep,
+For each shape this times torch's F.linear and kernels/matvec.py (its default and, with --sweep,
 every launch of a small grid), each replayed in a CUDA graph over `copies` distinct weights whose
 total is many times the 60 MB L2, so every call reads its weight from HBM. Figure: weight bytes /
 time against a d2d copy's bytes read + written per second measured in the same run.
@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels import copy_bandwidth
 from common import machine_tag, write_results
 
-from tierkv.kernels import gemv as gemv_module
+from tierkv.kernels import matvec
 
 # (name, in_features K, out_features N): Llama-3.1-8B's layers and head
 SHAPES = [("llama8b-qkv", 4096, 6144), ("llama8b-o", 4096, 4096), ("llama8b-gate_up", 4096, 28672),
@@ -54,9 +54,9 @@ def main() -> None:
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         want = F.linear(x, ws[0]).float()
-        err = (gemv_module.gemv(x, ws[0]).float() - want).abs().max().item()
+        err = (matvec.gemv(x, ws[0]).float() - want).abs().max().item()
         t_torch = per_call_ms(lambda i: F.linear(x, ws[i]), copies)
-        t_ours = per_call_ms(lambda i: gemv_module.gemv(x, ws[i]), copies)
+        t_ours = per_call_ms(lambda i: matvec.gemv(x, ws[i]), copies)
         row = dict(shape=name, in_features=k, out_features=n, weight_bytes=nbytes, copies=copies,
                    max_abs_diff_vs_torch=err, torch_ms=t_torch, gemv_ms=t_ours,
                    torch_of_copy=nbytes / (t_torch * 1e-3) / GB / copy_gbps,
@@ -66,7 +66,7 @@ def main() -> None:
             for bn, bk, warps, stages in SWEEP:
                 launch = dict(block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
                 try:
-                    t = per_call_ms(lambda i: gemv_module.gemv(x, ws[i], **launch), copies)
+                    t = per_call_ms(lambda i: matvec.gemv(x, ws[i], **launch), copies)
                     row["sweep"].append(dict(launch, ms=t, of_copy=nbytes / (t * 1e-3) / GB / copy_gbps))
                 except Exception as e:  # a launch that does not compile is recorded, not fatal
                     row["sweep"].append(dict(launch, error=str(e)[:200]))

@@ -1,4 +1,4 @@
-"""kernels/gemv.py (one row of activations times a row-major weight) against torch's linear, run
+"""kernels/matvec.py (one row of activations times a row-major weight) against torch's linear, run
 on CPU by the Triton interpreter (interpreted.py); bf16 and its speed are the GPU's
 (benchmarks/bench_gemv.py)."""
 
@@ -13,7 +13,7 @@ if not INTERPRETED:
 else:
     @pytest.fixture(scope="module")
     def tk():
-        return kernel_modules("gemv")
+        return kernel_modules("matvec")
 
     @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
     @pytest.mark.parametrize("n, k, launch", [
@@ -26,19 +26,19 @@ else:
         g = torch.Generator().manual_seed(n * k)
         w = torch.randn(n, k, generator=g).to(dtype)
         x = torch.randn(1, k, generator=g).to(dtype)
-        got = tk.gemv.gemv(x, w, **launch)
+        got = tk.matvec.gemv(x, w, **launch)
         assert got.shape == (1, n) and got.dtype == dtype
         torch.testing.assert_close(got.float(), torch.nn.functional.linear(x.float(), w.float()), **TOL[dtype])
 
     def test_gemv_adds_the_bias_and_takes_a_flat_row(tk):
         g = torch.Generator().manual_seed(3)
         w, x, b = torch.randn(40, 96, generator=g), torch.randn(96, generator=g), torch.randn(40, generator=g)
-        got = tk.gemv.gemv(x, w, b, block_n=16, block_k=32)
+        got = tk.matvec.gemv(x, w, b, block_n=16, block_k=32)
         assert got.shape == (40,)
         torch.testing.assert_close(got, torch.nn.functional.linear(x, w, b), **TOL[torch.float32])
 
     def test_gemv_refuses_more_than_one_row_or_a_transposed_weight(tk):
         with pytest.raises(ValueError, match="one row"):
-            tk.gemv.gemv(torch.randn(2, 8), torch.randn(4, 8))
+            tk.matvec.gemv(torch.randn(2, 8), torch.randn(4, 8))
         with pytest.raises(ValueError, match="row-major"):
-            tk.gemv.gemv(torch.randn(1, 8), torch.randn(8, 4).t())
+            tk.matvec.gemv(torch.randn(1, 8), torch.randn(8, 4).t())
