@@ -35,6 +35,9 @@ from triton.testing import do_bench, do_bench_cudagraph
 
 from tierkv.kernels import block_copy, decode, dense, prefill, reference
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import machine_tag  # noqa: E402
+
 HQ, HKV, D, PAGE, DT = 32, 8, 128, 16, torch.bfloat16   # Llama-3.1-8B layer, bf16, 16-token blocks
 DECODE_SHAPES = [(1, 131072), (8, 32768), (32, 8192), (128, 2048)]
 # (new tokens, cached tokens) of one sequence: cold prompts, and chunks of a 100K-token prefill
@@ -388,7 +391,7 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_kernels needs a CUDA GPU")
-    machine = os.environ.get("TIERKV_MACHINE", "h200")
+    machine = machine_tag()
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     except OSError:

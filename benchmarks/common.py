@@ -10,6 +10,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import socket
 import subprocess
 from pathlib import Path
@@ -50,12 +51,15 @@ def environment() -> dict:
 
 
 def machine_tag() -> str:
-    """'h200' on the GPU box, 'cpu' elsewhere: the suffix of result file names."""
+    """The suffix of result file names: the GPU's model ('h200', 'h100': the first word of its
+    name shaped like a letter and digits, not its memory kind, "NVIDIA H100 80GB HBM3"), 'cpu'
+    without one."""
     import torch
 
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name().split()[-1].lower()
-    return "cpu"
+    if not torch.cuda.is_available():
+        return "cpu"
+    words = torch.cuda.get_device_name().split()
+    return next((w for w in words if re.fullmatch(r"[A-Z]\d{2,}[A-Z]?", w)), words[-1]).lower()
 
 
 def write_results(name: str, figures: dict, out_dir: Path | None = None) -> Path:
