@@ -4,11 +4,9 @@ Batch-1 decode of Llama-3.1-8B spends ~85% of a step in five matrix-vector produ
 gate_up, down per layer; the LM head once); bench_latency's profile shows cuBLAS reading the
 smaller ones (qkv, o) at ~3.1 TB/s and splitting o and down over K with a second reduce kernel.
 For each shape this times torch's F.linear and kernels/matvec.py (its default and, with --sweep,
-every launch of a small grid), and for qkv and gate_up the decoder's RMSNorm (residual add
-included) then F.linear against one gemv that normalises the row itself. Each is replayed in a
-CUDA graph over `copies` distinct weights whose total is many times the 60 MB L2, so every call
-reads its weight from HBM. Figure: weight bytes / time against a d2d copy's bytes read + written
-per second measured in the same run.
+every launch of a small grid), each replayed in a CUDA graph over `copies` distinct weights
+whose total is many times the 60 MB L2, so every call reads its weight from HBM. Figure: weight
+bytes / time against a d2d copy's bytes read + written per second measured in the same run.
 
     python benchmarks/bench_gemv.py [--sweep] [--out DIR]
 """
@@ -28,7 +26,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels import copy_bandwidth
 from common import machine_tag, write_results
 
-from tierkv import kernels
 from tierkv.kernels import matvec
 
 # (name, in_features K, out_features N): Llama-3.1-8B's layers and head
@@ -76,19 +73,11 @@ def main() -> None:
             timed = [r for r in row["sweep"] if "ms" in r]
             if timed:
                 row["best"] = min(timed, key=lambda r: r["ms"])
-        if name.endswith(("qkv", "gate_up")):
-            # the decoder's norm before it (residual add included): two launches against one
-            r, nw = torch.randn_like(x), torch.ones(k, device="cuda", dtype=torch.bfloat16)
-            t_apart = per_call_ms(lambda i: F.linear(kernels.rms_norm(x, nw, 1e-5, r)[0], ws[i]), copies)
-            t_fused = per_call_ms(lambda i: matvec.gemv(x, ws[i], norm_weight=nw, eps=1e-5, residual=r), copies)
-            row.update(norm_then_torch_ms=t_apart, norm_fused_gemv_ms=t_fused, norm_fused_ratio=t_apart / t_fused)
         rows.append(row)
         best = row.get("best")
         print(f"{name:16s} {nbytes / 1e6:7.1f} MB  torch {t_torch * 1e3:7.1f} us ({row['torch_of_copy']:.0%} of copy)"
               f"  gemv {t_ours * 1e3:7.1f} us ({row['gemv_of_copy']:.0%})  x{row['ratio_vs_torch']:.2f}"
               + (f"  best {best['ms'] * 1e3:.1f} us ({best['of_copy']:.0%}) {best}" if best else "")
-              + (f"  norm+linear {row['norm_then_torch_ms'] * 1e3:.1f} us, fused "
-                 f"{row['norm_fused_gemv_ms'] * 1e3:.1f} us" if "norm_fused_ratio" in row else "")
               + f"  max|diff| {err:.1e}", flush=True)
         ws.clear()  # free this shape's copies before the next
         torch.cuda.empty_cache()
