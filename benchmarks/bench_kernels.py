@@ -3,6 +3,7 @@
 decode:  paged_decode vs SDPA on the same K/V made contiguous, Llama-3.1-8B layer shape; GB/s of KV
          read, ratio to SDPA and to the d2d copy bandwidth measured in this run, timed eagerly and
          replayed in CUDA graphs (GPU time alone, as the engine's decode runs).
+decode_mixed: a serving batch of mixed lengths against the copy bandwidth, with a grid of launches.
 prefill: paged_prefill of one sequence (cold, and long chunks over a cached prefix) as the engine
          calls it, and its Triton kernel alone, vs SDPA causal on contiguous K/V, TFLOP/s and ratio.
 extend:  paged_prefill of a few new tokens over a long cached prefix (a prefix-cache hit) vs SDPA
@@ -40,6 +41,9 @@ from common import machine_tag  # noqa: E402
 
 HQ, HKV, D, PAGE, DT = 32, 8, 128, 16, torch.bfloat16   # Llama-3.1-8B layer, bf16, 16-token blocks
 DECODE_SHAPES = [(1, 131072), (8, 32768), (32, 8192), (128, 2048)]
+# a serving batch of mixed lengths (bench_throughput's steady state: 139 sequences of 100-2048
+# tokens on average, tables as wide as a 4096-token max_model_len)
+MIXED_BATCH, MIXED_LENS, MIXED_WIDTH = 139, (100, 2048), 4096
 # (new tokens, cached tokens) of one sequence: cold prompts, and chunks of a 100K-token prefill
 PREFILL_SHAPES = [(4096, 0), (8192, 0), (16384, 0), (32768, 0), (8192, 32768), (8192, 90112)]
 # (sequences, new tokens each, cached tokens each): prefix-cache hits of one request, and a batch
@@ -139,6 +143,43 @@ def bench_decode(copy_gbps: float, sweep: bool) -> list[dict]:
         del kv, tables, k, v
         torch.cuda.empty_cache()
     return rows
+
+
+def bench_decode_mixed(copy_gbps: float) -> dict:
+    """A serving decode batch: MIXED_BATCH sequences of lengths uniform in MIXED_LENS (seeded),
+    block tables MIXED_WIDTH tokens wide as a CUDA graph sized for max_model_len holds them, the
+    shape of bench_throughput's steady state, where this kernel took 83% of the GPU time (H100,
+    2bdd8bb) and the uniform shapes above say too little. No SDPA peer (it would read the padding):
+    KV bytes per second against the copy, in CUDA graphs, for the chosen launch and for each
+    (splits, tokens per tile) of a small grid."""
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    lengths = torch.randint(MIXED_LENS[0], MIXED_LENS[1] + 1, (MIXED_BATCH,), generator=gen, device="cuda")
+    per_seq = MIXED_WIDTH // PAGE
+    kv = torch.randn(MIXED_BATCH * per_seq, 2, PAGE, HKV, D, device="cuda", dtype=DT, generator=gen)
+    tables = torch.randperm(kv.shape[0], device="cuda", generator=gen).to(torch.int32).view(MIXED_BATCH, per_seq)
+    lens = lengths.to(torch.int32)
+    q = torch.randn(MIXED_BATCH, HQ, D, device="cuda", dtype=DT, generator=gen)
+    scale = D**-0.5
+    kv_bytes = 2 * int(lengths.sum()) * HKV * D * kv.element_size()
+    chosen = decode.choose_launch(MIXED_BATCH, HKV, MIXED_WIDTH, D, q.device)
+    t = graph_ms(lambda: decode.paged_decode(q, kv, tables, lens, scale))
+    row = dict(batch=MIXED_BATCH, lengths=list(MIXED_LENS), table_tokens=MIXED_WIDTH, kv_bytes=kv_bytes,
+               splits_and_block_n=chosen, tierkv_graph_ms=t,
+               ratio_vs_copy_graph=kv_bytes / (t * 1e-3) / GB / copy_gbps, grid=[])
+    for splits in (1, 2, 4, 8):
+        for block_n in (32, 64, 128):
+            try:
+                g = graph_ms(lambda: decode._paged_decode(q, kv, tables, lens, scale, num_splits=splits,
+                                                          block_n=block_n))
+                row["grid"].append(dict(splits=splits, block_n=block_n, graph_ms=g,
+                                        ratio_vs_copy=kv_bytes / (g * 1e-3) / GB / copy_gbps))
+            except Exception as e:  # a launch that does not compile is recorded, not fatal
+                row["grid"].append(dict(splits=splits, block_n=block_n, error=str(e)[:200]))
+    best = max((r for r in row["grid"] if "graph_ms" in r), key=lambda r: r["ratio_vs_copy"])
+    print(f"decode mixed B={MIXED_BATCH} L={MIXED_LENS}: tierkv {row['ratio_vs_copy_graph']:.0%} of copy in graphs "
+          f"(launch {chosen}); best of the grid {best['ratio_vs_copy']:.0%} at {best['splits']} splits, "
+          f"{best['block_n']} tokens a tile", flush=True)
+    return row
 
 
 def sweep_decode(q, kv, tables, lens, scale, kv_bytes) -> list[dict]:
@@ -387,7 +428,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--quick", action="store_true", help="fewer blocks in the block-copy test")
     ap.add_argument("--sweep", default="", help="comma list of decode,prefill,extend: also sweep launch configs")
-    ap.add_argument("--only", default="decode,prefill,extend,blocks")
+    ap.add_argument("--only", default="decode,decode_mixed,prefill,extend,blocks")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_kernels needs a CUDA GPU")
@@ -408,6 +449,7 @@ def main() -> None:
     parts = args.only.split(",")
     sweeps = args.sweep.split(",")
     sections = dict(decode=lambda: bench_decode(result["d2d_copy_gbps"], "decode" in sweeps),
+                    decode_mixed=lambda: bench_decode_mixed(result["d2d_copy_gbps"]),
                     prefill=lambda: bench_prefill("prefill" in sweeps),
                     extend=lambda: bench_extend(result["d2d_copy_gbps"], "extend" in sweeps),
                     blocks=lambda: bench_blocks(args.quick))
