@@ -61,6 +61,7 @@ def test_only_the_first_to_land_starts_when_every_runner_is_loading():
         r.seq.pending = [loads[r.request_id]]
     step = sched.schedule()
     assert step.requests == [a] and step.num_new == [1]  # not b and c: their loads come after a's
+    assert sched.loading == [a, b, c]  # what a profile's step label names as loading
     sched.computed(a, 1)
     a.output_ids.append(7)
     loads[a.request_id].land()
@@ -70,6 +71,7 @@ def test_only_the_first_to_land_starts_when_every_runner_is_loading():
     loads[b.request_id].land()
     step = sched.schedule()
     assert step.requests == [a, b] and step.num_new == [1, 1]  # b joins once its blocks landed
+    assert sched.loading == [c]
 
 
 def test_a_landed_runner_computes_while_the_others_load():

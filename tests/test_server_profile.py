@@ -2,15 +2,17 @@
 
 A real server (the bundled model) with a profile directory: stopping before starting and starting
 twice are refused (409, saying what to call); a request served while profiling leaves a gzipped
-Chrome trace whose events include the engine thread's forward; a directory the server cannot
-write to is refused before the model loads; the vllm shim maps VLLM_TORCH_PROFILER_DIR onto the
-flag. (Without --profile-dir the routes do not exist: test_server_worker.py.)
+Chrome trace whose events include the engine thread's forward and each step as a named range (the
+requests it ran, those loading); a directory the server cannot write to is refused before the
+model loads; the vllm shim maps VLLM_TORCH_PROFILER_DIR onto the flag. (Without --profile-dir the
+routes do not exist: test_server_worker.py.)
 """
 
 from __future__ import annotations
 
 import gzip
 import json
+import re
 from pathlib import Path
 
 import httpx
@@ -49,6 +51,11 @@ def test_a_profile_of_a_request_is_a_chrome_trace_of_the_engine_steps(profiled):
     events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
     names = {e.get("name", "") for e in events}
     assert any(n.startswith("aten::") for n in names)  # the forward's ops, recorded on the engine thread
+    # each step a named range: the request it ran with its new tokens (the prompt, then one), and none loading
+    steps = [n for n in names if n.startswith("step: run ")]
+    assert steps and all(n.endswith("; loading -; waiting 0") for n in steps), steps
+    new_tokens = {int(m) for n in steps for m in re.findall(r"\+(\d+);", n)}
+    assert 1 in new_tokens and max(new_tokens) > 1, steps  # decodes, and the prompt's step
     assert post(server, "/start_profile").status_code == 200  # a new session after a stop
     assert post(server, "/stop_profile").status_code == 200
     assert len(list(traces.glob("*.pt.trace.json.gz"))) == 2

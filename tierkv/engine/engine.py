@@ -12,6 +12,7 @@ background thread). Single-threaded; nothing here knows about HTTP.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import logging
@@ -136,6 +137,9 @@ class Engine:
         self.in_flight: LaunchedStep | None = None  # launched, its tokens not yet taken back
         self.num_computed_tokens = 0  # tokens the model has run, prompts and decodes together
         self.l2_note = ""  # what the startup lines say of an L2 the user did not size
+        # set while a profiler records (server/profiling.py): each launch is then a named range in
+        # the trace, saying which requests ran and which waited for their loads
+        self.label_steps = False
         if l2_default:
             self.l2_note = (f" (the default share: {L2_DEFAULT_RULE})" if self.cache.l2
                             else " (off: the default on CPU)" if dev.type != "cuda" else " (off: host memory unknown)")
@@ -268,7 +272,8 @@ class Engine:
             self.scheduler.given_up.clear()
         launched = None
         if len(step):
-            launched = self.runner.run(step, self.in_flight)
+            with self._labelled(step):
+                launched = self.runner.run(step, self.in_flight)
             for req, n in zip(step.requests, step.num_new):
                 self.scheduler.computed(req, n)
                 self.num_computed_tokens += n
@@ -282,6 +287,21 @@ class Engine:
         if launched is None and ((self.scheduler.waiting and not self.scheduler.running) or self.scheduler.tail_waits):
             time.sleep(0.001)  # waiting only for L3 reads to land (prefetches, or tails)
         return outputs
+
+    def _labelled(self, step):
+        """A profiler range named after the step (only while `label_steps`): the requests it runs
+        and their new tokens, the running ones still waiting for their loads, and how many wait
+        for admission. Request ids are cut to their last 6 characters."""
+        if not self.label_steps:
+            return contextlib.nullcontext()
+        import torch
+
+        def ids(reqs) -> str:
+            return " ".join(r.request_id[-6:] for r in reqs)
+
+        runs = " ".join(f"{r.request_id[-6:]}+{n}" for r, n in zip(step.requests, step.num_new))
+        return torch.profiler.record_function(
+            f"step: run {runs}; loading {ids(self.scheduler.loading) or '-'}; waiting {len(self.scheduler.waiting)}")
 
     def _take_in_flight(self) -> LaunchedStep:
         launched, self.in_flight = self.in_flight, None

@@ -71,6 +71,7 @@ class Scheduler:
         self.given_up: list[Request] = []  # finished by the scheduler itself; the engine reports them
         self.num_preemptions = 0
         self.tail_waits = 0
+        self.loading: list[Request] = []  # running requests whose loads were in flight at the last schedule()
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -84,7 +85,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         step = ScheduledStep([], [])
         self.tail_waits = 0  # running requests that wait for their L3 tail this step
-        loading = []  # requests whose L2 blocks are still on their way into L1
+        loading = self.loading = []  # requests whose L2 blocks are still on their way into L1
         for req in list(self.running):  # oldest first; a preemption below may remove later ones
             if req.status is not Status.RUNNING:
                 continue

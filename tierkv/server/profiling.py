@@ -3,7 +3,8 @@
 Registered only when tierkv-serve runs with --profile-dir (vLLM: VLLM_TORCH_PROFILER_DIR). The
 profiler starts and stops on the engine thread, between two steps, so a trace holds whole steps:
 CPU ops of every thread and, on a GPU, the kernels and copies of every stream (the copy stream's
-L1<->L2 moves included). /stop_profile writes it as a gzipped Chrome trace (chrome://tracing,
+L1<->L2 moves included), and each step as a named range (the requests it runs, those waiting for
+their loads: Engine.label_steps). /stop_profile writes it as a gzipped Chrome trace (chrome://tracing,
 Perfetto) named by the process and the time it ended (ms), and answers its path. Nothing here runs while no profile is
 being taken; this file never changes what the engine computes.
 """
@@ -29,7 +30,7 @@ class EngineProfiler:
         self.directory = directory
         self._session: torch.profiler.profile | None = None
 
-    def start(self, _engine=None) -> None:
+    def start(self, engine=None) -> None:
         if self._session is not None:
             raise APIError(409, "a profile is being taken already: POST /stop_profile first", code="profiling")
         activities = [torch.profiler.ProfilerActivity.CPU]
@@ -38,11 +39,15 @@ class EngineProfiler:
         session = torch.profiler.profile(activities=activities)
         session.start()
         self._session = session
+        if engine is not None:
+            engine.label_steps = True  # each step a named range: which requests ran, which loaded
 
-    def stop(self, _engine=None) -> Path:
+    def stop(self, engine=None) -> Path:
         if self._session is None:
             raise APIError(409, "no profile is being taken: POST /start_profile first", code="profiling")
         session, self._session = self._session, None
+        if engine is not None:
+            engine.label_steps = False
         session.stop()
         path = self.directory / f"tierkv-serve-{os.getpid()}-{time.time_ns() // 1_000_000}.pt.trace.json.gz"
         session.export_chrome_trace(str(path))
