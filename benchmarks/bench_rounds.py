@@ -218,6 +218,9 @@ async def session(a, url: str, vocab: int, rounds, probes, tier: dict, h2d: floa
                 print(f"  profile: {kept['error']}" if "error" in kept else
                       f"  profiled: GPU busy {kept['summary']['gpu_busy_fraction']:.0%}; trace {trace_to.name}",
                       flush=True)
+                for gap in kept.get("summary", {}).get("compute_idle_gaps", [])[:4]:
+                    print(f"    compute idle {gap['gap_ms']:.1f} ms at {gap['at_ms']:.0f} ms (other streams busy "
+                          f"{gap['other_streams_busy_ms']:.1f} ms) in {gap['step']}", flush=True)
             b = rnd["bound"]
             print(f"  round {r}: {rnd['wall_s']:.2f} s, TTFT p50 {rnd['ttft_p50_s'] * 1e3:.0f} ms p99 "
                   f"{rnd['ttft_p99_s'] * 1e3:.0f} ms, cached {rnd['cached_tokens'] / rnd['prompt_tokens']:.0%}, "

@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_serving  # noqa: E402
 from serving.bounds import disk_ceiling, recompute_cost  # noqa: E402
 from serving.sweep import next_rate  # noqa: E402
-from serving.trace_summary import busy_us  # noqa: E402
+from serving.trace_summary import busy_us, summarize_trace  # noqa: E402
 
 
 def test_next_rate_doubles_then_bisects_once():
@@ -34,6 +34,25 @@ def test_next_rate_halves_down_to_a_pass():
 def test_busy_time_is_the_union_of_intervals():
     assert busy_us([(0, 10), (5, 15), (20, 25), (21, 22)]) == 20
     assert busy_us([]) == 0
+
+
+def test_a_trace_summary_lists_the_compute_streams_idle_stretches(tmp_path):
+    """A synthetic Chrome trace: the compute stream (stream 7, the most kernels) idles 9 ms while
+    the copy stream (13) loads for 8 of them, inside a step whose GPU span says who ran and who
+    loaded; a 2 ms idle stretch is too short to list."""
+    def ev(name, ts_ms, dur_ms, cat="kernel", stream=7):
+        return {"ph": "X", "name": name, "cat": cat, "ts": ts_ms * 1e3, "dur": dur_ms * 1e3,
+                "args": {"stream": stream}}
+
+    label = "step: run 000a+1; loading 000b; waiting 3"
+    events = [ev("gemm", 0, 1), ev("gemm", 10, 1), ev("attn", 13, 1), ev("norm", 14, 0.5),
+              ev("plane_copy", 1, 8, stream=13), ev(label, 0.5, 12, cat="gpu_user_annotation"),
+              ev("step: run 000b+1; loading -; waiting 3", 12.5, 2, cat="user_annotation")]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    [gap] = summarize_trace(path)["compute_idle_gaps"]
+    assert gap["at_ms"] == 1 and gap["gap_ms"] == 9 and gap["other_streams_busy_ms"] == 8
+    assert gap["step"] == label
 
 
 def test_long_doc_sweep_on_l1_l2_disk(tmp_path):

@@ -1,8 +1,10 @@
 """Where a profiled server's time went: a summary of a torch.profiler Chrome trace (tierkv-serve's
 /stop_profile writes one). Per CUDA stream, the share of the traced window its kernels and copies
 kept it busy; the whole GPU's busy share (any stream); the kernels and copies that took the most
-GPU time; and on the busiest CPU thread (the engine's) the share of the window it spent inside
-ops and the ops that took longest (inclusive: an op's time counts in its callers too). It reads a
+GPU time; the compute stream's longest idle stretches, with what the other streams did meanwhile
+and the engine's step in flight (its label: the requests it ran, those loading); and on the
+busiest CPU thread (the engine's) the share of the window it spent inside ops and the ops that
+took longest (inclusive: an op's time counts in its callers too). It reads a
 trace file (`keep_trace` copies one out of the server's folder first) and never talks to a server.
 """
 
@@ -16,6 +18,7 @@ from pathlib import Path
 
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 TOP = 12
+GAP_MS = 5.0  # a compute-stream idle stretch worth listing: most of a decode step
 
 
 def busy_us(intervals: list[tuple[float, float]]) -> float:
@@ -51,8 +54,10 @@ def summarize_trace(path: Path) -> dict:
     ops: Counter = Counter()
     for e in engine:
         ops[e["name"][:100]] += e["dur"]
+    steps = [e for e in events if e.get("name", "").startswith("step: ")]
     return dict(
         window_ms=window / 1e3,
+        compute_idle_gaps=idle_gaps(streams, steps, start),
         gpu_busy_fraction=busy_us([(e["ts"], e["ts"] + e["dur"]) for e in gpu]) / window,
         stream_busy_fraction={s: busy_us(iv) / window for s, iv in sorted(streams.items())},
         top_gpu_ms={n: d / 1e3 for n, d in by_name.most_common(TOP)},
@@ -60,6 +65,35 @@ def summarize_trace(path: Path) -> dict:
         engine_thread_busy_fraction=busy_us([(e["ts"], e["ts"] + e["dur"]) for e in engine]) / window,
         engine_thread_top_cpu_ops_inclusive_ms={n: d / 1e3 for n, d in ops.most_common(TOP)},
     )
+
+
+def idle_gaps(streams: dict[str, list], steps: list[dict], start: float, min_ms: float = GAP_MS) -> list[dict]:
+    """The longest stretches (>= min_ms, at most TOP) in which the compute stream (the one with the
+    most kernels) ran nothing: where each began (ms into the window), how long it lasted, how busy
+    the other streams were meanwhile (loads, saves), and the engine's step label in flight (the
+    GPU span of a 'step: ...' range holding the gap's start, as Engine.label_steps names them; the
+    last one begun on the host before it otherwise)."""
+    if not streams:
+        return []
+    compute = max(streams, key=lambda s: len(streams[s]))
+    merged: list[list[float]] = []
+    for a, b in sorted(streams[compute]):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    gaps = sorted(((b0, a1) for (_, b0), (a1, _) in zip(merged, merged[1:]) if a1 - b0 >= min_ms * 1e3),
+                  key=lambda g: g[0] - g[1])[:TOP]
+    out = []
+    for a, b in gaps:
+        others = busy_us([(max(x, a), min(y, b)) for s, iv in streams.items() if s != compute
+                          for x, y in iv if x < b and y > a])
+        holding = [e for e in steps if e["ts"] <= a < e["ts"] + e["dur"] and e.get("cat") == "gpu_user_annotation"]
+        begun = [e for e in steps if e["ts"] <= a and e.get("cat") != "gpu_user_annotation"]
+        label = holding[-1]["name"] if holding else max(begun, key=lambda e: e["ts"])["name"] if begun else None
+        out.append(dict(at_ms=(a - start) / 1e3, gap_ms=(b - a) / 1e3, other_streams_busy_ms=others / 1e3,
+                        step=label))
+    return out
 
 
 def keep_trace(trace: Path | str, trace_to: Path) -> dict:
