@@ -47,7 +47,7 @@ def _gemv_kernel(X, W, Bias, Y, N, K, stride_wn,
 
 def choose_launch(n: int, k: int) -> tuple[int, int, int]:
     """(rows per program, K chunk, warps). From bench_gemv's sweep on an H100 at 2bdd8bb
-    (bench_gemv-h100-2bdd8bb.json, 24 launches x Llama-3.1-8B's five shapes): 4 rows and
+    (bench_gemv-h100-2bdd8bb.json, 36 launches x Llama-3.1-8B's five shapes): 4 rows and
     2048-wide chunks with 4 warps were best or within 1% of it on every shape (the pipeline's
     stages made no difference), at 87-106% of a d2d copy's bandwidth where cuBLAS read at 67-95%."""
     return 4, min(2048, triton.next_power_of_2(k)), 4
