@@ -16,6 +16,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from serving.trace_summary import busy_us
+
 
 def profile_run(fn, trace_path: Path | None, top: int = 12) -> dict:
     import torch
@@ -64,12 +66,7 @@ def summarise(prof, wall: float, trace_path: Path | None, top: int = 12) -> dict
     import torch
 
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)  # microseconds
-    busy, end = 0.0, float("-inf")
-    for s, e in spans:  # union of intervals
-        if e > end:
-            busy += e - max(s, end)
-            end = e
+    busy = busy_us((e.time_range.start, e.time_range.end) for e in kernels)  # microseconds, overlap once
     totals: dict[str, list[float]] = {}
     for e in kernels:
         t = totals.setdefault(e.name[:90], [0.0, 0])

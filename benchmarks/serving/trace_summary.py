@@ -21,15 +21,20 @@ TOP = 12
 GAP_MS = 5.0  # a compute-stream idle stretch worth listing: most of a decode step
 
 
-def busy_us(intervals: list[tuple[float, float]]) -> float:
-    """Microseconds covered by the union of (start, end) intervals."""
-    total, end = 0.0, float("-inf")
+def union(intervals) -> list[list[float]]:
+    """The union of (start, end) intervals as disjoint [start, end] runs, in order."""
+    runs: list[list[float]] = []
     for a, b in sorted(intervals):
-        if b <= end:
-            continue
-        total += b - max(a, end)
-        end = b
-    return total
+        if runs and a <= runs[-1][1]:
+            runs[-1][1] = max(runs[-1][1], b)
+        else:
+            runs.append([a, b])
+    return runs
+
+
+def busy_us(intervals) -> float:
+    """Microseconds covered by the union of (start, end) intervals."""
+    return sum(b - a for a, b in union(intervals))
 
 
 def summarize_trace(path: Path) -> dict:
@@ -76,12 +81,7 @@ def idle_gaps(streams: dict[str, list], steps: list[dict], start: float, min_ms:
     if not streams:
         return []
     compute = max(streams, key=lambda s: len(streams[s]))
-    merged: list[list[float]] = []
-    for a, b in sorted(streams[compute]):
-        if merged and a <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], b)
-        else:
-            merged.append([a, b])
+    merged = union(streams[compute])
     gaps = sorted(((b0, a1) for (_, b0), (a1, _) in zip(merged, merged[1:]) if a1 - b0 >= min_ms * 1e3),
                   key=lambda g: g[0] - g[1])[:TOP]
     out = []

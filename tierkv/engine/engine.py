@@ -296,12 +296,10 @@ class Engine:
             return contextlib.nullcontext()
         import torch
 
-        def ids(reqs) -> str:
-            return " ".join(r.request_id[-6:] for r in reqs)
-
         runs = " ".join(f"{r.request_id[-6:]}+{n}" for r, n in zip(step.requests, step.num_new))
+        loading = " ".join(r.request_id[-6:] for r in self.scheduler.loading) or "-"
         return torch.profiler.record_function(
-            f"step: run {runs}; loading {ids(self.scheduler.loading) or '-'}; waiting {len(self.scheduler.waiting)}")
+            f"step: run {runs}; loading {loading}; waiting {len(self.scheduler.waiting)}")
 
     def _take_in_flight(self) -> LaunchedStep:
         launched, self.in_flight = self.in_flight, None
