@@ -1,6 +1,6 @@
 """tierkv.kernels: the GPU kernels (paged attention, KV writes, block copies, fp8 KV
 (de)quantisation, the decoder's fused RMSNorm / RoPE / SiLU-mul, the mixture-of-experts layer and
-its router's top-k, the sampler's top-k/top-p filter, a linear layer for a few rows), dispatched by device.
+its router's top-k, the sampler's top-k/top-p filter, the linear layers' one-row GEMV), dispatched by device.
 
 Triton kernels run on CUDA tensors and the torch reference everywhere else. The environment
 variable TIERKV_KERNELS=reference|triton forces one implementation (triton on CPU means the
@@ -46,6 +46,7 @@ __all__ = [
     "mla_decode",
     "fused_moe",
     "moe_topk",
+    "linear",
 ]
 
 # public name -> module of this package that holds its Triton version; a name missing here
@@ -70,6 +71,7 @@ _TRITON_HOME: dict[str, str] = {
     "mla_decode": "mla",
     "fused_moe": "moe",
     "moe_topk": "router",
+    "linear": "matvec",
 }
 
 
@@ -270,3 +272,10 @@ def moe_topk(logits: torch.Tensor, k: int, router: str = "softmax", renormalize:
     sigmoid router, which alone takes correction_bias, n_group, topk_group and scale). See
     reference.moe_topk; one launch on CUDA."""
     return _impl("moe_topk", logits)(logits, k, router, renormalize, correction_bias, n_group, topk_group, scale)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, K] times weight [N, K] (+ bias) -> [T, N], as F.linear. On CUDA one row of bf16/fp16
+    inside a CUDA graph capture reads the weight through a Triton GEMV (matvec.py), faster than
+    cuBLAS at batch 1; every other call is F.linear."""
+    return _impl("linear", x)(x, weight, bias)

@@ -6,16 +6,20 @@ and summing in fp32 registers: no tensor cores (one row of x leaves them idle), 
 and so no second kernel to reduce partial sums (cuBLAS's split-K GEMVs launch one). Many
 independent 16-byte loads per thread keep enough bytes in flight to fill the memory pipes.
 
-Not yet dispatched by the engine: benchmarks/bench_gemv.py times it against cuBLAS (on an H100
-at 2bdd8bb it read Llama-3.1-8B's five shapes 1.07-1.21x faster). Fusing the RMSNorm before it
-into each program was measured and dropped: every program re-reads the whole row for its RMS,
-which cost more than the norm's launch on gate_up (91.7 against 83.9 us). This file never syncs
-the host and never allocates anything but the output.
+`linear` is what the engine's linear layers call (kernels.linear): one row of bf16/fp16
+activations inside a CUDA graph capture takes the GEMV, everything else torch's F.linear (cuBLAS).
+Only in a graph: benchmarks/bench_gemv.py has it read Llama-3.1-8B's five shapes 1.07-1.21x faster
+than cuBLAS on an H100 at 2bdd8bb, GPU time alone, but a Triton launch costs the host several times
+a cuBLAS call's, which an eager batch-1 step pays on every layer and a graph pays once, at capture.
+Fusing the RMSNorm before it into each program was measured and dropped: every program re-reads
+the whole row for its RMS, which cost more than the norm's launch on gate_up (91.7 against 83.9
+us). This file never syncs the host and never allocates anything but the output.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -51,6 +55,26 @@ def choose_launch(n: int, k: int) -> tuple[int, int, int]:
     2048-wide chunks with 4 warps were best or within 1% of it on every shape (the pipeline's
     stages made no difference), at 87-106% of a d2d copy's bandwidth where cuBLAS read at 67-95%."""
     return 4, min(2048, triton.next_power_of_2(k)), 4
+
+
+# Whether one-row linears captured in CUDA graphs take the GEMV; bench_latency --cublas turns it
+# off, before the engine captures its graphs, to time the same model on cuBLAS.
+GEMV_IN_GRAPHS = True
+
+
+def takes_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `linear` sends x through the GEMV: one row, bf16/fp16 like its row-major weight,
+    while the current CUDA stream is being captured into a graph."""
+    return (GEMV_IN_GRAPHS and x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.dtype == weight.dtype
+            and x.dtype in (torch.bfloat16, torch.float16) and weight.stride(1) == 1
+            and torch.cuda.is_current_stream_capturing())
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x [T, K], weight [N, K], bias) -> [T, N]; one row in a CUDA graph through `gemv`."""
+    if takes_gemv(x, weight):
+        return gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,

@@ -317,6 +317,11 @@ def _rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotated * sin
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, K] times weight [N, K] (+ bias) -> [T, N]: torch's linear."""
+    return torch.nn.functional.linear(x, weight, bias)
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [T, 2 * I] (gate, then up) -> F.silu(gate) * up [T, I], in gate_up's dtype."""
     _, inter = _checks.check_silu_mul(gate_up)

@@ -1,8 +1,8 @@
 """Building blocks shared by the decoder (model.py), its attention variants (mla.py) and MoE:
-the RMSNorm in transformers' rounding order, the row-parallel Linear of tensor parallelism, and
-YaRN's attention temperature (RoPE and MLA's softmax scale both use it). The linear layers are
-torch's (cuBLAS): a split-K Triton linear for decode's few rows did not beat it on the H200
-(benchmarks/results/bench_linear-h200-sweep-427c339.json) and was removed.
+the RMSNorm in transformers' rounding order, the Linear every projection is (and its row-parallel
+form for tensor parallelism), and YaRN's attention temperature (RoPE and MLA's softmax scale both
+use it). A Linear multiplies through kernels.linear: cuBLAS, except one row of activations in a
+CUDA graph (batch-1 decode), which a Triton GEMV reads faster (kernels/matvec.py).
 
 They hold weights and call kernels; they never know which model they sit in.
 """
@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tierkv import kernels
@@ -38,7 +37,14 @@ class RMSNorm(nn.Module):
         return kernels.rms_norm(x, self.weight, self.eps, residual, unit_offset=self.unit_offset)
 
 
-class RowParallelLinear(nn.Linear):
+class Linear(nn.Linear):
+    """nn.Linear (same parameters and checkpoint names) whose product is kernels.linear."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(Linear):
     """A Linear whose input features are split over the ranks (o_proj, down_proj): each rank
     multiplies its slice, one all-reduce sums the partials, and only then is the bias (whole on
     every rank) added, so that it counts once and not `size` times."""
@@ -50,7 +56,7 @@ class RowParallelLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.tp.enabled:
             return super().forward(x)
-        out = self.tp.all_reduce(F.linear(x, self.weight))  # [T, out], summed over the ranks
+        out = self.tp.all_reduce(kernels.linear(x, self.weight))  # [T, out], summed over the ranks
         return out if self.bias is None else out + self.bias
 
 

@@ -35,7 +35,7 @@ from tierkv import kernels
 from tierkv.errors import ConfigError
 
 from .attention import AttentionMetadata, paged_attention
-from .layers import RMSNorm, RowParallelLinear, yarn_mscale
+from .layers import Linear, RMSNorm, RowParallelLinear, yarn_mscale
 from .parallel import TensorParallel
 
 # transformers builds q_a_layernorm and kv_a_layernorm with the RMSNorm's default eps, not rms_norm_eps
@@ -146,14 +146,14 @@ class MLAttention(nn.Module):
         self.num_heads = h = part.stop - part.start
         q_out = h * spec.qk_head_dim
         if spec.q_lora_rank is None:
-            self.q_proj = nn.Linear(hidden, q_out, bias=False)
+            self.q_proj = Linear(hidden, q_out, bias=False)
         else:
-            self.q_a_proj = nn.Linear(hidden, spec.q_lora_rank, bias=spec.attention_bias)
+            self.q_a_proj = Linear(hidden, spec.q_lora_rank, bias=spec.attention_bias)
             self.q_a_layernorm = RMSNorm(spec.q_lora_rank, LATENT_NORM_EPS)
-            self.q_b_proj = nn.Linear(spec.q_lora_rank, q_out, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(hidden, spec.latent, bias=spec.attention_bias)
+            self.q_b_proj = Linear(spec.q_lora_rank, q_out, bias=False)
+        self.kv_a_proj_with_mqa = Linear(hidden, spec.latent, bias=spec.attention_bias)
         self.kv_a_layernorm = RMSNorm(spec.kv_lora_rank, LATENT_NORM_EPS)
-        self.kv_b_proj = nn.Linear(spec.kv_lora_rank, h * (spec.qk_nope_head_dim + spec.v_head_dim), bias=False)
+        self.kv_b_proj = Linear(spec.kv_lora_rank, h * (spec.qk_nope_head_dim + spec.v_head_dim), bias=False)
         self.o_proj = RowParallelLinear(h * spec.v_head_dim, hidden, spec.attention_bias, tp)
 
     def forward(

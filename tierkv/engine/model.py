@@ -24,7 +24,7 @@ from torch import nn
 from tierkv import kernels
 
 from .attention import AttentionMetadata, paged_attention
-from .layers import RMSNorm, RowParallelLinear
+from .layers import Linear, RMSNorm, RowParallelLinear
 from .mla import MLAttention
 from .mla import compile_variants as compile_mla_variants
 from .model_config import ModelConfig
@@ -70,7 +70,7 @@ class Attention(nn.Module):
         self.layer = layer
         self.sliding_window = cfg.layer_windows[layer] if cfg.layer_windows else None
         # q, k and v in one GEMM: one weight read and one launch instead of three.
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, cfg.o_bias, tp)
         # q/k norms act within one head: every rank holds the whole [D] weight
         self.q_norm = _norm(cfg, cfg.head_dim) if cfg.qk_norm else None
@@ -106,7 +106,7 @@ class MLP(nn.Module):
         super().__init__()
         self.inter = _len(tp.part(cfg.intermediate_size))  # this rank's intermediate features
         # gate and up in one GEMM, split after: this rank's gate rows, then its up rows
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=cfg.mlp_bias)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.inter, bias=cfg.mlp_bias)
         self.down_proj = RowParallelLinear(self.inter, cfg.hidden_size, cfg.mlp_bias, tp)
         self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"
 
@@ -177,7 +177,7 @@ class CausalLM(nn.Module):
         self.model = Decoder(cfg, tp)
         self.num_local_heads = _len(tp.part(cfg.num_heads))
         self.num_local_kv_heads = _len(tp.kv_heads(cfg.num_kv_heads))
-        self.lm_head = nn.Linear(cfg.hidden_size, tp.vocab_per_rank(cfg.vocab_size), bias=False)  # this rank's rows
+        self.lm_head = Linear(cfg.hidden_size, tp.vocab_per_rank(cfg.vocab_size), bias=False)  # this rank's rows
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self.rope_scale = rope_attention_factor(cfg)  # YaRN scales cos and sin (in fp32, before the cast)
         sliding = rope_inv_freq(cfg, sliding=True) if cfg.sliding_rope else None

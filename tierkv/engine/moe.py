@@ -44,6 +44,7 @@ from tierkv import kernels
 from tierkv.errors import ConfigError
 from tierkv.kernels._checks import grouped_router_problem
 
+from .layers import Linear
 from .parallel import TensorParallel
 
 ROUTERS = ("softmax", "topk_softmax", "grouped_sigmoid")
@@ -175,8 +176,8 @@ class SharedExperts(nn.Module):
 
     def __init__(self, hidden: int, inter: int) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.gate_up_proj = Linear(hidden, 2 * inter, bias=False)
+        self.down_proj = Linear(inter, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(kernels.silu_mul(self.gate_up_proj(x)))

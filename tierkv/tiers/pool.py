@@ -6,7 +6,6 @@ to be neighbours (long contiguous copies). Nothing here allocates on the hot pat
 
 from __future__ import annotations
 
-import os
 
 import torch
 
