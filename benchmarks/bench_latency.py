@@ -124,6 +124,7 @@ def cublas_decode(path: str, device: torch.device, dtype: torch.dtype, prompts: 
         tierkv_decode(llm, prompts[0], n)
         runs = [tierkv_decode(llm, prompt, n) for prompt in prompts[1:]]
         llm.close()
+        del llm
     finally:
         matvec.GEMV_IN_GRAPHS = True
     return dict(decode_tok_s=statistics.median(r["decode_tok_s"] for r in runs), runs=runs)
@@ -181,8 +182,9 @@ def main() -> None:
             figures["profile"]["kernels_per_token"] = figures["profile"]["kernel_launches"] / 64
             print_profile(figures["profile"], "64 tokens at batch 1")
         llm.close()
+        del llm
         if a.compare_cublas:
-            release_memory()
+            release_memory()  # the first LLM's weights and pool go before the second loads
             figures["tierkv_cublas"] = cublas_decode(tmp, device, dtype, prompts, n)
 
     # each decode step reads the weights and the KV of the context; average over the decode
