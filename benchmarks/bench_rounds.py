@@ -24,7 +24,9 @@ The bound of a round, from limits measured in this run on the same server (probe
            the second half of their tokens (all C decode by then).
 The GPU and the copy engine run side by side, so a round takes at least max(pcie, compute):
 bound / wall is the share of the hardware's pace the round reached (target >= 0.8 for l1+l2's hit
-rounds), and the larger term names what binds. Also the l1 / l1+l2 ratio of hit-round time.
+rounds), and the larger term names what binds. Also the l1 / l1+l2 ratio of hit-round time, and per
+round where the engine thread's time went (its /metrics series, unprofiled): decode and mixed steps
+and their mean batch, the seconds of steps that launched nothing, and the host's phases of a step.
 With --profile-seconds, the server's torch profiler runs that long from the start of the second
 hit round: its trace goes to --out, a summary (GPU and per-stream busy shares, the top kernels and
 the engine thread's top ops) to the JSON. The profiler slows the server (a hit round took 2.6-2.8x
@@ -59,7 +61,8 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))  # the server launcher the tests use
 from common import RESULTS, machine_tag, write_results  # noqa: E402
 from serving.bounds import h2d_bandwidth  # noqa: E402
-from serving.client import Http, cache_stats, profile_server, send, stats_delta  # noqa: E402
+from serving.client import (  # noqa: E402
+    Http, cache_stats, engine_time, engine_time_delta, profile_server, send, stats_delta)
 from serving.figures import pct  # noqa: E402
 from serving.model import given_or_made, take_positions  # noqa: E402
 from serving.probes import cold_probe, warm_up  # noqa: E402
@@ -67,6 +70,7 @@ from serving.trace_summary import keep_trace  # noqa: E402
 from server_helpers import ServerProcess  # noqa: E402
 
 TARGET = 0.8  # issue 40 item 3: l1+l2's hit rounds at >= 80% of their bound
+STATS_SETTLE_S = 0.6  # after a round, before reading counters the server snapshots every 0.25 s
 BLOCK = 16
 CONFIGS = ("l1", "l1+l2")
 # issue 40's run: 32 users x 8K tokens, 16 at a time, L1 6 GiB, 4 rounds, 32 tokens each
@@ -172,17 +176,19 @@ async def run_round(h: Http, prompts: list[list[int]], a) -> dict:
         async with slots:
             return await send(h, prompt, a.max_tokens)
 
-    before = await cache_stats(h)
+    before, engine_before = await cache_stats(h), await engine_time(h)
     t = time.perf_counter()
     results = await asyncio.gather(*(one(p) for p in prompts))
     wall = time.perf_counter() - t
+    await asyncio.sleep(STATS_SETTLE_S)  # the server refreshes its counters' snapshot every 0.25 s
     delta = stats_delta(before, await cache_stats(h))
+    engine = engine_time_delta(engine_before, await engine_time(h))
     ttft = pct([r.ttft for r in results if r.ttft is not None], scale=1.0)
     return dict(wall_s=wall, requests=len(results), errors=[r.error for r in results if r.error],
                 prompt_tokens=sum(len(p) for p in prompts), cached_tokens=sum(r.cached_tokens for r in results),
                 output_tokens=sum(r.completion_tokens for r in results),
                 ttft_p50_s=ttft["p50"], ttft_p99_s=ttft["p99"],
-                l2_bytes_out=delta["l2"]["bytes_out"] if delta else None, tiers=delta)
+                l2_bytes_out=delta["l2"]["bytes_out"] if delta else None, tiers=delta, engine=engine)
 
 
 def round_bound(rnd: dict, at_once: int, cold: dict, batch: dict, h2d: float, max_tokens: int) -> dict:
@@ -226,6 +232,11 @@ async def session(a, url: str, vocab: int, rounds, probes, tier: dict, h2d: floa
                   f"{rnd['ttft_p99_s'] * 1e3:.0f} ms, cached {rnd['cached_tokens'] / rnd['prompt_tokens']:.0%}, "
                   f"L2->L1 {(rnd['l2_bytes_out'] or 0) / 1e9:.2f} GB; bound {b['bound_s']:.2f} s ({b['binding']}), "
                   f"{b['bound_over_wall']:.0%} of it", flush=True)
+            if rnd["engine"]:
+                e = rnd["engine"]
+                print(f"    engine: {e['steps'].get('decode', 0)} decode + {e['steps'].get('mixed', 0)} mixed steps, "
+                      f"mean batch {e['mean_batch']:.2f}; idle {e['idle_s']:.2f} s; host "
+                      + ", ".join(f"{k} {v:.2f} s" for k, v in e["host_s"].items()), flush=True)
             out.append(rnd)
     hit = [x for x in out[1:] if "profile" not in x]  # the profiler slows the server: its round stays apart
     return dict(cold_probe=cold, batch_probe=batch, rounds=out,

@@ -16,6 +16,7 @@ import torch
 from models import bundled_cache_dir, save_tiny_checkpoint, truncate_at_eos
 
 from tierkv import LLM, SamplingParams, transfer
+from tierkv.engine.scheduler import ScheduledStep
 from tierkv.errors import ConfigError
 
 transformers = pytest.importorskip("transformers")
@@ -256,6 +257,45 @@ def test_a_request_that_outgrows_all_of_l1_ends_with_length(tiny_llama):
     assert outs[0].finish_reason == "length" and len(outs[0].token_ids) == 40
     assert outs[1].finish_reason == "length" and 30 + len(outs[1].token_ids) - 1 <= 48 < 30 + 39
     assert not llm.engine.has_unfinished()
+
+
+def test_engine_time_counts_its_steps_batch_and_host_phases(tiny_llama):
+    """Two prompts admitted together: one step computes both prompts (mixed), then each decode
+    step runs both (every request one token), until their 6th tokens; no step launches nothing."""
+    llm = LLM(tiny_llama, device="cpu", l1=1 << 20)
+    t = time.perf_counter()
+    llm.generate(random_prompts(512, (9, 14), seed=4), SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                 use_tqdm=False)
+    wall = time.perf_counter() - t
+    e = llm.engine.engine_stats()
+    assert e["steps"] == {"mixed": 1, "decode": 5}
+    assert e["step_requests"] == 2 * 6
+    assert e["idle_steps"] == 0 and e["idle_seconds"] == 0.0
+    host = e["host_seconds"]
+    assert set(host) == {"schedule", "launch", "postprocess"} and all(v > 0 for v in host.values())
+    assert host["launch"] > host["schedule"]  # on a CPU launching computes the model
+    assert sum(host.values()) <= wall
+
+
+def test_steps_that_launch_nothing_count_as_idle(tiny_llama, monkeypatch):
+    """A scheduler with nothing to run for its first three calls (as while loads land): three
+    idle steps, whose seconds are part of the engine thread's, and the same steps after them."""
+    llm = LLM(tiny_llama, device="cpu", l1=1 << 20)
+    schedule, calls = llm.engine.scheduler.schedule, []
+
+    def held():
+        calls.append(1)
+        if len(calls) <= 3:
+            time.sleep(0.01)
+            return ScheduledStep([], [])
+        return schedule()
+
+    monkeypatch.setattr(llm.engine.scheduler, "schedule", held)
+    llm.generate(random_prompts(512, (9,), seed=5), SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+                 use_tqdm=False)
+    e = llm.engine.engine_stats()
+    assert e["idle_steps"] == 3 and e["steps"] == {"mixed": 1, "decode": 2}
+    assert 0.03 <= e["idle_seconds"] <= sum(e["host_seconds"].values())
 
 
 _ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),

@@ -155,6 +155,27 @@ def test_request_and_step_histograms_count_what_the_requests_did(server, client)
     assert delta(after, "vllm:inter_token_latency_seconds_sum") == pytest.approx(phases["decode"], rel=1e-6)
 
 
+def test_engine_time_series_count_the_steps_of_a_request(server, client):
+    """One request alone: its prompt in one mixed step, a decode step per later token, each step
+    a batch of one; the engine thread's phases add up to no more than the wall time."""
+    before = scrape(server)
+    t = time.monotonic()
+    out = complete(client, prompt(900, 2 * BLOCK + 1), 8)
+    wall = time.monotonic() - t
+    assert out.usage.completion_tokens == 8
+
+    def delta(families, sample, **labels):
+        return value(families, sample, **labels) - value(before, sample, **labels)
+
+    after = until(server, lambda f: delta(f, "tierkv_engine_steps_total", kind="decode") >= 7)
+    assert after["tierkv_engine_steps"][0] == "counter"
+    steps = {k: delta(after, "tierkv_engine_steps_total", kind=k) for k in ("mixed", "decode")}
+    assert steps == {"mixed": 1, "decode": 7}
+    assert delta(after, "tierkv_engine_step_requests_total") == 8
+    host = {p: delta(after, "tierkv_engine_host_seconds_total", phase=p) for p in ("schedule", "launch", "postprocess")}
+    assert all(v > 0 for v in host.values()) and sum(host.values()) <= wall, (host, wall)
+
+
 def test_preemptions_are_counted(server, client):
     """Three choices of one prompt (n=3: they run together from its prefill on) that L1 cannot
     hold together as they grow, 4 shared and 8 own blocks each against 16: the scheduler preempts

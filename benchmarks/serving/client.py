@@ -1,6 +1,7 @@
 """The benchmark's HTTP client: one streamed /v1/completions request timed token by token (TTFT
-from the request's arrival, inter-token gaps, usage.cached_tokens) and the /v1/cache/stats
-counters. It only speaks the public HTTP API and never decides what to send or when.
+from the request's arrival, inter-token gaps, usage.cached_tokens), the /v1/cache/stats counters
+and the engine's time series of /metrics. It only speaks the public HTTP API and never decides
+what to send or when.
 """
 
 from __future__ import annotations
@@ -113,6 +114,44 @@ async def cache_stats(h: Http) -> dict | None:
     except httpx.HTTPError:
         return None
     return r.json() if r.status_code == 200 else None
+
+
+# /metrics samples of where the engine thread's time goes (tierkv/server/metrics.py), by label
+ENGINE_TIME = {"tierkv_engine_steps_total": "kind", "tierkv_engine_step_requests_total": None,
+               "tierkv_engine_host_seconds_total": "phase", "tierkv_engine_idle_seconds_total": None}
+
+
+async def engine_time(h: Http) -> dict | None:
+    """{sample name, or name:label value: value} of the engine-time series on /metrics (None where
+    the server exports none)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        r = await h.client.get(h.url + "/metrics", headers=h.headers)
+    except httpx.HTTPError:
+        return None
+    if r.status_code != 200:
+        return None
+    out = {}
+    for family in text_string_to_metric_families(r.text):
+        for s in family.samples:
+            if s.name in ENGINE_TIME:
+                label = ENGINE_TIME[s.name]
+                out[s.name if label is None else f"{s.name}:{s.labels[label]}"] = s.value
+    return out or None
+
+
+def engine_time_delta(before: dict | None, after: dict | None) -> dict | None:
+    """Between two engine_time() readings: steps by kind, their mean batch, the seconds of steps
+    that launched nothing (idle) and the engine thread's seconds by phase."""
+    if not before or not after:
+        return None
+    d = {k: after[k] - before.get(k, 0.0) for k in after}
+    steps = {k.split(":")[1]: int(v) for k, v in d.items() if k.startswith("tierkv_engine_steps_total:")}
+    total = sum(steps.values())
+    return dict(steps=steps, mean_batch=d["tierkv_engine_step_requests_total"] / total if total else 0.0,
+                idle_s=d["tierkv_engine_idle_seconds_total"],
+                host_s={k.split(":")[1]: v for k, v in d.items() if k.startswith("tierkv_engine_host_seconds_total:")})
 
 
 def stats_delta(before: dict | None, after: dict | None) -> dict | None:

@@ -264,9 +264,12 @@ class Engine:
         outputs: list[RequestOutput] = []
         streaming = emit is not None
         emit = emit or outputs.extend
+        t0, taken = time.perf_counter(), 0.0  # taken: seconds taking a launched step's tokens back
         if self.in_flight is not None and ((streaming and self.in_flight.ready()) or not self._may_overlap()):
-            emit(self._postprocess(self._take_in_flight()))
+            taken += self._take_back(emit)
+        t1 = time.perf_counter()
         step = self.scheduler.schedule()
+        t2 = time.perf_counter()
         if self.scheduler.given_up:
             emit([self._ended(req) for req in self.scheduler.given_up])
             self.scheduler.given_up.clear()
@@ -279,14 +282,25 @@ class Engine:
                 self.num_computed_tokens += n
             for req in launched.requests:
                 req.pending += 1
+        t3 = time.perf_counter()
         if self.in_flight is not None:
-            emit(self._postprocess(self._take_in_flight()))  # the device runs `launched` meanwhile
+            taken += self._take_back(emit)  # the device runs `launched` meanwhile
         self.in_flight = launched
         if launched is not None and (not self.config.async_scheduling or (streaming and launched.ready())):
-            emit(self._postprocess(self._take_in_flight()))
+            taken += self._take_back(emit)
         if launched is None and ((self.scheduler.waiting and not self.scheduler.running) or self.scheduler.tail_waits):
             time.sleep(0.001)  # waiting only for L3 reads to land (prefetches, or tails)
+        if launched is not None or self.has_unfinished():
+            total = time.perf_counter() - t0
+            self.stats.stepped(step.num_new if launched is not None else [], t2 - t1, t3 - t2,
+                               total - (t3 - t1), total - taken)
         return outputs
+
+    def _take_back(self, emit: Callable[[list[RequestOutput]], None]) -> float:
+        """Hand over the outputs of the step in flight (waiting for its tokens); the seconds it took."""
+        t = time.perf_counter()
+        emit(self._postprocess(self._take_in_flight()))
+        return time.perf_counter() - t
 
     def _labelled(self, step):
         """A profiler range named after the step (only while `label_steps`): the requests it runs

@@ -4,7 +4,11 @@ The step-level and request-level series vLLM exports besides the cache's own cou
 per step, the gap between one request's tokens, and each finished request's time waiting for
 admission, computing its prompt and decoding, and its prompt length. Fixed-bucket histograms with
 vLLM's buckets, updated on the engine thread without allocating; `snapshot()` copies them for
-another thread. Knows nothing of Prometheus or HTTP.
+another thread. And where the engine thread's time goes, which vLLM does not export: steps
+launched (decode-only or with prompt tokens) and the requests in them, host seconds per phase of
+a step, and the time spent in steps that launched nothing while requests were unfinished (the
+GPU had none of this engine's work: loads landing, L1 room, L3 reads). Knows nothing of
+Prometheus or HTTP.
 """
 
 from __future__ import annotations
@@ -63,6 +67,27 @@ class EngineStats:
         self.prefill = Histogram(REQUEST_PHASE_S)  # first admission to first token (preemptions included)
         self.decode = Histogram(REQUEST_PHASE_S)  # first token to last token
         self.prompt_tokens = Histogram(one_two_five(max_model_len))
+        self.steps = {"decode": 0, "mixed": 0}  # launched: every request one token, or some prompt tokens
+        self.step_requests = 0  # requests in launched steps, summed (over `steps`: the mean batch)
+        # engine-thread seconds: scheduling, launching (runner.run), and the rest of a step (taking
+        # the previous step's tokens back, which waits for the GPU, and handing them over)
+        self.host_s = {"schedule": 0.0, "launch": 0.0, "postprocess": 0.0}
+        self.idle_steps, self.idle_s = 0, 0.0  # step() calls that launched nothing, with requests unfinished
+
+    def stepped(self, num_new: list[int], schedule_s: float, launch_s: float, rest_s: float,
+                untaken_s: float) -> None:
+        """One step() call: `num_new` the new tokens of each request it launched ([] for none);
+        `untaken_s` its seconds outside taking a launched step's tokens back, idle where it
+        launched nothing (the GPU ran that step while it was taken back)."""
+        if num_new:
+            self.steps["mixed" if max(num_new) > 1 else "decode"] += 1
+            self.step_requests += len(num_new)
+        else:
+            self.idle_steps += 1
+            self.idle_s += untaken_s
+        self.host_s["schedule"] += schedule_s
+        self.host_s["launch"] += launch_s
+        self.host_s["postprocess"] += rest_s
 
     def finished(self, choices: list) -> None:
         """A request ended with every choice done (stop or length): its phases, once per request as
@@ -81,4 +106,6 @@ class EngineStats:
         return {"num_preemptions": num_preemptions, "iteration_tokens": self.iteration_tokens.snapshot(),
                 "inter_token_latency": self.inter_token.snapshot(), "request_queue_time": self.queue.snapshot(),
                 "request_prefill_time": self.prefill.snapshot(), "request_decode_time": self.decode.snapshot(),
-                "request_prompt_tokens": self.prompt_tokens.snapshot()}
+                "request_prompt_tokens": self.prompt_tokens.snapshot(), "steps": dict(self.steps),
+                "step_requests": self.step_requests, "host_seconds": dict(self.host_s),
+                "idle_steps": self.idle_steps, "idle_seconds": self.idle_s}

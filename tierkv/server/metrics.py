@@ -190,6 +190,7 @@ class _EngineCollector:
         for name, key, doc in _ENGINE_HISTOGRAMS:
             if key in e:
                 yield _histogram(name, doc, e[key])
+        yield from _engine_time(e)
         for name, (key, doc) in TIER_COUNTER_METRICS.items():
             fam = CounterMetricFamily(name, doc, labels=["tier"])
             for t in TIERS:
@@ -227,6 +228,27 @@ class _EngineCollector:
         # the whole L2 pool is page-locked at start when it is pinned, used or not
         yield GaugeMetricFamily("tierkv_pinned_host_bytes", "page-locked host memory of the L2 pool",
                                 value=tiers.get("l2", {}).get("capacity_bytes", 0) if self.l2_pinned else 0)
+
+
+def _engine_time(e: dict):
+    """Where the engine thread's time goes (EngineStats): its steps, their batch, its host phases
+    and the time in steps that launched nothing."""
+    steps = CounterMetricFamily("tierkv_engine_steps", "steps launched: decode (every request one token) or mixed "
+                                "(some computing prompt tokens)", labels=["kind"])
+    for kind, n in e.get("steps", {}).items():
+        steps.add_metric([kind], n)
+    yield steps
+    yield CounterMetricFamily("tierkv_engine_step_requests", "requests in the steps launched, summed: over "
+                              "tierkv_engine_steps_total, the mean batch", value=e.get("step_requests", 0))
+    host = CounterMetricFamily("tierkv_engine_host_seconds", "engine-thread seconds by phase of a step: schedule, "
+                               "launch (the model's kernels) and postprocess (taking the previous step's tokens "
+                               "back, which waits for the GPU, and handing them over)", labels=["phase"])
+    for phase, seconds in e.get("host_seconds", {}).items():
+        host.add_metric([phase], seconds)
+    yield host
+    yield CounterMetricFamily("tierkv_engine_idle_seconds", "seconds of steps that launched nothing while requests "
+                              "were unfinished (waiting for loads into L1, for L1 room or for L3 reads): the GPU "
+                              "had no work of this engine", value=e.get("idle_seconds", 0.0))
 
 
 def _histogram(name: str, doc: str, snap: dict) -> HistogramMetricFamily:
