@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tierkv import CacheConfig, TieredKVCache
+from tierkv.index_ring import IndexRing
 from tierkv.layout import KVLayout
 from tierkv.tiers.gpu import DevicePool
 from tierkv.tiers.host import HostPool
@@ -67,3 +68,25 @@ def test_a_hit_waits_on_its_load_once_per_layer():
     assert torch.equal(got, want)
     cache.free(hit)
     cache.close()
+
+
+def test_the_index_ring_never_overwrites_a_list_before_its_copy_ran():
+    """A ring of 64 slots behind a copy stream that is busy for ~0.1 s: twelve lists of 12 wrap
+    around it twice, so each write past the first five must wait for the copy that read its
+    stretch; every list arrives as it was given. Issuing them pins no memory."""
+    ring = IndexRing(torch.device("cuda"), capacity=64)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(200_000_000)
+    lists = [list(range(100 * i, 100 * i + 12)) for i in range(12)]
+    handed_out = pinned_handouts()
+    got = [ring.to_device(x, stream) for x in lists]
+    assert pinned_handouts() == handed_out
+    torch.cuda.synchronize()
+    assert [g.tolist() for g in got] == lists
+    assert len(ring.pending) <= 64 // 12 + 1
+
+
+def pinned_handouts() -> int:
+    """Pinned blocks torch's caching host allocator has handed out so far (cached ones included)."""
+    return torch.cuda.memory.host_memory_stats()["active_requests.allocated"]

@@ -101,6 +101,11 @@ class Admission(Lookups):
         l1 = self.l1.num_blocks
         return self.blocks_needed(window) + 1 <= l1 - stream_window_blocks(l1)
 
+    @guarded
+    def l1_room(self) -> int:
+        """L1 slots to be had now: the free ones and those eviction can free."""
+        return self.tiers.l1_room()
+
     def must_stream(self, num_tokens: int) -> bool:
         """Whether a sequence of `num_tokens` (and its next token) is larger than all of L1, so
         that it streams its older blocks from L2 (when there is an L2, and L1 is in tierkv's

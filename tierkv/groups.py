@@ -156,6 +156,10 @@ class GroupedPlan:
         return all(p.fits for p in self.plans)
 
     @property
+    def room_decides(self) -> bool:
+        return all(p.room_decides for p in self.plans)
+
+    @property
     def fetch(self) -> list[tuple[int, int] | None] | None:
         fetches = [p.fetch for p in self.plans]
         return None if all(f is None for f in fetches) else fetches
@@ -265,6 +269,11 @@ class KVGroups:
     @property
     def lets_go(self) -> bool:
         return all(c.lets_go for c in self.caches)
+
+    def l1_room(self) -> int:
+        """Every group's L1 slots to be had now, together (they free together: a sequence holds
+        blocks in each)."""
+        return sum(c.l1_room() for c in self.caches)
 
     def step_tokens(self, streams: bool = False) -> int:
         """The fewest any group lets a sequence compute in a step (a window group: its chunk)."""

@@ -68,6 +68,12 @@ class AdmissionPlan:
     adopt_at: int | None  # prompt position where the computation stops to take the tail
     tail_tokens: int = 0  # the tokens taking the tail saves computing: from adopt_at to its end
 
+    @property
+    def room_decides(self) -> bool:
+        """Whether L1's room alone decides `fits`: the whole prompt is reserved, not a chunk sized
+        by the step's budget (so a plan refused at some room is refused again until it grows)."""
+        return self.reserve is None
+
 
 def worth_loading(tiers: Tiering, blocks: list[BlockEntry], usable: int, per_block: float) -> list[BlockEntry]:
     """The leading `blocks` (L1/L2 hits, in order, out of `usable` blocks of the prompt) worth

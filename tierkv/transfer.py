@@ -36,6 +36,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import torch
 
 from . import dma, kernels
+from .index_ring import IndexRing
 from .layout import OffloadLayout
 from .tiers import DevicePool, HostPool
 from .tiers.gpu import block_planes
@@ -162,6 +163,7 @@ class BlockMover:
             # (reset by every move, which starts after the previous one ended on both streams)
             self._free: list[torch.cuda.Event | None] = [None, None]
             self._chunks = 0  # chunks staged so far in this move: the next one takes half _chunks % 2
+            self._ring = IndexRing(self.device)  # pinned staging of the moves' slot lists
             if warm_up:
                 self._compile()
 
@@ -220,19 +222,17 @@ class BlockMover:
             self.bandwidth += EWMA_ALPHA * (nbytes / seconds - self.bandwidth)
 
     def _index(self, slots: list[int]) -> torch.Tensor:
-        """`slots` as a device tensor for the copy stream's kernels, without a host sync: built in
-        pinned memory and copied asynchronously (a copy from pageable memory would wait for the
-        copy stream to drain, so the host would sit out every chunk's DMA instead of launching the
-        compute meanwhile). Allocated on the copy stream (and recorded on the kernels' stream), so
+        """`slots` as a device tensor for the copy stream's kernels, without a host sync: staged in
+        the pinned IndexRing and copied asynchronously (a copy from pageable memory would wait for
+        the copy stream to drain, so the host would sit out every chunk's DMA instead of launching
+        the compute meanwhile). Allocated on the copy stream (and recorded on the kernels' stream), so
         that the allocator gives its memory to nothing else before the copies and kernels that read
         it have run: made on the compute stream, it
         went back to that stream's pool when the move returned, and a forward issued beside a
         load still waiting its turn overwrote it (an illegal address on the H200, tierkv-serve)."""
-        index = torch.tensor(slots, dtype=torch.int64)
         if not self.cuda:
-            return index
-        with torch.cuda.stream(self.stream):
-            index = index.pin_memory().to(self.device, non_blocking=True)
+            return torch.tensor(slots, dtype=torch.int64)
+        index = self._ring.to_device(slots, self.stream)
         index.record_stream(self.kernels)  # a staged move's gathers and scatters read it there
         return index
 

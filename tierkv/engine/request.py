@@ -50,6 +50,7 @@ class Request:
     cached_by_tier: dict[str, int] | None = None  # those tokens by the tier each came from (l1, l2, l3)
     prefetch: Prefetch | None = None  # L3 blocks on their way into L2 before admission
     prefetch_until: float = 0.0
+    refused_at_room: int | None = None  # L1's room when admission last found it did not fit (cache.l1_room())
     tail: Prefetch | None = None  # the end of its L3 hit, read into L2 while the start is computed
     adopt_at: int | None = None  # prompt position where that tail is taken
     tail_tokens: int = 0  # the tokens taking that tail saves computing (it waits no longer than they take)

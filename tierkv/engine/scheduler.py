@@ -235,6 +235,8 @@ class Scheduler:
                 continue  # preempted with a token on its way: admitted once that token is known
             if req.prefetch is not None and not req.prefetch.done() and now < req.prefetch_until:
                 continue  # its L3 blocks are still on their way: no need to look it up again yet
+            if req.refused_at_room is not None and self.running and self.cache.l1_room() <= req.refused_at_room:
+                break  # refused at this room, which has not grown since: a lookup would find the same
             plan = self._plan(req, budget)
             if plan.fetch is not None and req.prefetch is None:
                 # bring the L3 part up into L2 in the background; others run meanwhile
@@ -248,6 +250,7 @@ class Scheduler:
                 if not self.running and not step.requests:
                     self._give_up(req)  # nothing holds L1 and it still does not fit: it never will
                     continue
+                req.refused_at_room = self.cache.l1_room() if plan.room_decides else None
                 break  # first come first served: nobody overtakes a request that does not fit yet
             try:
                 req.seq = self.cache.allocate(None, req.salt, priority=req.priority, match=plan.match,
@@ -321,6 +324,7 @@ class Scheduler:
         req.status = Status.WAITING
         req.num_computed = 0
         req.tail, req.adopt_at = None, None  # what of its tail landed, its next admission finds
+        req.refused_at_room = None
         self.waiting.append(req)
         self.num_preemptions += 1
 
