@@ -25,8 +25,9 @@ The bound of a round, from limits measured in this run on the same server (probe
 The GPU and the copy engine run side by side, so a round takes at least max(pcie, compute):
 bound / wall is the share of the hardware's pace the round reached (target >= 0.8 for l1+l2's hit
 rounds), and the larger term names what binds. Also the l1 / l1+l2 ratio of hit-round time, and per
-round where the engine thread's time went (its /metrics series, unprofiled): decode and mixed steps
-and their mean batch, the seconds of steps that launched nothing, and the host's phases of a step.
+round where the engine's time went (its /metrics series, unprofiled): decode and mixed steps and
+their mean batch, the GPU's seconds on them, the seconds of steps that launched nothing, and the
+host's phases of a step.
 With --profile-seconds, the server's torch profiler runs that long from the start of the second
 hit round: its trace goes to --out, a summary (GPU and per-stream busy shares, the top kernels and
 the engine thread's top ops) to the JSON. The profiler slows the server (a hit round took 2.6-2.8x
@@ -235,8 +236,8 @@ async def session(a, url: str, vocab: int, rounds, probes, tier: dict, h2d: floa
             if rnd["engine"]:
                 e = rnd["engine"]
                 print(f"    engine: {e['steps'].get('decode', 0)} decode + {e['steps'].get('mixed', 0)} mixed steps, "
-                      f"mean batch {e['mean_batch']:.2f}; idle {e['idle_s']:.2f} s; host "
-                      + ", ".join(f"{k} {v:.2f} s" for k, v in e["host_s"].items()), flush=True)
+                      f"mean batch {e['mean_batch']:.2f}; GPU on steps {e['gpu_s']:.2f} s; idle {e['idle_s']:.2f} s; "
+                      "host " + ", ".join(f"{k} {v:.2f} s" for k, v in e["host_s"].items()), flush=True)
             out.append(rnd)
     hit = [x for x in out[1:] if "profile" not in x]  # the profiler slows the server: its round stays apart
     return dict(cold_probe=cold, batch_probe=batch, rounds=out,

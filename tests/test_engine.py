@@ -368,3 +368,23 @@ def test_the_recompute_cost_counts_the_gpu_time_of_a_step_not_each_requests_wait
     wall = time.perf_counter() - t
     assert scheduler.recompute_seconds_per_token is not None  # the step measured it
     assert 0 < scheduler.recompute_seconds_per_token * 8 * 500 <= wall
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run through the device tool)")
+def test_the_gpu_seconds_of_the_steps_are_counted(tiny_llama):
+    """Every step is timed on the GPU (CUDA events): their sum is positive and, the steps running
+    one after another on one stream, no more than the wall time they took."""
+    llm = LLM(tiny_llama, device="cuda", l1="64MiB", l2=0, max_num_seqs=4)
+    prompts = random_prompts(512, [40, 60, 80, 100], seed=6)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    llm.generate(prompts, params, use_tqdm=False)  # compile and capture
+    before = llm.engine.engine_stats()
+    t = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - t
+    after = llm.engine.engine_stats()
+    steps = sum(after["steps"].values()) - sum(before["steps"].values())
+    assert steps >= 8
+    assert 0 < after["gpu_seconds"] - before["gpu_seconds"] <= wall
+    llm.close()

@@ -334,6 +334,7 @@ class Engine:
     def _postprocess(self, launched: LaunchedStep) -> list[RequestOutput]:
         """Apply a launched step's sampled tokens: logprobs, detokenizing, stop checks, finishing."""
         out = launched.result()  # waits for that step only; the one launched after it keeps running
+        self.stats.gpu_s += launched.gpu_seconds() or 0.0
         self._measure_recompute(launched)
         if out is None:
             return []
@@ -384,6 +385,8 @@ class Engine:
         load-or-recompute weighs. Timed on the GPU, step by step, so that requests sharing the GPU
         do not count as compute: timing a request from admission to its first token (as this did
         before) grew with the load and made slow tiers look worth reading under it."""
+        if launched.loaded:
+            return  # it may have waited for loads: its time is not all compute
         if launched.computed_tokens < min(PREFILL_SAMPLE_TOKENS, self.config.max_num_batched_tokens):
             return  # small steps: their share of the weights' read is not what a long prefill's tokens cost
         seconds = launched.gpu_seconds()

@@ -37,10 +37,11 @@ class LaunchedStep:
     """
 
     def __init__(self, requests: list[Request], out: SamplerOutput | None, device: torch.device,
-                 started: torch.cuda.Event | None = None, computed_tokens: int = 0) -> None:
+                 started: torch.cuda.Event | None = None, computed_tokens: int = 0, loaded: bool = False) -> None:
         self.requests = requests  # the rows that sampled, in order
         self.computed_tokens = computed_tokens  # tokens the forward ran, every request's together
-        self._started = started  # recorded before the step's first kernel (CUDA), when it is timed
+        self.loaded = loaded  # some of its requests' blocks were still loading: it may have waited for them
+        self._started = started  # recorded before the step's first kernel (CUDA)
         self.token_ids = out.token_ids if out is not None else None  # [n] int64, on the device
         self._host = None if out is None else SamplerOutput(*(_to_host(t) for t in (
             out.token_ids, out.logprobs, out.top_ids, out.top_logprobs)))
@@ -56,8 +57,8 @@ class LaunchedStep:
         return self._done is None or self._done.query()
 
     def gpu_seconds(self) -> float | None:
-        """Seconds the GPU spent on this step, from its first kernel to its last copy (after
-        `result`); None on a CPU or when the step was not timed."""
+        """Seconds the GPU spent on this step, from its first kernel to its last copy, waits for
+        loads included (after `result`); None on a CPU."""
         if self._started is None or self._done is None:
             return None
         return self._started.elapsed_time(self._done) / 1e3
@@ -157,12 +158,14 @@ class ModelRunner:
         `previous`: the step launched before this one, whose sampled tokens may not have reached
         the host yet (this step's pending tokens are read from them on the device).
         """
-        # A step that waits for no load is timed on the GPU: its seconds per computed token are the
-        # cost of recomputing one, whatever else shares the GPU (engine._measure_recompute).
+        # Every step is timed on the GPU: the engine counts its busy time, and one that waits for no
+        # load gives the cost of recomputing a token, whatever else shares the GPU
+        # (engine._measure_recompute).
         started = None
-        if self.device.type == "cuda" and not any(r.seq.pending for r in step.requests):
+        if self.device.type == "cuda":
             started = torch.cuda.Event(enable_timing=True)
             started.record(torch.cuda.current_stream(self.device))
+        loaded = any(r.seq.pending for r in step.requests)
         built = self.prepare(step, previous)
         if self.send_plan is not None:  # tensor parallel: the other ranks repeat this step
             self.send_plan(self._plan(built, step))
@@ -195,7 +198,7 @@ class ModelRunner:
                 num_output=[len(r.output_ids) + r.pending for r in sampling], eos_token_ids=self.eos_token_ids,
             )
             out = self.sampler(logits, batch)
-        return LaunchedStep(sampling, out, self.device, started, sum(step.num_new))
+        return LaunchedStep(sampling, out, self.device, started, sum(step.num_new), loaded)
 
     def _forward(self, built: BuiltStep) -> torch.Tensor:
         logits = self.graphs.run(built.input_ids, built.positions, self.cache.l1.kv, built.meta)  # None: not a graph step

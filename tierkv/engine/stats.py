@@ -6,9 +6,9 @@ admission, computing its prompt and decoding, and its prompt length. Fixed-bucke
 vLLM's buckets, updated on the engine thread without allocating; `snapshot()` copies them for
 another thread. And where the engine thread's time goes, which vLLM does not export: steps
 launched (decode-only or with prompt tokens) and the requests in them, host seconds per phase of
-a step, and the time spent in steps that launched nothing while requests were unfinished (the
-GPU had none of this engine's work: loads landing, L1 room, L3 reads). Knows nothing of
-Prometheus or HTTP.
+a step, the time spent in steps that launched nothing while requests were unfinished (the GPU had
+none of this engine's work: loads landing, L1 room, L3 reads), and the GPU's seconds on the steps
+(CUDA events; against the wall time, what the GPU idled). Knows nothing of Prometheus or HTTP.
 """
 
 from __future__ import annotations
@@ -73,6 +73,7 @@ class EngineStats:
         # the previous step's tokens back, which waits for the GPU, and handing them over)
         self.host_s = {"schedule": 0.0, "launch": 0.0, "postprocess": 0.0}
         self.idle_steps, self.idle_s = 0, 0.0  # step() calls that launched nothing, with requests unfinished
+        self.gpu_s = 0.0  # each step's first kernel to its last copy on the GPU, waits for loads included (CUDA)
 
     def stepped(self, num_new: list[int], schedule_s: float, launch_s: float, rest_s: float,
                 untaken_s: float) -> None:
@@ -108,4 +109,4 @@ class EngineStats:
                 "request_prefill_time": self.prefill.snapshot(), "request_decode_time": self.decode.snapshot(),
                 "request_prompt_tokens": self.prompt_tokens.snapshot(), "steps": dict(self.steps),
                 "step_requests": self.step_requests, "host_seconds": dict(self.host_s),
-                "idle_steps": self.idle_steps, "idle_seconds": self.idle_s}
+                "idle_steps": self.idle_steps, "idle_seconds": self.idle_s, "gpu_seconds": self.gpu_s}

@@ -249,6 +249,9 @@ def _engine_time(e: dict):
     yield CounterMetricFamily("tierkv_engine_idle_seconds", "seconds of steps that launched nothing while requests "
                               "were unfinished (waiting for loads into L1, for L1 room or for L3 reads): the GPU "
                               "had no work of this engine", value=e.get("idle_seconds", 0.0))
+    yield CounterMetricFamily("tierkv_engine_gpu_seconds", "the GPU's seconds on the engine's steps, each from its "
+                              "first kernel to its last copy (waits for loads included; 0 on a CPU): against the "
+                              "wall time, what the GPU idled", value=e.get("gpu_seconds", 0.0))
 
 
 def _histogram(name: str, doc: str, snap: dict) -> HistogramMetricFamily:
