@@ -31,7 +31,10 @@ host's phases of a step.
 With --profile-seconds, the server's torch profiler runs that long from the start of the second
 hit round: its trace goes to --out, a summary (GPU and per-stream busy shares, the top kernels and
 the engine thread's top ops) to the JSON. The profiler slows the server (a hit round took 2.6-2.8x
-as long on the H200): that round is left out of the hit rounds' sums.
+as long on the H200): that round is left out of the hit rounds' sums. With --py-spy threads|gil,
+py-spy samples the server through the last round (every thread's stacks, or only the thread
+holding the GIL: whether the HTTP thread keeps the engine thread waiting for it), summarised in
+OUT/profiles/; that round is left out of the sums too.
 
     python benchmarks/bench_rounds.py                       # H200: random-weight Llama-3.1-8B, ~6 min
     python benchmarks/bench_rounds.py --profile-seconds 2   # and a trace of a saturated hit round
@@ -60,6 +63,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))  # the server launcher the tests use
+import pyspy  # noqa: E402
 from common import RESULTS, machine_tag, write_results  # noqa: E402
 from serving.bounds import h2d_bandwidth  # noqa: E402
 from serving.client import (  # noqa: E402
@@ -94,6 +98,9 @@ def parse(argv) -> argparse.Namespace:
     add("--configs", default=",".join(CONFIGS), help=f"comma list of {', '.join(CONFIGS)} (default both)")
     add("--profile-seconds", type=float, default=0.0, help="trace the server this long from the start of the "
         "second hit round (default 0: off)")
+    add("--py-spy", choices=("off", "threads", "gil"), default="off", help="sample the server with py-spy during "
+        "the last round (left out of the hit rounds' sums): every thread's stacks, or with gil only the thread "
+        "holding the GIL; a summary goes to OUT/profiles/ (needs py-spy)")
     add("--server-args", default="", help="more tierkv-serve flags, space separated")
     add("--timeout", type=float, default=900.0, help="seconds for a server to start, and for one request")
     add("--seed", type=int, default=0)
@@ -106,6 +113,11 @@ def parse(argv) -> argparse.Namespace:
             setattr(a, k, v)
     if a.l1_gib is None and not a.smoke:
         a.l1_gib = 6.0
+    if a.py_spy != "off" and not pyspy.available():
+        p.error("--py-spy needs the py-spy binary on PATH: pip install py-spy")
+    if a.py_spy != "off" and a.profile_seconds and a.rounds < 4:
+        p.error("--py-spy with --profile-seconds needs --rounds >= 4: the profiled round is the second hit round, "
+                "the sampled one the last")
     bad = set(a.configs.split(",")) - set(CONFIGS)
     if bad:
         p.error(f"unknown configs {sorted(bad)}: give some of {', '.join(CONFIGS)}")
@@ -192,6 +204,24 @@ async def run_round(h: Http, prompts: list[list[int]], a) -> dict:
                 l2_bytes_out=delta["l2"]["bytes_out"] if delta else None, tiers=delta, engine=engine)
 
 
+async def spied_round(h: Http, prompts: list[list[int]], a, pid: int, summary_to: Path) -> dict:
+    """run_round with py-spy sampling the server (pid) throughout; its summary written to `summary_to`."""
+    raw = summary_to.with_suffix(".raw")
+    summary_to.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with pyspy.record(pid, raw, gil=a.py_spy == "gil"):
+            rnd = await run_round(h, prompts, a)
+    except pyspy.PySpyError as err:  # raised after the round: its timings stand
+        print(f"  py-spy: {err}", flush=True)
+        rnd["py_spy"] = dict(error=str(err))
+        return rnd
+    summary_to.write_text(pyspy.summarise(raw, f"bench_rounds, the last round, py-spy --{a.py_spy}"))
+    raw.unlink()
+    rnd["py_spy"] = dict(mode=a.py_spy, summary=summary_to.name)
+    print(f"  py-spy ({a.py_spy}) summary: {summary_to}", flush=True)
+    return rnd
+
+
 def round_bound(rnd: dict, at_once: int, cold: dict, batch: dict, h2d: float, max_tokens: int) -> dict:
     """The round's bound (module docstring): its terms in seconds, the binding one, bound / wall."""
     computed = rnd["prompt_tokens"] - rnd["cached_tokens"]
@@ -203,7 +233,10 @@ def round_bound(rnd: dict, at_once: int, cold: dict, batch: dict, h2d: float, ma
                 bound_s=seconds[binding], bound_over_wall=seconds[binding] / rnd["wall_s"])
 
 
-async def session(a, url: str, vocab: int, rounds, probes, tier: dict, h2d: float, trace_to: Path | None) -> dict:
+async def session(a, url: str, vocab: int, rounds, probes, tier: dict, h2d: float, trace_to: Path | None,
+                  spy: tuple[int, Path] | None = None) -> dict:
+    """The config's probes and rounds; `trace_to`: where the traced round's trace goes; `spy`:
+    (the server's pid, where the py-spy summary of the last round goes)."""
     async with httpx.AsyncClient(timeout=a.timeout, limits=httpx.Limits(max_connections=256)) as client:
         h = Http(client, url, {}, "bench", vocab)
         g = np.random.default_rng([a.seed, 1000])  # warm-up and cold probe: the same prompts in every config
@@ -218,7 +251,10 @@ async def session(a, url: str, vocab: int, rounds, probes, tier: dict, h2d: floa
         out, profiled = [], min(2, len(rounds) - 1)
         for r, prompts in enumerate(rounds):
             tracing = asyncio.create_task(profile_server(h, a.profile_seconds)) if trace_to and r == profiled else None
-            rnd = await run_round(h, prompts, a)
+            if spy and r == len(rounds) - 1:
+                rnd = await spied_round(h, prompts, a, *spy)
+            else:
+                rnd = await run_round(h, prompts, a)
             rnd["bound"] = round_bound(rnd, tier["at_once"][r], cold, batch, h2d, a.max_tokens)
             if tracing is not None:
                 rnd["profile"] = kept = await asyncio.to_thread(keep_trace, await tracing, trace_to)
@@ -239,7 +275,8 @@ async def session(a, url: str, vocab: int, rounds, probes, tier: dict, h2d: floa
                       f"mean batch {e['mean_batch']:.2f}; GPU on steps {e['gpu_s']:.2f} s; idle {e['idle_s']:.2f} s; "
                       "host " + ", ".join(f"{k} {v:.2f} s" for k, v in e["host_s"].items()), flush=True)
             out.append(rnd)
-    hit = [x for x in out[1:] if "profile" not in x]  # the profiler slows the server: its round stays apart
+    # the profiler (and py-spy, less) slows the server: those rounds stay apart
+    hit = [x for x in out[1:] if "profile" not in x and "py_spy" not in x]
     return dict(cold_probe=cold, batch_probe=batch, rounds=out,
                 hit_rounds=dict(wall_s=sum(x["wall_s"] for x in hit), bound_s=sum(x["bound"]["bound_s"] for x in hit),
                                 bound_over_wall=sum(x["bound"]["bound_s"] for x in hit) / sum(x["wall_s"] for x in hit),
@@ -291,7 +328,11 @@ def run_config(a, config: str, model, tier: dict, rounds, probes, h2d: float, tm
         t = time.perf_counter()
         srv.wait_ready(a.timeout)
         print(f"{config}: server up in {time.perf_counter() - t:.1f} s", flush=True)
-        return asyncio.run(session(a, srv.url, model.vocab_size, rounds, probes, tier, h2d, trace_to))
+        spy = None
+        if a.py_spy != "off":
+            name = f"bench_rounds-{config.replace('+', '_')}-{machine_tag()}-pyspy-{a.py_spy}.txt"
+            spy = (srv.proc.pid, a.out / "profiles" / name)
+        return asyncio.run(session(a, srv.url, model.vocab_size, rounds, probes, tier, h2d, trace_to, spy))
     finally:
         code = srv.stop()
         if code != 0:

@@ -5,6 +5,7 @@ and the bytes the server reports, and the profiled hit round leaves a trace."""
 
 import json
 import math
+import shutil
 import sys
 from pathlib import Path
 
@@ -51,3 +52,17 @@ def test_hit_rounds_load_from_l2_and_are_read_against_their_bound(tmp_path):
         prof = out["configs"][name]["rounds"][2]["profile"]
         assert "error" not in prof, prof
         assert (tmp_path / prof["trace"]).stat().st_size > 0 and prof["summary"]["window_ms"] > 0
+
+
+@pytest.mark.skipif(shutil.which("py-spy") is None, reason="needs the py-spy binary (pip install py-spy)")
+def test_the_last_round_sampled_by_py_spy_is_summarised_and_left_out(tmp_path):
+    path = bench_rounds.main(["--smoke", "--configs", "l1+l2", "--py-spy", "gil", "--out", str(tmp_path)])
+    out = json.loads(path.read_text())
+    config = out["configs"]["l1+l2"]
+    last = config["rounds"][-1]
+    assert last["py_spy"]["mode"] == "gil", last.get("py_spy")
+    text = (tmp_path / "profiles" / last["py_spy"]["summary"]).read_text()
+    assert "== thread" in text and "samples" in text
+    assert "step (" in text  # the engine's step() held the GIL in some samples
+    # the sampled round is left out of the hit rounds' sums: only round 1 is in them
+    assert config["hit_rounds"]["wall_s"] == config["rounds"][1]["wall_s"]
