@@ -57,7 +57,7 @@ def choose_launch(n: int, k: int) -> tuple[int, int, int]:
     return 4, min(2048, triton.next_power_of_2(k)), 4
 
 
-# Whether one-row linears captured in CUDA graphs take the GEMV; bench_latency --cublas turns it
+# Whether one-row linears captured in CUDA graphs take the GEMV; bench_latency --compare-cublas turns it
 # off, before the engine captures its graphs, to time the same model on cuBLAS.
 GEMV_IN_GRAPHS = True
 
