@@ -114,6 +114,13 @@ def tierkv_decode(llm: tierkv.LLM, prompt: list[int], n: int) -> dict:
     return dict(ttft_s=stamps[0] - t0, decode_tok_s=(n - 1) / (stamps[-1] - stamps[0]))
 
 
+def warm_and_time(llm: tierkv.LLM, prompts: list[list[int]], n: int) -> list[dict]:
+    """prompts[0] as a warm-up at full length (the decode kernel's launch config, and so its
+    compilation, can change as the context grows), then each other prompt timed."""
+    tierkv_decode(llm, prompts[0], n)
+    return [tierkv_decode(llm, prompt, n) for prompt in prompts[1:]]
+
+
 def cublas_decode(path: str, device: torch.device, dtype: torch.dtype, prompts: list[list[int]], n: int) -> dict:
     """tierkv loaded again with cuBLAS for the decode graphs' one-row linears, the same prompts."""
     from tierkv.kernels import matvec
@@ -121,8 +128,7 @@ def cublas_decode(path: str, device: torch.device, dtype: torch.dtype, prompts: 
     matvec.GEMV_IN_GRAPHS = False  # read at graph capture, which the LLM does as it loads
     try:
         llm = tierkv.LLM(model=path, device=str(device), dtype=dtype)
-        tierkv_decode(llm, prompts[0], n)
-        runs = [tierkv_decode(llm, prompt, n) for prompt in prompts[1:]]
+        runs = warm_and_time(llm, prompts, n)
         llm.close()
         del llm
     finally:
@@ -172,17 +178,14 @@ def main() -> None:
         # tierkv's own defaults serve the run; record what they resolved to
         figures["tierkv_config"] = dict(l2_blocks=llm.cache.l2.num_blocks if llm.cache.l2 is not None else 0,
                                         write_policy=llm.engine.config.write_policy)
-        # warm-up at full length: the decode kernel's launch config (and so its compilation)
-        # can change as the context grows
-        tierkv_decode(llm, prompts[0], n)
-        runs = [tierkv_decode(llm, prompt, n) for prompt in prompts[1:]]
+        runs = warm_and_time(llm, prompts, n)
         if a.profile and device.type == "cuda":  # one request's 64 tokens under the profiler
             trace = Path(a.out or RESULTS) / f"latency_trace-{machine_tag()}.json.gz"
             figures["profile"] = profile_run(lambda: tierkv_decode(llm, prompts[1][::-1], 64), trace)
             figures["profile"]["kernels_per_token"] = figures["profile"]["kernel_launches"] / 64
             print_profile(figures["profile"], "64 tokens at batch 1")
         llm.close()
-        del llm
+        llm = None  # its weights and pool are let go of
         if a.compare_cublas:
             release_memory()  # the first LLM's weights and pool go before the second loads
             figures["tierkv_cublas"] = cublas_decode(tmp, device, dtype, prompts, n)
@@ -196,7 +199,8 @@ def main() -> None:
                                mean_context=mean_context, step_bytes=step_bytes, tok_s=bw / step_bytes)
     figures["roofline_fraction"] = tok_s / figures["roofline"]["tok_s"]
     if "tierkv_cublas" in figures:
-        figures["tierkv_cublas"]["roofline_fraction"] = figures["tierkv_cublas"]["decode_tok_s"] / bw * step_bytes
+        figures["tierkv_cublas"]["roofline_fraction"] = (figures["tierkv_cublas"]["decode_tok_s"]
+                                                         / figures["roofline"]["tok_s"])
         figures["gemv_vs_cublas"] = tok_s / figures["tierkv_cublas"]["decode_tok_s"]
     if "peer" in figures:
         figures["peer"]["roofline_fraction"] = figures["peer"]["decode_tok_s"] / figures["roofline"]["tok_s"]

@@ -291,9 +291,8 @@ class Engine:
         if launched is None and ((self.scheduler.waiting and not self.scheduler.running) or self.scheduler.tail_waits):
             time.sleep(0.001)  # waiting only for L3 reads to land (prefetches, or tails)
         if launched is not None or self.has_unfinished():
-            total = time.perf_counter() - t0
-            self.stats.stepped(step.num_new if launched is not None else [], t2 - t1, t3 - t2,
-                               total - (t3 - t1), total - taken)
+            self.stats.stepped(step.num_new if launched is not None else [], time.perf_counter() - t0, t2 - t1,
+                               t3 - t2, taken)
         return outputs
 
     def _take_back(self, emit: Callable[[list[RequestOutput]], None]) -> float:

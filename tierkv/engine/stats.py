@@ -75,20 +75,20 @@ class EngineStats:
         self.idle_steps, self.idle_s = 0, 0.0  # step() calls that launched nothing, with requests unfinished
         self.gpu_s = 0.0  # each step's first kernel to its last copy on the GPU, waits for loads included (CUDA)
 
-    def stepped(self, num_new: list[int], schedule_s: float, launch_s: float, rest_s: float,
-                untaken_s: float) -> None:
-        """One step() call: `num_new` the new tokens of each request it launched ([] for none);
-        `untaken_s` its seconds outside taking a launched step's tokens back, idle where it
-        launched nothing (the GPU ran that step while it was taken back)."""
+    def stepped(self, num_new: list[int], total_s: float, schedule_s: float, launch_s: float,
+                taken_s: float) -> None:
+        """One step() call of `total_s` seconds: `num_new` the new tokens of each request it
+        launched ([] for none); `taken_s` of it taking a launched step's tokens back. A call that
+        launched nothing was idle but for that (the GPU ran the step taken back meanwhile)."""
         if num_new:
             self.steps["mixed" if max(num_new) > 1 else "decode"] += 1
             self.step_requests += len(num_new)
         else:
             self.idle_steps += 1
-            self.idle_s += untaken_s
+            self.idle_s += total_s - taken_s
         self.host_s["schedule"] += schedule_s
         self.host_s["launch"] += launch_s
-        self.host_s["postprocess"] += rest_s
+        self.host_s["postprocess"] += total_s - schedule_s - launch_s
 
     def finished(self, choices: list) -> None:
         """A request ended with every choice done (stop or length): its phases, once per request as
