@@ -119,7 +119,8 @@ async def cache_stats(h: Http) -> dict | None:
 # /metrics samples of where the engine thread's time goes (tierkv/server/metrics.py), by label
 ENGINE_TIME = {"tierkv_engine_steps_total": "kind", "tierkv_engine_step_requests_total": None,
                "tierkv_engine_host_seconds_total": "phase", "tierkv_engine_idle_seconds_total": None,
-               "tierkv_engine_gpu_seconds_total": None}
+               "tierkv_engine_gpu_seconds_total": "kind", "tierkv_engine_load_wait_steps_total": None,
+               "tierkv_engine_load_wait_gpu_seconds_total": None}
 
 
 async def engine_time(h: Http) -> dict | None:
@@ -144,14 +145,18 @@ async def engine_time(h: Http) -> dict | None:
 
 def engine_time_delta(before: dict | None, after: dict | None) -> dict | None:
     """Between two engine_time() readings: steps by kind, their mean batch, the seconds of steps
-    that launched nothing (idle), the GPU's seconds on the steps and the engine thread's by phase."""
+    that launched nothing (idle), the GPU's seconds on the steps by kind, the steps launched with
+    loads in flight and their GPU seconds, and the engine thread's seconds by phase."""
     if not before or not after:
         return None
     d = {k: after[k] - before.get(k, 0.0) for k in after}
     steps = {k.split(":")[1]: int(v) for k, v in d.items() if k.startswith("tierkv_engine_steps_total:")}
     total = sum(steps.values())
     return dict(steps=steps, mean_batch=d["tierkv_engine_step_requests_total"] / total if total else 0.0,
-                idle_s=d["tierkv_engine_idle_seconds_total"], gpu_s=d.get("tierkv_engine_gpu_seconds_total", 0.0),
+                idle_s=d["tierkv_engine_idle_seconds_total"],
+                gpu_s={k.split(":")[1]: v for k, v in d.items() if k.startswith("tierkv_engine_gpu_seconds_total:")},
+                load_wait_steps=int(d.get("tierkv_engine_load_wait_steps_total", 0)),
+                load_wait_gpu_s=d.get("tierkv_engine_load_wait_gpu_seconds_total", 0.0),
                 host_s={k.split(":")[1]: v for k, v in d.items() if k.startswith("tierkv_engine_host_seconds_total:")})
 
 

@@ -333,7 +333,9 @@ class Engine:
     def _postprocess(self, launched: LaunchedStep) -> list[RequestOutput]:
         """Apply a launched step's sampled tokens: logprobs, detokenizing, stop checks, finishing."""
         out = launched.result()  # waits for that step only; the one launched after it keeps running
-        self.stats.gpu_s += launched.gpu_seconds() or 0.0
+        seconds = launched.gpu_seconds()
+        if seconds is not None:
+            self.stats.ran(launched.decode, seconds, launched.loaded)
         self._measure_recompute(launched)
         if out is None:
             return []

@@ -37,8 +37,10 @@ class LaunchedStep:
     """
 
     def __init__(self, requests: list[Request], out: SamplerOutput | None, device: torch.device,
-                 started: torch.cuda.Event | None = None, computed_tokens: int = 0, loaded: bool = False) -> None:
+                 started: torch.cuda.Event | None = None, computed_tokens: int = 0, loaded: bool = False,
+                 decode: bool = False) -> None:
         self.requests = requests  # the rows that sampled, in order
+        self.decode = decode  # every request in it computed one token
         self.computed_tokens = computed_tokens  # tokens the forward ran, every request's together
         self.loaded = loaded  # some of its requests' blocks were still loading: it may have waited for them
         self._started = started  # recorded before the step's first kernel (CUDA)
@@ -198,7 +200,7 @@ class ModelRunner:
                 num_output=[len(r.output_ids) + r.pending for r in sampling], eos_token_ids=self.eos_token_ids,
             )
             out = self.sampler(logits, batch)
-        return LaunchedStep(sampling, out, self.device, started, sum(step.num_new), loaded)
+        return LaunchedStep(sampling, out, self.device, started, sum(step.num_new), loaded, step.is_decode)
 
     def _forward(self, built: BuiltStep) -> torch.Tensor:
         logits = self.graphs.run(built.input_ids, built.positions, self.cache.l1.kv, built.meta)  # None: not a graph step

@@ -8,7 +8,9 @@ another thread. And where the engine thread's time goes, which vLLM does not exp
 launched (decode-only or with prompt tokens) and the requests in them, host seconds per phase of
 a step, the time spent in steps that launched nothing while requests were unfinished (the GPU had
 none of this engine's work: loads landing, L1 room, L3 reads), and the GPU's seconds on the steps
-(CUDA events; against the wall time, what the GPU idled). Knows nothing of Prometheus or HTTP.
+by kind (CUDA events; against the wall time, what the GPU idled), with those of the steps that
+were launched while loads into their requests' blocks were in flight (they may have waited for
+them on the GPU). Knows nothing of Prometheus or HTTP.
 """
 
 from __future__ import annotations
@@ -73,7 +75,9 @@ class EngineStats:
         # the previous step's tokens back, which waits for the GPU, and handing them over)
         self.host_s = {"schedule": 0.0, "launch": 0.0, "postprocess": 0.0}
         self.idle_steps, self.idle_s = 0, 0.0  # step() calls that launched nothing, with requests unfinished
-        self.gpu_s = 0.0  # each step's first kernel to its last copy on the GPU, waits for loads included (CUDA)
+        # each step's first kernel to its last copy on the GPU, waits for loads included (CUDA), by kind
+        self.gpu_s = {"decode": 0.0, "mixed": 0.0}
+        self.load_wait_steps, self.load_wait_gpu_s = 0, 0.0  # steps launched with loads in flight, their GPU seconds
 
     def stepped(self, num_new: list[int], total_s: float, schedule_s: float, launch_s: float,
                 taken_s: float) -> None:
@@ -89,6 +93,14 @@ class EngineStats:
         self.host_s["schedule"] += schedule_s
         self.host_s["launch"] += launch_s
         self.host_s["postprocess"] += total_s - schedule_s - launch_s
+
+    def ran(self, decode: bool, gpu_s: float, loaded: bool) -> None:
+        """A launched step's GPU seconds, once it is done: `decode` whether every request in it
+        computed one token, `loaded` whether some of its requests' loads were still in flight."""
+        self.gpu_s["decode" if decode else "mixed"] += gpu_s
+        if loaded:
+            self.load_wait_steps += 1
+            self.load_wait_gpu_s += gpu_s
 
     def finished(self, choices: list) -> None:
         """A request ended with every choice done (stop or length): its phases, once per request as
@@ -109,4 +121,5 @@ class EngineStats:
                 "request_prefill_time": self.prefill.snapshot(), "request_decode_time": self.decode.snapshot(),
                 "request_prompt_tokens": self.prompt_tokens.snapshot(), "steps": dict(self.steps),
                 "step_requests": self.step_requests, "host_seconds": dict(self.host_s),
-                "idle_steps": self.idle_steps, "idle_seconds": self.idle_s, "gpu_seconds": self.gpu_s}
+                "idle_steps": self.idle_steps, "idle_seconds": self.idle_s, "gpu_seconds": dict(self.gpu_s),
+                "load_wait_steps": self.load_wait_steps, "load_wait_gpu_seconds": self.load_wait_gpu_s}

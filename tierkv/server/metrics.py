@@ -249,10 +249,17 @@ def _engine_time(e: dict):
     yield CounterMetricFamily("tierkv_engine_idle_seconds", "seconds of steps that launched nothing while requests "
                               "were unfinished (waiting for loads into L1, for L1 room or for L3 reads): the GPU "
                               "had no work of this engine", value=e.get("idle_seconds", 0.0))
-    yield CounterMetricFamily("tierkv_engine_gpu_seconds", "the GPU's seconds on the engine's steps, each from its "
-                              "first kernel to its last copy (waits for loads included; 0 on a CPU): against the "
-                              "wall time, what the GPU idled", value=e.get("gpu_seconds", 0.0))
-
+    gpu = CounterMetricFamily("tierkv_engine_gpu_seconds", "the GPU's seconds on the engine's steps by kind, each "
+                              "from its first kernel to its last copy (waits for loads included; 0 on a CPU): "
+                              "against the wall time, what the GPU idled", labels=["kind"])
+    for kind, seconds in e.get("gpu_seconds", {}).items():
+        gpu.add_metric([kind], seconds)
+    yield gpu
+    yield CounterMetricFamily("tierkv_engine_load_wait_steps", "steps launched while loads into their requests' "
+                              "blocks were in flight (the GPU may have waited for them)",
+                              value=e.get("load_wait_steps", 0))
+    yield CounterMetricFamily("tierkv_engine_load_wait_gpu_seconds", "the GPU's seconds on those steps, their "
+                              "waits for the loads included", value=e.get("load_wait_gpu_seconds", 0.0))
 
 def _histogram(name: str, doc: str, snap: dict) -> HistogramMetricFamily:
     """A Histogram snapshot (tierkv/engine/stats.py: counts per bucket) as Prometheus' cumulative buckets."""
