@@ -1,9 +1,10 @@
-"""CUDA graphs of the decode step (tierkv/engine/graphs.py).
+"""CUDA graphs of the decode and small mixed steps (tierkv/engine/graphs.py).
 
 On CPU the runner never tries graphs. On a GPU: a replay gives the eager forward's logits and
 writes the KV pool only at the live rows' slots, whatever batch ran before; greedy generation
 with graphs equals enforce_eager token for token, with decode batches that are and are not
-captured sizes, and with batches larger than the largest graph (which run eagerly).
+captured sizes, with mixed steps (chunked prefill beside decodes), and with batches larger than
+the largest graph (which run eagerly).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from models import make_pool, save_tiny_checkpoint
 from tierkv import LLM, SamplingParams, kernels
 from tierkv.engine import graphs as graphs_module
 from tierkv.engine.attention import AttentionMetadata
-from tierkv.engine.graphs import DecodeGraphs, capture_sizes
+from tierkv.engine.graphs import StepGraphs, capture_sizes, mixed_shapes
 from tierkv.engine.loader import load_model
 
 pytest.importorskip("transformers")  # builds the tiny checkpoints
@@ -29,6 +30,14 @@ def test_capture_sizes():
     assert capture_sizes(5) == [1, 2, 4, 5]
     assert capture_sizes(12) == [1, 2, 4, 8, 12]
     assert capture_sizes(1) == [1]
+
+
+def test_mixed_shapes():
+    """Token sizes up to the step budget; sequence counts hold the batch and its padding sequence."""
+    assert mixed_shapes(8, 8192) == [(t, b) for t in (64, 128, 256, 512) for b in (2, 4, 8, 16)]
+    assert mixed_shapes(7, 100) == [(64, b) for b in (2, 4, 8)]
+    assert mixed_shapes(256, 512)[-1] == (512, 512) and (64, 256) not in mixed_shapes(256, 512)
+    assert mixed_shapes(4, 32) == []
 
 
 @pytest.fixture(scope="module")
@@ -60,14 +69,16 @@ def test_cpu_never_uses_graphs(tiny_llama):
 
 class Rerun:
     """Stands in for a CUDA graph on CPU: "replay" runs the captured work again on the static
-    buffers, so the buffer handling (padding, stale rows, row selection) is checked in CI."""
+    buffers, so the buffer handling (padding, stale rows, row selection) is checked in CI.
+    `tokens`: a mixed step's graph of that many tokens over `bs` sequences."""
 
-    def __init__(self, graphs: DecodeGraphs, bs: int, width: int) -> None:
-        self.graphs, self.bs, self.meta = graphs, bs, graphs._meta(bs, width)
+    def __init__(self, graphs: StepGraphs, bs: int, width: int, tokens: int | None = None) -> None:
+        self.graphs, self.bs, self.width, self.tokens = graphs, bs, width, tokens
         self.replays = 0
 
     def replay(self) -> None:
-        self.graphs._forward(self.bs, self.meta)
+        # fresh metadata each time, as a graph recomputes the prefill plan from the buffers
+        self.graphs._forward(self.tokens or self.bs, self.graphs._meta(self.bs, self.width, self.tokens))
         self.replays += 1
 
 
@@ -85,7 +96,7 @@ def decode_meta(lens: list[int], table: torch.Tensor, sample: list[int], block_s
 
 
 @torch.inference_mode()
-def check_replays(graphs: DecodeGraphs, model, pool: torch.Tensor, block_size: int, max_len: int) -> None:
+def check_replays(graphs: StepGraphs, model, pool: torch.Tensor, block_size: int, max_len: int) -> None:
     """Batches go up and down, so padding rows hold stale inputs of an earlier, larger batch and
     must still write nothing; each replay must give the eager forward's logits and pool writes.
     The last two batches are short, so graphs of a narrower block table replay where captured."""
@@ -133,12 +144,87 @@ def check_replays(graphs: DecodeGraphs, model, pool: torch.Tensor, block_size: i
     assert graphs.replays == 9
 
 
+def mixed_meta(new: list[int], lens: list[int], table: torch.Tensor, sample: list[int], block_size: int,
+               device) -> tuple[torch.Tensor, AttentionMetadata]:
+    """(positions, metadata) of sequences computing new[b] tokens up to length lens[b]."""
+    pos = torch.cat([torch.arange(n - k, n) for k, n in zip(new, lens)])  # [T]
+    row = torch.repeat_interleave(torch.arange(len(new)), torch.tensor(new))  # [T]
+    slots = table[row, pos // block_size].long() * block_size + pos % block_size  # [T]
+    cu = torch.tensor([0] + new).cumsum(0).to(torch.int32)
+    meta = AttentionMetadata(
+        slot_mapping=slots.to(device), block_tables=table.to(device),
+        seq_lens=torch.tensor(lens, dtype=torch.int32).to(device), cu_seqlens_q=cu.to(device),
+        logits_indices=(cu[1:][sample] - 1).to(torch.int64).to(device), is_decode=all(k == 1 for k in new),
+    )
+    return pos.to(device), meta
+
+
+@torch.inference_mode()
+def check_mixed_replays(graphs: StepGraphs, model, pool: torch.Tensor, block_size: int, max_len: int) -> None:
+    """Mixed steps of varied token and sequence counts, some filling their graph's tokens exactly
+    (no padding tokens) and some not: each replay gives the eager forward's logits and writes the
+    pool at the live tokens' slots only (the padding sequence writes nothing, stale rows of an
+    earlier, larger step neither). Steps no mixed graph holds run eagerly."""
+    dev, num_blocks, vocab, bs = pool.device, pool.shape[1], model.config.vocab_size, block_size
+    decodes = graphs.replays
+    g = torch.Generator().manual_seed(1)
+    cases = ((1, 1, 1, 1, 40), (30,), (5, 1, 1), (1, 1, 1, 1, 1, 1, 2, 50), (64,), (1, 63), (3, 4, 5, 6, 7, 8, 9))
+    for new in cases:
+        new = list(new)
+        lens = [int(torch.randint(k, max_len + 1, (1,), generator=g)) for k in new]
+        need = [-(-n // bs) for n in lens]
+        table = torch.randperm(num_blocks, generator=g)[: len(new) * max(need)].view(len(new), max(need)).int()
+        for row, n in enumerate(need):
+            table[row, n:] = -1  # as the cache pads its tables
+        sample = [i for i in range(len(new)) if i % 3 != 1]
+        pos, meta = mixed_meta(new, lens, table, sample, bs, dev)
+        ids = torch.randint(0, vocab, (len(pos),), generator=g).to(dev)
+        ref_pool = pool.clone()
+        ref = model(ids, pos, ref_pool, meta)  # [len(sample), vocab]
+        before = pool.clone()
+        out = graphs.run(ids, pos, pool, meta)
+        assert out is not None and out.shape == ref.shape, new
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-3)
+        torch.testing.assert_close(pool, ref_pool, rtol=1e-4, atol=1e-4)
+        written = (pool != before).any(dim=5).any(dim=4).any(dim=2).any(dim=0).cpu()  # [blocks, bs]
+        expected = torch.zeros(num_blocks, bs, dtype=torch.bool)
+        slots = meta.slot_mapping.cpu()
+        expected[slots // bs, slots % bs] = True
+        assert torch.equal(written, expected), f"step {new}: the graph wrote outside the live slots"
+    assert graphs.mixed_replays == len(cases) and graphs.replays == decodes
+    top = max(t for t, _ in graphs.mixed_graphs)
+    pos, meta = mixed_meta([top + 1], [top + 1], torch.arange(-(-(top + 1) // bs), dtype=torch.int32)[None], [0],
+                           bs, dev)
+    assert graphs.run(torch.zeros(top + 1, dtype=torch.int64, device=dev), pos, pool, meta) is None  # too long
+    pos, meta = mixed_meta([2, 3], [2, 3], torch.tensor([[0], [1]], dtype=torch.int32), [0, 1], bs, dev)
+    meta.wait_layer = lambda layer: None  # loads still landing: eager, layer by layer
+    assert graphs.run(torch.zeros(5, dtype=torch.int64, device=dev), pos, pool, meta) is None
+    assert graphs.mixed_replays == len(cases)
+
+
+def test_mixed_static_buffers_on_cpu(tmp_path, monkeypatch):
+    """A mixed step's padding and stale rows, with `Rerun` in place of CUDA graphs (fp32 Qwen3)."""
+    monkeypatch.setattr(graphs_module, "MIXED_TOKENS", (16, 64))
+    bs, max_len = 16, 256
+    lm = load_model(save_tiny_checkpoint("qwen3", tmp_path / "qwen3"), device="cpu", dtype=torch.float32)
+    pool = make_pool(lm.model, 160, bs).normal_()  # random KV everywhere: block 0 too
+    graphs = StepGraphs(lm.model, pool, block_size=bs, max_model_len=max_len, max_batch_size=8, max_step_tokens=64)
+    graphs.disabled_reason, graphs.sizes = None, capture_sizes(8)
+    graphs.mixed = mixed_shapes(8, 64)
+    graphs._allocate()
+    graphs.graphs = {(n, graphs.width): Rerun(graphs, n, graphs.width) for n in graphs.sizes}
+    graphs.mixed_graphs = {(t, b): Rerun(graphs, b, graphs.width, t) for t, b in graphs.mixed}
+    check_mixed_replays(graphs, lm.model, pool, bs, max_len)
+    assert graphs.mixed_graphs[16, 2].replays == 0  # (30,) needs 64 tokens; (5, 1, 1) 16 tokens, 4 sequences
+    assert graphs.mixed_graphs[16, 4].replays == 1 and graphs.mixed_graphs[64, 2].replays == 2
+
+
 def test_static_buffers_on_cpu(tmp_path):
     """The replay path's buffer handling, with `Rerun` in place of CUDA graphs (fp32 Qwen3)."""
     bs, max_len = 16, 256
     lm = load_model(save_tiny_checkpoint("qwen3", tmp_path / "qwen3"), device="cpu", dtype=torch.float32)
     pool = make_pool(lm.model, 160, bs).normal_()  # [layers, blocks, 2, bs, Hkv, D], random KV everywhere
-    graphs = DecodeGraphs(lm.model, pool, block_size=bs, max_model_len=max_len, max_batch_size=8)
+    graphs = StepGraphs(lm.model, pool, block_size=bs, max_model_len=max_len, max_batch_size=8)
     graphs.capture()  # a no-op on CPU
     assert not graphs.graphs
     graphs.disabled_reason, graphs.sizes = None, capture_sizes(8)
@@ -155,7 +241,7 @@ def test_a_short_context_replays_the_narrowest_graph_that_holds_it(tmp_path, mon
     bs, max_len = 16, 256
     lm = load_model(save_tiny_checkpoint("qwen3", tmp_path / "qwen3"), device="cpu", dtype=torch.float32)
     pool = make_pool(lm.model, 160, bs).normal_()
-    graphs = DecodeGraphs(lm.model, pool, block_size=bs, max_model_len=max_len, max_batch_size=8)
+    graphs = StepGraphs(lm.model, pool, block_size=bs, max_model_len=max_len, max_batch_size=8)
     assert graphs.widths == [3, 16]
     graphs.disabled_reason, graphs.sizes = None, capture_sizes(8)
     graphs._allocate()
@@ -174,13 +260,14 @@ def test_a_short_context_replays_the_narrowest_graph_that_holds_it(tmp_path, mon
 def test_replay_matches_eager_and_writes_only_live_slots(tmp_path, max_len):
     """fp32 Qwen3 (q/k norm) with random KV everywhere in the pool. At max_model_len 2048 the
     sizes whose decode launch differs at 512 tokens also get a 32-block graph (more, shorter
-    splits), which the short batches of check_replays replay."""
+    splits), which the short batches of check_replays replay. Then the mixed steps'."""
     bs = 16
     lm = load_model(save_tiny_checkpoint("qwen3", tmp_path / "qwen3"), device="cuda", dtype=torch.float32)
     pool = make_pool(lm.model, 8 * max_len // bs + 64, bs).normal_()  # [layers, blocks, 2, bs, Hkv, D]
-    graphs = DecodeGraphs(lm.model, pool, block_size=bs, max_model_len=max_len, max_batch_size=8)
+    graphs = StepGraphs(lm.model, pool, block_size=bs, max_model_len=max_len, max_batch_size=8, max_step_tokens=512)
     graphs.capture()
     assert graphs.enabled, graphs.disabled_reason
+    assert graphs.mixed_disabled_reason is None and sorted(graphs.mixed_graphs) == mixed_shapes(8, 512)
     assert graphs.width == max_len // bs
     if max_len == 256:
         assert sorted(graphs.graphs) == [(n, max_len // bs) for n in (1, 2, 4, 8)]
@@ -188,6 +275,7 @@ def test_replay_matches_eager_and_writes_only_live_slots(tmp_path, max_len):
         assert (1, 32) in graphs.graphs and (1, 128) in graphs.graphs
         assert kernels.decode_launch(pool[0], 1, 512) != kernels.decode_launch(pool[0], 1, max_len)
     check_replays(graphs, lm.model, pool, bs, max_len)
+    check_mixed_replays(graphs, lm.model, pool, bs, max_len)
 
 
 def generate_both(path: str, prompts, params, **options):
@@ -215,7 +303,7 @@ def test_fp32_greedy_with_graphs_equals_eager(tiny_llama, n):
     ours, eager, graphs = generate_both(tiny_llama, prompts, varied_params(n), dtype="float32", max_num_seqs=8)
     assert graphs.sizes == [1, 2, 4, 8]
     assert ours == eager
-    assert graphs.replays > 0
+    assert graphs.replays > 0 and graphs.mixed_replays > 0  # the prompts' step is a mixed graph's
 
 
 @pytest.mark.gpu

@@ -124,13 +124,16 @@ def test_tierkv_serve_answers_from_l2_and_after_a_restart_from_disk(family, tmp_
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run through the device tool)")
 def test_on_the_gpu_an_l2_hit_gives_the_tokens_of_a_cold_run(family):
-    """bf16 with CUDA graphs, async scheduling and the Triton kernels (fused MoE, sinks, MLA decode):
+    """bf16 with CUDA graphs (the prompts' step a mixed step's), async scheduling and the Triton
+    kernels (fused MoE, sinks, MLA decode):
     the prompt served again from L2 (its window layers' old blocks not loaded) decodes the same
     tokens as the cold run that computed it (agreement with transformers in bf16 is each family's
     test_model_<family>.py's)."""
     kind, path, prompts, _ = family
     llm = LLM(path, device="cuda", dtype="bfloat16", block_size=BLOCK, l2=1 << 26, write_policy="write_back")
     cold = tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
+    graphs = llm.engine.runner.graphs
+    assert graphs.mixed_disabled_reason is None and graphs.mixed_replays > 0, kind  # the prompts' step
     llm.cache.evict("l1")
     llm.engine.scheduler.recompute_seconds_per_token = 1.0  # a tiny model recomputes faster than it loads
     hit = llm.generate(prompts, GREEDY, use_tqdm=False)

@@ -112,6 +112,9 @@ class GroupedSequence:
     def committed(self) -> int:
         return min(p.committed for p in self.parts)
 
+    def loaded(self) -> bool:
+        return all(p.loaded() for p in self.parts)
+
     def wait(self) -> None:
         for p in self.parts:
             p.wait()

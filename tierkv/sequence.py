@@ -62,6 +62,10 @@ class SequenceBlocks:
         """Blocks in L1."""
         return len(self.slots) - len(self.l2_slots)
 
+    def loaded(self) -> bool:
+        """Whether every load into this sequence's blocks has landed (an event query, no host sync)."""
+        return all(t.done() for t in self.pending)
+
     def wait(self) -> None:
         """Order the current CUDA stream after the loads into this sequence's blocks (no host sync)."""
         for t in self.pending:

@@ -1,11 +1,15 @@
-"""DecodeGraphs: the decode step's forward pass as CUDA graphs, one per padded batch size and
-block-table width.
+"""StepGraphs: a step's forward pass as CUDA graphs: decode steps by padded batch size and
+block-table width, and small mixed steps (prompt tokens beside decodes) by padded token and
+sequence counts.
 
 A decode step of B sequences copies its inputs into static buffers, replays the graph captured
 for the smallest size >= B and the narrowest width that holds its block tables (rows past B are
 padding: KV slot -1, length 0), and computes the logits of the rows that sample eagerly from the
-graph's hidden states. Anything else (prefill,
-streamed steps, CPU, enforce_eager, too large a batch or block table) runs eagerly: `run`
+graph's hidden states. A mixed step of T <= MIXED_TOKENS[-1] new tokens over B sequences does
+the same in a graph of T' >= T tokens over B' > B sequences: its T' - T padding tokens belong
+to one more sequence, which writes no KV (slot -1) and attends over itself in block 0; the
+sequences after it have no tokens. Anything else (long prompt chunks, streamed steps, loads
+still landing, CPU, enforce_eager, too large a batch or block table) runs eagerly: `run`
 returns None. This file must never sync the host, allocate with data-dependent shapes on the
 replay path, or write the KV pool anywhere but the live rows' slots.
 """
@@ -37,6 +41,26 @@ MAX_CAPTURE_BATCH = 256
 # kernel would launch differently than at the next wider one.
 SHORT_CONTEXTS = (512, 2048)
 
+# Mixed steps of at most the last of these many new tokens replay graphs, padded up to the next
+# size. An eager step launches ~300 kernels: with the Llama-3.1-8B shape on an H100 that took the
+# host 25-37 ms, against 17 ms of GPU work for four decodes and a 132-token chunk at 8K tokens, so
+# such a step kept the GPU waiting. Padding costs little: up to a few hundred rows the linear
+# layers read their weights once whatever the row count (their cost), and the padding sequence
+# attends over its own few tokens only. Longer chunks launch eagerly: their work hides the launch.
+MIXED_TOKENS = (64, 128, 256, 512)
+
+
+def mixed_shapes(max_batch: int, max_tokens: int) -> list[tuple[int, int]]:
+    """(tokens, sequences) of the mixed-step graphs: every MIXED_TOKENS size up to `max_tokens` (a
+    step's budget), each with the powers of two from 2 up to the first that holds max_batch + 1
+    (the padding sequence), and none holding more sequences than twice its tokens (every real
+    sequence has at least one token)."""
+    top = 2
+    while top < max_batch + 1:
+        top *= 2
+    seqs = [2 ** i for i in range(1, top.bit_length())]
+    return [(t, b) for t in MIXED_TOKENS if t <= max_tokens for b in seqs if b <= 2 * t]
+
 
 def capture_sizes(max_batch: int) -> list[int]:
     """Batch sizes to capture: 1, 2, 4, 8, then every multiple of 8, then max_batch itself.
@@ -49,8 +73,8 @@ def capture_sizes(max_batch: int) -> list[int]:
     return sizes
 
 
-class DecodeGraphs:
-    """Captured decode forwards of `model` over the pool `kv_pool`, and the static buffers they read.
+class StepGraphs:
+    """Captured forwards of `model` over the pool `kv_pool`, and the static buffers they read.
 
     The graphs bake in the addresses of the pool, the weights and the static buffers. The L1
     pool (`TieredKVCache.l1.kv`) is allocated once and never reallocated; `run` checks that
@@ -65,11 +89,14 @@ class DecodeGraphs:
         block_size: int,
         max_model_len: int,
         max_batch_size: int,
+        max_step_tokens: int | None = None,
         enabled: bool = True,
         layer_group: list[int] | None = None,
     ) -> None:
-        """`layer_group`: each layer's group where layer groups keep their KV in caches of their
-        own (tierkv/groups.py); each group then has a slot mapping and block tables of its own."""
+        """`max_step_tokens`: the most tokens a step computes (the scheduler's budget), which
+        bounds the mixed graphs' sizes; None captures none. `layer_group`: each layer's group
+        where layer groups keep their KV in caches of their own (tierkv/groups.py); each group
+        then has a slot mapping and block tables of its own."""
         self.model, self.kv = model, kv_pool  # kv: [layers, num_blocks, 2, block_size, Hkv, D], or a list per layer
         self.layer_group = layer_group
         self.num_groups = 1 if layer_group is None else max(layer_group) + 1
@@ -83,13 +110,19 @@ class DecodeGraphs:
             # the torch reference kernels read lengths on the host (.tolist()): not capturable
             self.disabled_reason = "the reference kernels are forced (TIERKV_KERNELS)"
         self.sizes = capture_sizes(min(max_batch_size, MAX_CAPTURE_BATCH)) if self.enabled else []
+        # the padding sequence's tokens read block 0 through its table row: it must hold them
+        max_mixed = min(max_step_tokens or 0, max_model_len)
+        self.mixed = mixed_shapes(self.sizes[-1], max_mixed) if self.sizes and max_step_tokens else []
         # Every sequence fits max_model_len tokens, so its block-table row fits this width; the
         # narrower widths serve short contexts (SHORT_CONTEXTS)
         self.width = -(-max_model_len // block_size)
         self.widths = sorted({-(-t // block_size) for t in SHORT_CONTEXTS if t < max_model_len} | {self.width})
         self.block_size = block_size
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (batch size, table width) -> graph
+        self.mixed_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (tokens, sequences) -> graph
+        self.mixed_disabled_reason: str | None = None
         self.replays = 0  # decode steps served by a graph (tests and stats read it)
+        self.mixed_replays = 0  # mixed steps served by a graph
         self._warned_pool = False
 
     @property
@@ -99,48 +132,56 @@ class DecodeGraphs:
     # ------------------------------------------------------------------ capture
 
     def _allocate(self) -> None:
-        """Static inputs sized for the largest batch, and the hidden-state output all graphs share."""
+        """Static inputs sized for the largest graph, and the hidden-state output all graphs share."""
         n, dev = self.sizes[-1], self.device
+        tokens = max([n] + [t for t, _ in self.mixed])
+        seqs = max([n] + [b for _, b in self.mixed])
         hidden = self.model.config.hidden_size
         dtype = self.model.model.embed_tokens.weight.dtype
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)          # [max_bs]
-        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)          # [max_bs]
+        self.input_ids = torch.zeros(tokens, dtype=torch.int64, device=dev)        # [tokens]
+        self.positions = torch.zeros(tokens, dtype=torch.int64, device=dev)        # [tokens]
         # per layer group (one without groups): where each row's token goes, and its blocks
-        self.slot_mappings = [torch.full((n,), -1, dtype=torch.int64, device=dev)  # [max_bs], -1: no write
+        self.slot_mappings = [torch.full((tokens,), -1, dtype=torch.int64, device=dev)  # [tokens], -1: no write
                               for _ in range(self.num_groups)]
-        self.block_tables = [torch.zeros(n, self.width, dtype=torch.int32, device=dev)  # [max_bs, width]
+        self.block_tables = [torch.zeros(seqs, self.width, dtype=torch.int32, device=dev)  # [seqs, width]
                              for _ in range(self.num_groups)]
-        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=dev)           # [max_bs], 0: padding
-        self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=dev)  # [max_bs + 1], one token each
-        self.logits_indices = torch.arange(n, dtype=torch.int64, device=dev)    # [max_bs]
-        self.hidden = torch.zeros(n, hidden, dtype=dtype, device=dev)           # [max_bs, hidden] graph output
+        self.seq_lens = torch.zeros(seqs, dtype=torch.int32, device=dev)          # [seqs], 0: padding
+        self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=dev)    # [max_bs + 1], one token each
+        self.cu_mixed = torch.zeros(seqs + 1, dtype=torch.int32, device=dev)      # [seqs + 1], a mixed step's
+        self.logits_indices = torch.arange(n, dtype=torch.int64, device=dev)      # [max_bs]
+        self.hidden = torch.zeros(tokens, hidden, dtype=dtype, device=dev)        # [tokens, hidden] graph output
 
-    def _meta(self, bs: int, width: int) -> AttentionMetadata:
+    def _meta(self, bs: int, width: int, tokens: int | None = None) -> AttentionMetadata:
         """Metadata over the first `bs` rows and `width` table columns of the static buffers (views:
-        the graph reads them live)."""
+        the graph reads them live): a decode step's, or with `tokens` a mixed step's of that many
+        new tokens (cu_mixed says whose). Each call gives fresh prefill plans: a capture must
+        record their making, since a replay's batch is not the one captured."""
+        t = bs if tokens is None else tokens
         metas = [AttentionMetadata(
-            slot_mapping=self.slot_mappings[g][:bs],
+            slot_mapping=self.slot_mappings[g][:t],
             block_tables=self.block_tables[g][:bs, :width],
             seq_lens=self.seq_lens[:bs],
-            cu_seqlens_q=self.cu_seqlens_q[: bs + 1],
+            cu_seqlens_q=self.cu_seqlens_q[: bs + 1] if tokens is None else self.cu_mixed[: bs + 1],
             logits_indices=self.logits_indices[:bs],
-            is_decode=True,
+            is_decode=tokens is None,
         ) for g in range(self.num_groups)]
         if self.layer_group is not None:
             metas[0].groups, metas[0].layer_group = metas, self.layer_group
         return metas[0]
 
-    def _forward(self, bs: int, meta: AttentionMetadata) -> None:
-        """The captured work: hidden states of `bs` rows into the shared output buffer."""
-        hidden = self.model.hidden_states(self.input_ids[:bs], self.positions[:bs], self.kv, meta)  # [bs, hidden]
-        self.hidden[:bs].copy_(hidden)
+    def _forward(self, rows: int, meta: AttentionMetadata) -> None:
+        """The captured work: hidden states of `rows` tokens into the shared output buffer."""
+        hidden = self.model.hidden_states(self.input_ids[:rows], self.positions[:rows], self.kv, meta)  # [rows, hidden]
+        self.hidden[:rows].copy_(hidden)
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture one graph per size, largest first, all in one memory pool; once, before serving.
+        """Capture one graph per shape, largest first, all in one memory pool; once, before serving:
+        the decode graphs, then the mixed ones.
 
-        While capturing, every slot is -1 and every length 0: the pool is neither read nor
-        written. On failure, logs a warning and leaves the engine eager rather than failing it.
+        While capturing, every slot is -1, every length 0 and every sequence empty: the pool is
+        neither read nor written. On failure, logs a warning and leaves the engine eager (the
+        mixed steps alone, where only a mixed capture failed) rather than failing it.
         """
         if not self.enabled or self.graphs:
             return
@@ -148,20 +189,9 @@ class DecodeGraphs:
         try:
             with torch.cuda.device(self.device):
                 self._allocate()
-                pool = torch.cuda.graph_pool_handle()
-                side = torch.cuda.Stream()
+                self._pool, self._side = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
                 for bs, width in self._shapes():
-                    meta = self._meta(bs, width)
-                    # Warm up on a side stream first (PyTorch's recipe): Triton compiles, cuBLAS
-                    # picks its kernels and workspaces, none of which may happen while capturing.
-                    side.wait_stream(torch.cuda.current_stream())
-                    with torch.cuda.stream(side):
-                        self._forward(bs, meta)
-                    torch.cuda.current_stream().wait_stream(side)
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool):
-                        self._forward(bs, meta)
-                    self.graphs[bs, width] = graph
+                    self.graphs[bs, width] = self._capture(bs, lambda: self._meta(bs, width))
                 torch.cuda.synchronize()
         except Exception as exc:  # an op that cannot be captured: serve eagerly, say so
             log.warning("CUDA graph capture failed (%s: %s); decoding eagerly. Pass enforce_eager=True to "
@@ -169,9 +199,35 @@ class DecodeGraphs:
             self.graphs.clear()
             self.disabled_reason = f"capture failed: {exc}"
             return
-        log.info("captured %d decode CUDA graphs (batch sizes %d..%d, block-table widths %s) in %.2f s",
-                 len(self.graphs), self.sizes[0], self.sizes[-1], sorted({w for _, w in self.graphs}),
-                 time.perf_counter() - start)
+        decode_s = time.perf_counter() - start
+        try:
+            with torch.cuda.device(self.device):
+                for tokens, seqs in reversed(self.mixed):
+                    self.mixed_graphs[tokens, seqs] = self._capture(
+                        tokens, lambda: self._meta(seqs, self.width, tokens))
+                torch.cuda.synchronize()
+        except Exception as exc:
+            log.warning("CUDA graph capture of the mixed steps failed (%s: %s); they run eagerly.",
+                        type(exc).__name__, exc, exc_info=True)
+            self.mixed_graphs.clear()
+            self.mixed_disabled_reason = f"capture failed: {exc}"
+        log.info("captured %d decode CUDA graphs (batch sizes %d..%d, block-table widths %s) in %.2f s, and %d "
+                 "of mixed steps (up to %d tokens) in %.2f s", len(self.graphs), self.sizes[0], self.sizes[-1],
+                 sorted({w for _, w in self.graphs}), decode_s, len(self.mixed_graphs),
+                 max((t for t, _ in self.mixed_graphs), default=0), time.perf_counter() - start - decode_s)
+
+    def _capture(self, rows: int, meta) -> torch.cuda.CUDAGraph:
+        """One graph of `_forward` over `rows` tokens, `meta()` making its metadata."""
+        # Warm up on a side stream first (PyTorch's recipe): Triton compiles, cuBLAS picks its
+        # kernels and workspaces, none of which may happen while capturing.
+        self._side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._side):
+            self._forward(rows, meta())
+        torch.cuda.current_stream().wait_stream(self._side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._forward(rows, meta())
+        return graph
 
     def _shapes(self) -> list[tuple[int, int]]:
         """(batch size, width) pairs to capture, largest first: every size at the full width, and a
@@ -204,6 +260,11 @@ class DecodeGraphs:
         """The narrowest width captured for size `bs` that holds `columns` block-table columns."""
         return next(w for w in self.widths if w >= columns and (bs, w) in self.graphs)
 
+    def mixed_for(self, tokens: int, seqs: int) -> tuple[int, int] | None:
+        """The captured mixed shape for `tokens` new tokens over `seqs` sequences: the fewest tokens
+        >= tokens, then the fewest sequences > seqs (one more holds the padding); None if none."""
+        return min(((t, b) for t, b in self.mixed_graphs if t >= tokens and b > seqs), default=None)
+
     @torch.inference_mode()
     def run(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_pool: torch.Tensor, meta: AttentionMetadata
@@ -211,19 +272,28 @@ class DecodeGraphs:
         """Logits [len(meta.logits_indices), vocab] fp32 as `CausalLM.forward` gives them, from a
         graph replay; None when this step must run eagerly (the caller then runs the model).
 
-        input_ids, positions: [B]; meta: a decode step of B sequences (one new token each).
+        input_ids, positions: [T]; meta: a step of B sequences whose K/V are all in L1 (not
+        streamed, no loads still landing: `meta.wait_layer` unset).
         """
-        if not self.graphs or not meta.is_decode or getattr(meta, "streamed", None) is not None:
+        if not self.graphs or meta.streamed is not None or meta.wait_layer is not None:
             return None
-        b = input_ids.shape[0]
-        bs = self.size_for(b)
         table = meta.block_tables  # [B, w]
-        if b == 0 or bs is None or meta.num_seqs != b or table.shape[1] > self.width:
+        if input_ids.shape[0] == 0 or table.shape[1] > self.width:
             return None
         if not self._captured_pool(kv_pool):
             if not self._warned_pool:
-                log.warning("the KV pool is not the one the decode graphs captured; decoding eagerly")
+                log.warning("the KV pool is not the one the step graphs captured; running eagerly")
                 self._warned_pool = True
+            return None
+        if meta.is_decode:
+            return self._run_decode(input_ids, positions, meta)
+        return self._run_mixed(input_ids, positions, meta)
+
+    def _run_decode(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
+        b = input_ids.shape[0]
+        bs = self.size_for(b)
+        table = meta.block_tables  # [B, w]
+        if bs is None or meta.num_seqs != b:
             return None
         # Live rows first; padding rows write nothing (slot -1) and attend to nothing (length 0).
         # Block-table columns past w keep stale entries: the kernel reads entries only below a
@@ -242,3 +312,27 @@ class DecodeGraphs:
         self.replays += 1
         # As CausalLM.forward: final norm and LM head only on the rows that sample.
         return self.model.compute_logits(self.hidden[:b].index_select(0, meta.logits_indices))
+
+    def _run_mixed(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
+        t, b = input_ids.shape[0], meta.num_seqs
+        shape = self.mixed_for(t, b)
+        if shape is None:
+            return None
+        tokens, seqs = shape
+        table = meta.block_tables  # [B, w]
+        pad = tokens - t  # the padding sequence's tokens: positions 0..pad-1 of its own, in block 0
+        self.input_ids[:t].copy_(input_ids)
+        self.positions[:t].copy_(positions)
+        self.seq_lens[:b].copy_(meta.seq_lens)
+        self.seq_lens[b : b + 1].fill_(pad)
+        self.seq_lens[b + 1 : seqs].zero_()
+        self.cu_mixed[: b + 1].copy_(meta.cu_seqlens_q)
+        self.cu_mixed[b + 1 : seqs + 1].fill_(tokens)
+        for g, group in enumerate(meta.groups or [meta]):
+            self.slot_mappings[g][:t].copy_(group.slot_mapping)
+            self.slot_mappings[g][t:tokens].fill_(-1)
+            self.block_tables[g][:b, : table.shape[1]].copy_(group.block_tables)
+            self.block_tables[g][b, : -(-pad // self.block_size)].zero_()
+        self.mixed_graphs[tokens, seqs].replay()
+        self.mixed_replays += 1
+        return self.model.compute_logits(self.hidden[:t].index_select(0, meta.logits_indices))

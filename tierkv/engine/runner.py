@@ -20,7 +20,7 @@ from ..groups import GroupedSequence, KVGroups, caches_of
 from ..sequence import SequenceBlocks
 from .attention import AttentionMetadata, StreamedAttention
 from .config import EngineConfig
-from .graphs import DecodeGraphs
+from .graphs import StepGraphs
 from .inputs import BuiltStep, StepInputs
 from .loader import LoadedModel
 from .request import Request
@@ -100,9 +100,10 @@ class ModelRunner:
         # Decode steps replay CUDA graphs (never on CPU or with enforce_eager); captured now,
         # before any request runs, so no step pays for it. Not yet under tensor parallelism:
         # capturing NCCL collectives has not run on two GPUs here, so those steps stay eager.
-        self.graphs = DecodeGraphs(
+        self.graphs = StepGraphs(
             lm.model, cache.l1.kv, block_size=cache.block_size, enabled=not config.enforce_eager and not self.tp.enabled,
-            max_model_len=config.max_model_len, max_batch_size=config.max_num_seqs, layer_group=self.layer_group,
+            max_model_len=config.max_model_len, max_batch_size=config.max_num_seqs,
+            max_step_tokens=config.max_num_batched_tokens, layer_group=self.layer_group,
         )
         self.graphs.capture()
         # a sequence's table holds one more block than max_model_len needs (its next token's)
@@ -167,12 +168,17 @@ class ModelRunner:
         if self.device.type == "cuda":
             started = torch.cuda.Event(enable_timing=True)
             started.record(torch.cuda.current_stream(self.device))
-        loaded = any(r.seq.pending for r in step.requests)
         built = self.prepare(step, previous)
         if self.send_plan is not None:  # tensor parallel: the other ranks repeat this step
             self.send_plan(self._plan(built, step))
             self.tp.broadcast(built.input_ids)  # the token ids, pending ones included, from the device
-        loading = [r.seq for r in step.requests if r.seq.pending]
+        loading = []  # sequences whose loads are still in flight
+        for seq in (r.seq for r in step.requests if r.seq.pending):
+            if seq.loaded():
+                seq.wait()  # all landed: this only drops them, and the step may be a graph's
+            else:
+                loading.append(seq)
+        loaded = bool(loading)
         if loading and (built.meta.is_decode or self.send_plan is not None):
             for seq in loading:  # a CUDA-graph step, or one all ranks repeat: all loaded first
                 seq.wait()

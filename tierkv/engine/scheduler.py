@@ -355,4 +355,4 @@ class Scheduler:
 
 def _loading(req: Request) -> bool:
     """Whether L2 -> L1 loads into `req`'s blocks are still in flight (an event query, no host sync)."""
-    return any(not load.done() for load in req.seq.pending)
+    return not req.seq.loaded()
