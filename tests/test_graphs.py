@@ -137,8 +137,9 @@ def check_replays(graphs: StepGraphs, model, pool: torch.Tensor, block_size: int
     assert not runs(decode_meta([5] * too_many, torch.arange(too_many, dtype=torch.int32)[:, None], [0], bs, dev))
     assert not runs(decode_meta([5, 5], torch.zeros(2, graphs.width + 1, dtype=torch.int32), [0, 1], bs, dev))
     meta = decode_meta([5, 5], torch.zeros(2, 1, dtype=torch.int32), [0, 1], bs, dev)
-    meta.is_decode = False
-    assert not runs(meta)
+    meta.is_decode = False  # a mixed step's metadata: a mixed graph's, where they are captured
+    mixed = graphs.mixed_replays
+    assert runs(meta) == bool(graphs.mixed_graphs) and graphs.mixed_replays == mixed + bool(graphs.mixed_graphs)
     meta.is_decode = True
     assert not runs(meta, kv=pool.clone())  # not the pool the graphs captured
     assert graphs.replays == 9
@@ -166,7 +167,7 @@ def check_mixed_replays(graphs: StepGraphs, model, pool: torch.Tensor, block_siz
     pool at the live tokens' slots only (the padding sequence writes nothing, stale rows of an
     earlier, larger step neither). Steps no mixed graph holds run eagerly."""
     dev, num_blocks, vocab, bs = pool.device, pool.shape[1], model.config.vocab_size, block_size
-    decodes = graphs.replays
+    decodes, mixed = graphs.replays, graphs.mixed_replays
     g = torch.Generator().manual_seed(1)
     cases = ((1, 1, 1, 1, 40), (30,), (5, 1, 1), (1, 1, 1, 1, 1, 1, 2, 50), (64,), (1, 63), (3, 4, 5, 6, 7, 8, 9))
     for new in cases:
@@ -191,7 +192,7 @@ def check_mixed_replays(graphs: StepGraphs, model, pool: torch.Tensor, block_siz
         slots = meta.slot_mapping.cpu()
         expected[slots // bs, slots % bs] = True
         assert torch.equal(written, expected), f"step {new}: the graph wrote outside the live slots"
-    assert graphs.mixed_replays == len(cases) and graphs.replays == decodes
+    assert graphs.mixed_replays == mixed + len(cases) and graphs.replays == decodes
     top = max(t for t, _ in graphs.mixed_graphs)
     pos, meta = mixed_meta([top + 1], [top + 1], torch.arange(-(-(top + 1) // bs), dtype=torch.int32)[None], [0],
                            bs, dev)
@@ -199,7 +200,7 @@ def check_mixed_replays(graphs: StepGraphs, model, pool: torch.Tensor, block_siz
     pos, meta = mixed_meta([2, 3], [2, 3], torch.tensor([[0], [1]], dtype=torch.int32), [0, 1], bs, dev)
     meta.wait_layer = lambda layer: None  # loads still landing: eager, layer by layer
     assert graphs.run(torch.zeros(5, dtype=torch.int64, device=dev), pos, pool, meta) is None
-    assert graphs.mixed_replays == len(cases)
+    assert graphs.mixed_replays == mixed + len(cases)
 
 
 def test_mixed_static_buffers_on_cpu(tmp_path, monkeypatch):
@@ -267,7 +268,7 @@ def test_replay_matches_eager_and_writes_only_live_slots(tmp_path, max_len):
     graphs = StepGraphs(lm.model, pool, block_size=bs, max_model_len=max_len, max_batch_size=8, max_step_tokens=512)
     graphs.capture()
     assert graphs.enabled, graphs.disabled_reason
-    assert graphs.mixed_disabled_reason is None and sorted(graphs.mixed_graphs) == mixed_shapes(8, 512)
+    assert graphs.mixed_disabled_reason is None and sorted(graphs.mixed_graphs) == mixed_shapes(8, min(512, max_len))
     assert graphs.width == max_len // bs
     if max_len == 256:
         assert sorted(graphs.graphs) == [(n, max_len // bs) for n in (1, 2, 4, 8)]
