@@ -329,7 +329,8 @@ class Admission(Lookups):
         for e in l1_hits:
             self.index.pin(e)
         self.index.hold_l2(l2_hits + behind)  # the evictions below must not drop what we are about to load
-        fresh = self.tiers.take_l1(self.blocks_needed(reserved) - k - gone - len(l1_hits))
+        fresh = self.tiers.take_l1(self.blocks_needed(reserved) - k - gone - len(l1_hits),
+                                   loads=len(l2_hits) + len(behind))
         self.tiers.load_pinned(l2_hits, fresh[: len(l2_hits)])
         private = dict(zip(map(id, behind), fresh[len(l2_hits) : len(l2_hits) + len(behind)]))
         partial = self.tiers.load_l2(behind, list(private.values()), full_layers_only=True)

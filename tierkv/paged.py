@@ -115,7 +115,8 @@ class PagedCache(Admission):
             self.index.pin(e)
         from_l2 = [(i, e) for i, e in enumerate(entries, start=first) if e.l1 < 0]
         self.index.hold_l2([e for _, e in from_l2])  # the slots taken below must not evict them
-        fresh = iter(self.tiers.take_l1(sum(1 for i, _ in from_l2 if i >= len(seq.slots))))
+        beyond = sum(1 for i, _ in from_l2 if i >= len(seq.slots))  # slots the loads below write
+        fresh = iter(self.tiers.take_l1(beyond, loads=beyond))
         for i, e in enumerate(entries, start=first):
             slot = e.l1 if e.l1 >= 0 else (seq.slots[i] if i < len(seq.slots) else next(fresh))
             if i < len(seq.slots):
