@@ -126,12 +126,12 @@ class Tiering:
         # by blocks on their way to L3), oldest first; `_catch_up` copies them once writes end.
         # An entry leaves when it is copied down or evicted from L1 (stats: `write_backlog_blocks`).
         self.owed: OrderedDict[int, BlockEntry] = OrderedDict()
-        # Free L1 slots that a copy may still read or write (an evicted block saved to L2 as it
-        # left, or by write-through just before): slot -> that copy. A load may write such a slot
-        # at once, its copy running after the other on the copy stream; the compute stream waits
-        # for the copy first (take_l1). Waiting at eviction instead made the next step wait for
-        # every load queued ahead of the save: ~22 ms a load of 8K Llama-8B tokens on an H100.
-        # (slot -> the copies: a save reading it and a load still writing it, rarely both)
+        # Free L1 slots that copies may still be at: slot -> those copies (an evicted block's save
+        # to L2, made as it left or by write-through just before; rarely also a load still writing
+        # a block that a request let go of). A load may write such a slot at once: the copy stream
+        # runs it after them. The compute stream waits for them first (take_l1). Waiting at
+        # eviction instead made the next step wait for every load queued ahead of the save: ~22 ms
+        # a load of 8K Llama-8B tokens on an H100.
         self._busy: dict[int, list[Transfer]] = {}
         # Tensor parallelism, rank 0: every L1/L2 move since the last step, for the other ranks
         # to replay (see `_move`); None (the default) records nothing.

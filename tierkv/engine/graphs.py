@@ -43,8 +43,8 @@ SHORT_CONTEXTS = (512, 2048)
 
 # Mixed steps of at most the last of these many new tokens replay graphs, padded up to the next
 # size. An eager step launches ~300 kernels: with the Llama-3.1-8B shape on an H100 that took the
-# host 25-37 ms, against 17 ms of GPU work for four decodes and a 132-token chunk at 8K tokens, so
-# such a step kept the GPU waiting. Padding costs little: up to a few hundred rows the linear
+# host 23-37 ms, against 17 ms of GPU work for four decodes and a 132-token chunk at 8K tokens, so
+# such a step kept the GPU waiting (bench_step_graphs). Padding costs little: up to a few hundred rows the linear
 # layers read their weights once whatever the row count (their cost), and the padding sequence
 # attends over its own few tokens only. Longer chunks launch eagerly: their work hides the launch.
 MIXED_TOKENS = (64, 128, 256, 512)
