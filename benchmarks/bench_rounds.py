@@ -273,7 +273,8 @@ async def session(a, url: str, vocab: int, rounds, probes, tier: dict, h2d: floa
                 e = rnd["engine"]
                 print(f"    engine: {e['steps'].get('decode', 0)} decode + {e['steps'].get('mixed', 0)} mixed steps, "
                       f"mean batch {e['mean_batch']:.2f}; GPU on them {e['gpu_s'].get('decode', 0):.2f} + "
-                      f"{e['gpu_s'].get('mixed', 0):.2f} s (no step on it: {rnd['wall_s'] - sum(e['gpu_s'].values()):.2f} s), "
+                      f"{e['gpu_s'].get('mixed', 0):.2f} s "
+                      f"(no step on it: {rnd['wall_s'] - sum(e['gpu_s'].values()):.2f} s), "
                       f"{e['load_wait_gpu_s']:.2f} s of it on {e['load_wait_steps']} steps launched with loads in "
                       f"flight; idle {e['idle_s']:.2f} s; "
                       "host " + ", ".join(f"{k} {v:.2f} s" for k, v in e["host_s"].items()), flush=True)
