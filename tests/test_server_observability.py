@@ -174,6 +174,12 @@ def test_engine_time_series_count_the_steps_of_a_request(server, client):
     assert delta(after, "tierkv_engine_step_requests_total") == 8
     host = {p: delta(after, "tierkv_engine_host_seconds_total", phase=p) for p in ("schedule", "launch", "postprocess")}
     assert all(v > 0 for v in host.values()) and sum(host.values()) <= wall, (host, wall)
+    # the GPU's seconds, by kind: a counter for each (0 on a CPU, where no step is timed), and no
+    # step of this cold request waited for a load
+    kind, samples = after["tierkv_engine_gpu_seconds"]
+    assert kind == "counter" and sorted(s.labels["kind"] for s in samples if s.name.endswith("_total")) == [
+        "decode", "mixed"]
+    assert delta(after, "tierkv_engine_load_wait_steps_total") == 0
 
 
 def test_preemptions_are_counted(server, client):
