@@ -95,6 +95,34 @@ def decode_meta(lens: list[int], table: torch.Tensor, sample: list[int], block_s
     )
 
 
+def random_tables(lens: list[int], num_blocks: int, block_size: int, g: torch.Generator) -> torch.Tensor:
+    """[B, blocks of the longest] int32: distinct random blocks for each sequence, padded with -1
+    past its own (as the cache pads its tables)."""
+    need = [-(-n // block_size) for n in lens]
+    table = torch.randperm(num_blocks, generator=g)[: len(lens) * max(need)].view(len(lens), max(need)).int()
+    for row, n in enumerate(need):
+        table[row, n:] = -1
+    return table
+
+
+def replays_as_eager(graphs: StepGraphs, model, pool: torch.Tensor, ids, pos, meta: AttentionMetadata,
+                     block_size: int, what: str) -> None:
+    """The step replayed gives the eager forward's logits and pool, and writes the pool at the
+    step's slots only."""
+    ref_pool = pool.clone()
+    ref = model(ids, pos, ref_pool, meta)  # [rows that sample, vocab]
+    before = pool.clone()
+    out = graphs.run(ids, pos, pool, meta)
+    assert out is not None and out.shape == ref.shape, what
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(pool, ref_pool, rtol=1e-4, atol=1e-4)
+    written = (pool != before).any(dim=5).any(dim=4).any(dim=2).any(dim=0).cpu()  # [blocks, block_size]
+    expected = torch.zeros(pool.shape[1], block_size, dtype=torch.bool)
+    slots = meta.slot_mapping.cpu()
+    expected[slots // block_size, slots % block_size] = True
+    assert torch.equal(written, expected), f"{what}: the graph wrote outside the live slots"
+
+
 @torch.inference_mode()
 def check_replays(graphs: StepGraphs, model, pool: torch.Tensor, block_size: int, max_len: int) -> None:
     """Batches go up and down, so padding rows hold stale inputs of an earlier, larger batch and
@@ -106,26 +134,12 @@ def check_replays(graphs: StepGraphs, model, pool: torch.Tensor, block_size: int
     for b, longest in ((8, max_len), (3, max_len), (5, max_len), (1, max_len), (3, max_len), (2, max_len),
                        (7, max_len), (1, 40), (2, 40)):
         lens = torch.randint(1, longest + 1, (b,), generator=g).tolist()
-        need = [-(-n // bs) for n in lens]
-        table = torch.randperm(num_blocks, generator=g)[: b * max(need)].view(b, max(need)).int()  # distinct blocks
-        for row, n in enumerate(need):
-            table[row, n:] = -1  # as the cache pads its tables
+        table = random_tables(lens, num_blocks, bs, g)
         sample = [i for i in range(b) if i % 3 != 1]  # some rows do not sample
         meta = decode_meta(lens, table, sample, bs, dev)
         ids = torch.randint(0, vocab, (b,), generator=g).to(dev)
         pos = torch.tensor(lens).to(dev) - 1
-        ref_pool = pool.clone()
-        ref = model(ids, pos, ref_pool, meta)  # [len(sample), vocab]
-        before = pool.clone()
-        out = graphs.run(ids, pos, pool, meta)
-        assert out is not None and out.shape == ref.shape
-        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-3)
-        torch.testing.assert_close(pool, ref_pool, rtol=1e-4, atol=1e-4)
-        written = (pool != before).any(dim=5).any(dim=4).any(dim=2).any(dim=0).cpu()  # [blocks, bs]
-        expected = torch.zeros(num_blocks, bs, dtype=torch.bool)
-        slots = meta.slot_mapping.cpu()
-        expected[slots // bs, slots % bs] = True
-        assert torch.equal(written, expected), f"batch {b}: the graph wrote outside the live slots"
+        replays_as_eager(graphs, model, pool, ids, pos, meta, bs, f"batch {b}")
     assert graphs.replays == 9
 
     # what a graph cannot serve runs eagerly (run returns None)
@@ -173,25 +187,10 @@ def check_mixed_replays(graphs: StepGraphs, model, pool: torch.Tensor, block_siz
     for new in cases:
         new = list(new)
         lens = [int(torch.randint(k, max_len + 1, (1,), generator=g)) for k in new]
-        need = [-(-n // bs) for n in lens]
-        table = torch.randperm(num_blocks, generator=g)[: len(new) * max(need)].view(len(new), max(need)).int()
-        for row, n in enumerate(need):
-            table[row, n:] = -1  # as the cache pads its tables
         sample = [i for i in range(len(new)) if i % 3 != 1]
-        pos, meta = mixed_meta(new, lens, table, sample, bs, dev)
+        pos, meta = mixed_meta(new, lens, random_tables(lens, num_blocks, bs, g), sample, bs, dev)
         ids = torch.randint(0, vocab, (len(pos),), generator=g).to(dev)
-        ref_pool = pool.clone()
-        ref = model(ids, pos, ref_pool, meta)  # [len(sample), vocab]
-        before = pool.clone()
-        out = graphs.run(ids, pos, pool, meta)
-        assert out is not None and out.shape == ref.shape, new
-        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-3)
-        torch.testing.assert_close(pool, ref_pool, rtol=1e-4, atol=1e-4)
-        written = (pool != before).any(dim=5).any(dim=4).any(dim=2).any(dim=0).cpu()  # [blocks, bs]
-        expected = torch.zeros(num_blocks, bs, dtype=torch.bool)
-        slots = meta.slot_mapping.cpu()
-        expected[slots // bs, slots % bs] = True
-        assert torch.equal(written, expected), f"step {new}: the graph wrote outside the live slots"
+        replays_as_eager(graphs, model, pool, ids, pos, meta, bs, f"step {new}")
     assert graphs.mixed_replays == mixed + len(cases) and graphs.replays == decodes
     top = max(t for t, _ in graphs.mixed_graphs)
     pos, meta = mixed_meta([top + 1], [top + 1], torch.arange(-(-(top + 1) // bs), dtype=torch.int32)[None], [0],

@@ -333,10 +333,10 @@ class Engine:
     def _postprocess(self, launched: LaunchedStep) -> list[RequestOutput]:
         """Apply a launched step's sampled tokens: logprobs, detokenizing, stop checks, finishing."""
         out = launched.result()  # waits for that step only; the one launched after it keeps running
-        seconds = launched.gpu_seconds()
+        seconds = launched.gpu_seconds()  # None on a CPU
         if seconds is not None:
             self.stats.ran(launched.decode, seconds, launched.loaded)
-        self._measure_recompute(launched)
+            self._measure_recompute(launched, seconds)
         if out is None:
             return []
         token_ids = out.token_ids.tolist()
@@ -381,18 +381,16 @@ class Engine:
             self.stats.iteration_tokens.observe(prompts_done + len(outputs))
         return outputs
 
-    def _measure_recompute(self, launched: LaunchedStep) -> None:
+    def _measure_recompute(self, launched: LaunchedStep, seconds: float) -> None:
         """Fold a prefill-sized step's GPU seconds per computed token into the recompute cost that
-        load-or-recompute weighs. Timed on the GPU, step by step, so that requests sharing the GPU
+        load-or-recompute weighs (CUDA only: CPU runs, tests and tiny models, always load what the
+        cache holds). Timed on the GPU, step by step, so that requests sharing the GPU
         do not count as compute: timing a request from admission to its first token (as this did
         before) grew with the load and made slow tiers look worth reading under it."""
         if launched.loaded:
             return  # it may have waited for loads: its time is not all compute
         if launched.computed_tokens < min(PREFILL_SAMPLE_TOKENS, self.config.max_num_batched_tokens):
             return  # small steps: their share of the weights' read is not what a long prefill's tokens cost
-        seconds = launched.gpu_seconds()
-        if seconds is None:
-            return  # CPU runs (tests, tiny models) always load what the cache holds
         per_token = seconds / launched.computed_tokens
         old = self.scheduler.recompute_seconds_per_token
         self.scheduler.recompute_seconds_per_token = per_token if old is None else old + 0.2 * (per_token - old)

@@ -44,9 +44,10 @@ SHORT_CONTEXTS = (512, 2048)
 # Mixed steps of at most the last of these many new tokens replay graphs, padded up to the next
 # size. An eager step launches ~300 kernels: with the Llama-3.1-8B shape on an H100 that took the
 # host 23-37 ms, against 17 ms of GPU work for four decodes and a 132-token chunk at 8K tokens, so
-# such a step kept the GPU waiting (bench_step_graphs). Padding costs little: up to a few hundred rows the linear
-# layers read their weights once whatever the row count (their cost), and the padding sequence
-# attends over its own few tokens only. Longer chunks launch eagerly: their work hides the launch.
+# such a step kept the GPU waiting (bench_step_graphs). Padding costs little: up to a few hundred
+# rows the linear layers read their weights once whatever the row count (their cost), and the
+# padding sequence attends over its own few tokens only. Longer chunks launch eagerly: their work
+# hides the launch.
 MIXED_TOKENS = (64, 128, 256, 512)
 
 
@@ -292,26 +293,14 @@ class StepGraphs:
     def _run_decode(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
         b = input_ids.shape[0]
         bs = self.size_for(b)
-        table = meta.block_tables  # [B, w]
         if bs is None or meta.num_seqs != b:
             return None
-        # Live rows first; padding rows write nothing (slot -1) and attend to nothing (length 0).
-        # Block-table columns past w keep stale entries: the kernel reads entries only below a
-        # row's length, which fits w blocks.
-        self.input_ids[:b].copy_(input_ids)
-        self.positions[:b].copy_(positions)
-        self.seq_lens[:b].copy_(meta.seq_lens)
-        for g, group in enumerate(meta.groups or [meta]):
-            self.slot_mappings[g][:b].copy_(group.slot_mapping)
-            self.block_tables[g][:b, : table.shape[1]].copy_(group.block_tables)
-            if b < bs:
-                self.slot_mappings[g][b:bs].fill_(-1)
-        if b < bs:
-            self.seq_lens[b:bs].zero_()
-        self.graphs[bs, self.width_for(bs, table.shape[1])].replay()
+        # Padding rows write nothing (slot -1) and attend to nothing (length 0).
+        self._stage(input_ids, positions, meta, tokens=bs)
+        self.seq_lens[b:bs].zero_()
+        self.graphs[bs, self.width_for(bs, meta.block_tables.shape[1])].replay()
         self.replays += 1
-        # As CausalLM.forward: final norm and LM head only on the rows that sample.
-        return self.model.compute_logits(self.hidden[:b].index_select(0, meta.logits_indices))
+        return self._logits(b, meta)
 
     def _run_mixed(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
         t, b = input_ids.shape[0], meta.num_seqs
@@ -319,20 +308,31 @@ class StepGraphs:
         if shape is None:
             return None
         tokens, seqs = shape
-        table = meta.block_tables  # [B, w]
         pad = tokens - t  # the padding sequence's tokens: positions 0..pad-1 of its own, in block 0
-        self.input_ids[:t].copy_(input_ids)
-        self.positions[:t].copy_(positions)
-        self.seq_lens[:b].copy_(meta.seq_lens)
+        self._stage(input_ids, positions, meta, tokens)
         self.seq_lens[b : b + 1].fill_(pad)
         self.seq_lens[b + 1 : seqs].zero_()
         self.cu_mixed[: b + 1].copy_(meta.cu_seqlens_q)
         self.cu_mixed[b + 1 : seqs + 1].fill_(tokens)
+        for table in self.block_tables[: len(meta.groups or [meta])]:
+            table[b, : -(-pad // self.block_size)].zero_()
+        self.mixed_graphs[tokens, seqs].replay()
+        self.mixed_replays += 1
+        return self._logits(t, meta)
+
+    def _stage(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, tokens: int) -> None:
+        """Copy the step's live rows into the static buffers (T tokens of B sequences); its
+        slots past T, up to the graph's `tokens`, write nothing (-1). Block-table columns past
+        the step's keep stale entries: the kernels read entries only below a row's length."""
+        t, b, w = input_ids.shape[0], meta.num_seqs, meta.block_tables.shape[1]
+        self.input_ids[:t].copy_(input_ids)
+        self.positions[:t].copy_(positions)
+        self.seq_lens[:b].copy_(meta.seq_lens)
         for g, group in enumerate(meta.groups or [meta]):
             self.slot_mappings[g][:t].copy_(group.slot_mapping)
             self.slot_mappings[g][t:tokens].fill_(-1)
-            self.block_tables[g][:b, : table.shape[1]].copy_(group.block_tables)
-            self.block_tables[g][b, : -(-pad // self.block_size)].zero_()
-        self.mixed_graphs[tokens, seqs].replay()
-        self.mixed_replays += 1
-        return self.model.compute_logits(self.hidden[:t].index_select(0, meta.logits_indices))
+            self.block_tables[g][:b, :w].copy_(group.block_tables)
+
+    def _logits(self, rows: int, meta: AttentionMetadata) -> torch.Tensor:
+        """As CausalLM.forward: final norm and LM head only on the rows that sample."""
+        return self.model.compute_logits(self.hidden[:rows].index_select(0, meta.logits_indices))

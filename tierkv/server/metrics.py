@@ -231,35 +231,34 @@ class _EngineCollector:
 
 
 def _engine_time(e: dict):
-    """Where the engine thread's time goes (EngineStats): its steps, their batch, its host phases
-    and the time in steps that launched nothing."""
-    steps = CounterMetricFamily("tierkv_engine_steps", "steps launched: decode (every request one token) or mixed "
-                                "(some computing prompt tokens)", labels=["kind"])
-    for kind, n in e.get("steps", {}).items():
-        steps.add_metric([kind], n)
-    yield steps
+    """Where the engine thread's time goes (EngineStats): its steps, their batch, its host phases,
+    the time in steps that launched nothing and the GPU's time on the steps."""
+    yield _labelled("tierkv_engine_steps", "steps launched: decode (every request one token) or mixed (some "
+                    "computing prompt tokens)", "kind", e.get("steps", {}))
     yield CounterMetricFamily("tierkv_engine_step_requests", "requests in the steps launched, summed: over "
                               "tierkv_engine_steps_total, the mean batch", value=e.get("step_requests", 0))
-    host = CounterMetricFamily("tierkv_engine_host_seconds", "engine-thread seconds by phase of a step: schedule, "
-                               "launch (the model's kernels) and postprocess (taking the previous step's tokens "
-                               "back, which waits for the GPU, and handing them over)", labels=["phase"])
-    for phase, seconds in e.get("host_seconds", {}).items():
-        host.add_metric([phase], seconds)
-    yield host
+    yield _labelled("tierkv_engine_host_seconds", "engine-thread seconds by phase of a step: schedule, launch (the "
+                    "model's kernels) and postprocess (taking the previous step's tokens back, which waits for the "
+                    "GPU, and handing them over)", "phase", e.get("host_seconds", {}))
     yield CounterMetricFamily("tierkv_engine_idle_seconds", "seconds of steps that launched nothing while requests "
                               "were unfinished (waiting for loads into L1, for L1 room or for L3 reads): the GPU "
                               "had no work of this engine", value=e.get("idle_seconds", 0.0))
-    gpu = CounterMetricFamily("tierkv_engine_gpu_seconds", "the GPU's seconds on the engine's steps by kind, each "
-                              "from its first kernel to its last copy (waits for loads included; 0 on a CPU): "
-                              "against the wall time, what the GPU idled", labels=["kind"])
-    for kind, seconds in e.get("gpu_seconds", {}).items():
-        gpu.add_metric([kind], seconds)
-    yield gpu
+    yield _labelled("tierkv_engine_gpu_seconds", "the GPU's seconds on the engine's steps by kind, each from its "
+                    "first kernel to its last copy (waits for loads included; 0 on a CPU): against the wall time, "
+                    "what the GPU idled", "kind", e.get("gpu_seconds", {}))
     yield CounterMetricFamily("tierkv_engine_load_wait_steps", "steps launched while loads into their requests' "
                               "blocks were in flight (the GPU may have waited for them)",
                               value=e.get("load_wait_steps", 0))
     yield CounterMetricFamily("tierkv_engine_load_wait_gpu_seconds", "the GPU's seconds on those steps, their "
                               "waits for the loads included", value=e.get("load_wait_gpu_seconds", 0.0))
+
+
+def _labelled(name: str, doc: str, label: str, values: dict) -> CounterMetricFamily:
+    """A counter with one sample per `label` value: {label value: count}."""
+    family = CounterMetricFamily(name, doc, labels=[label])
+    for key, value in values.items():
+        family.add_metric([key], value)
+    return family
 
 def _histogram(name: str, doc: str, snap: dict) -> HistogramMetricFamily:
     """A Histogram snapshot (tierkv/engine/stats.py: counts per bucket) as Prometheus' cumulative buckets."""
