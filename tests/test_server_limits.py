@@ -202,12 +202,27 @@ with httpx.Client(base_url=url, timeout=60) as c, open(log, "w") as out:
 def test_a_client_looping_over_long_prompts_does_not_stall_running_streams(server, tmp_path):
     """Issue 37 item 4. Each refused prompt was tokenized on the engine thread (~0.2 s for this one,
     ~0.5 s for 1 MiB), and /tokenize's 100,001 ids were encoded on the event loop: a client looping
-    them stretched every running stream's token gaps to the length of one refusal. One stream runs
-    while that client is switched on and off; its gaps during the client's requests are compared
-    with its gaps while no request of the client was under way (the same stream, the same box)."""
+    them stretched every running stream's token gaps to the length of one refusal (p99 3.5x the quiet
+    one). Streams run while that client is switched on and off; their gaps during the client's requests
+    are compared with their gaps while no request of the client was under way (the same streams, the
+    same box). Here the loaded p99 is 1.03-1.06x the quiet one, with a CPU hog beside it or not; CI's
+    2-core VM gave 1.25x and 1.23x, once each, between green runs of the same test. So a first
+    measurement over the bound is taken again, fresh, and the bound holds for the second: a stall on
+    the server's side fails both."""
+    first = _stream_gaps_under_a_hostile_client(server, tmp_path / "first")
+    if first["loaded"] <= 1.2 * first["quiet"]:
+        return
+    second = _stream_gaps_under_a_hostile_client(server, tmp_path / "second")
+    assert second["loaded"] <= 1.2 * second["quiet"], (first, second)
+
+
+def _stream_gaps_under_a_hostile_client(server, folder) -> dict[str, float]:
+    """The p99 of the streams' token gaps while the hostile client's requests were under way
+    ("loaded") and while none was near ("quiet"), with the counts and the client's answers checked."""
     bodies = [("/v1/completions", json.dumps({"model": MODEL, "prompt": OVER_LONG, "max_tokens": 1})),
               ("/tokenize", json.dumps({"model": MODEL, "prompt": OVER_LONG}))]
-    log = tmp_path / "hostile.jsonl"
+    folder.mkdir()
+    log = folder / "hostile.jsonl"
     hostile = subprocess.Popen([sys.executable, "-c", HOSTILE_CLIENT, server.url, KEY, str(log)],
                                stdin=subprocess.PIPE, text=True)
     streams = []  # each stream's chunk arrival times
@@ -235,12 +250,11 @@ def test_a_client_looping_over_long_prompts_does_not_stall_running_streams(serve
                 loaded.append(b - a)
             elif not any(start < b + 0.1 and a - 0.1 < end for start, end in busy):
                 quiet.append(b - a)
-    assert len(loaded) >= 10 and len(quiet) >= 10, (len(loaded), len(quiet))
-    p99 = {name: statistics.quantiles(gaps, n=100)[98] for name, gaps in (("loaded", loaded), ("quiet", quiet))}
-    assert p99["loaded"] <= 1.2 * p99["quiet"], (p99, len(loaded), len(quiet), len(answers))
     assert len(loaded) >= 300 and len(quiet) >= 300, (len(loaded), len(quiet))  # enough of each for a p99
     for _, _, path, status, text in answers:  # each refused for the context, /tokenize too, from its length
         assert status == 400 and json.loads(text)["error"]["code"] == "context_length_exceeded", (path, text)
+    return {"loaded": statistics.quantiles(loaded, n=100)[98], "quiet": statistics.quantiles(quiet, n=100)[98],
+            "loaded_gaps": len(loaded), "quiet_gaps": len(quiet), "requests": len(answers)}
 
 
 def test_an_over_long_prompt_is_refused_from_its_length_on_every_route_that_tokenizes(server):
