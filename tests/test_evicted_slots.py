@@ -10,6 +10,7 @@ import torch
 
 from prefix_kv import prefix_kv
 from tierkv import CacheConfig, KVLayout, TieredKVCache
+from tierkv.recorded_moves import FENCE
 from tierkv.transfer import Transfer
 
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=4, dtype=torch.float16, block_size=4)
@@ -72,3 +73,15 @@ def test_slots_no_copy_is_at_need_no_wait_and_keep_the_free_lists_order():
     # a load part and a compute part, each ascending (runs of neighbours for the DMAs)
     mixed = cache.tiers.take_l1(5, loads=2)
     assert mixed[:2] == sorted(mixed[:2]) and mixed[2:] == sorted(mixed[2:]) and save.waits == 1
+
+
+def test_tensor_parallel_ranks_are_told_to_fence_where_the_compute_stream_waited():
+    # the other ranks replay rank 0's moves, not its waits: a copy within L1 (fork) into a slot the
+    # save still reads must come after the save there too
+    cache, save, slots = cache_with_saves_in_flight()
+    cache.evict("l1")
+    cache.tiers.moves = []  # rank 0 records its moves from here
+    cache.tiers.take_l1(2, loads=2)
+    assert FENCE not in [kind for kind, _, _ in cache.tiers.moves]
+    cache.tiers.take_l1(1)
+    assert [kind for kind, _, _ in cache.tiers.moves] == [FENCE] and save.waits == 1

@@ -213,8 +213,11 @@ class Tiering:
             return slots
         idle = [s for s in slots if s not in self._busy]
         k = min(loads, len(busy))
-        for t in in_flight(t for s in busy[k:] for t in self._busy.pop(s)):
+        waits = in_flight(t for s in busy[k:] for t in self._busy.pop(s))
+        for t in waits:
             t.wait()
+        if waits and self.moves is not None:  # the other ranks replay no such wait: they fence here
+            self.moves.append((FENCE, [], []))
         for s in busy[:k]:
             del self._busy[s]
         return sorted(busy[:k] + idle[: loads - k]) + sorted(busy[k:] + idle[loads - k :])
