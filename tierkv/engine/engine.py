@@ -291,7 +291,7 @@ class Engine:
         if launched is None and ((self.scheduler.waiting and not self.scheduler.running) or self.scheduler.tail_waits):
             time.sleep(0.001)  # waiting only for L3 reads to land (prefetches, or tails)
         if launched is not None or self.has_unfinished():
-            self.stats.stepped(step.num_new if launched is not None else [], time.perf_counter() - t0, t2 - t1,
+            self.stats.stepped(step if launched is not None else None, time.perf_counter() - t0, t2 - t1,
                                t3 - t2, taken)
         return outputs
 

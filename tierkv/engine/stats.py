@@ -17,6 +17,10 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .scheduler import ScheduledStep
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py), so that dashboards and SLO queries written for
 # vLLM read the same resolution here.
@@ -79,14 +83,14 @@ class EngineStats:
         self.gpu_s = {"decode": 0.0, "mixed": 0.0}
         self.load_wait_steps, self.load_wait_gpu_s = 0, 0.0  # steps launched with loads in flight, their GPU seconds
 
-    def stepped(self, num_new: list[int], total_s: float, schedule_s: float, launch_s: float,
+    def stepped(self, launched: ScheduledStep | None, total_s: float, schedule_s: float, launch_s: float,
                 taken_s: float) -> None:
-        """One step() call of `total_s` seconds: `num_new` the new tokens of each request it
-        launched ([] for none); `taken_s` of it taking a launched step's tokens back. A call that
-        launched nothing was idle but for that (the GPU ran the step taken back meanwhile)."""
-        if num_new:
-            self.steps["mixed" if max(num_new) > 1 else "decode"] += 1
-            self.step_requests += len(num_new)
+        """One step() call of `total_s` seconds that launched `launched` (None: nothing); `taken_s`
+        of it taking a launched step's tokens back. A call that launched nothing was idle but for
+        that (the GPU ran the step taken back meanwhile)."""
+        if launched is not None:
+            self.steps["decode" if launched.is_decode else "mixed"] += 1
+            self.step_requests += len(launched)
         else:
             self.idle_steps += 1
             self.idle_s += total_s - taken_s
