@@ -26,7 +26,7 @@ from tierkv.errors import ConfigError, TensorParallelError
 from tierkv.groups import GroupedPrefetch, caches_of
 from tierkv.hashing import hash_blocks, token_bytes
 from tierkv.heads import HeadSplit
-from tierkv.tiering import block_id
+from tierkv.tiering_l3 import block_id
 from tierkv.tiers.open import open_store
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

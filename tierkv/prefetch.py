@@ -1,6 +1,6 @@
 """Prefetch: a handle on L3 blocks on their way into L2, for the caller that waits for them.
 
-`Tiering.prefetch` makes one per read (tiering.py). The caller asks whether the blocks landed
+`Tiering.prefetch` makes one per read (tiering_l3.py). The caller asks whether the blocks landed
 (`done`, which takes finished reads in under the cache's lock), waits for them outside any lock
 (`wait`), sees when they are expected (`expected_by`) and gives up on the rest (`abandon`). This
 file never moves bytes and never touches the index itself.

@@ -2,7 +2,7 @@
 
 L3 objects hold whole-model blocks (tierkv/heads.py), the bytes a single-GPU engine stores, so a
 store written at one TP size serves every other. Rank 0 keeps every L3 decision and all the I/O
-(tiering.py, transfer.L3Mover); another rank only hands over, or takes in, its heads of L2 slots.
+(tiering_l3.py, l3_mover.L3Mover); another rank only hands over, or takes in, its heads of L2 slots.
 The heads travel through a staging buffer per rank and direction in shared memory (/dev/shm), in
 rounds of ROUND_BYTES; only small headers and barriers go over gloo:
 
