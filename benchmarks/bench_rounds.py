@@ -278,6 +278,9 @@ async def session(a, url: str, vocab: int, rounds, probes, tier: dict, h2d: floa
                       f"{e['load_wait_gpu_s']:.2f} s of it on {e['load_wait_steps']} steps launched with loads in "
                       f"flight; idle {e['idle_s']:.2f} s; "
                       "host " + ", ".join(f"{k} {v:.2f} s" for k, v in e["host_s"].items()), flush=True)
+                print("    steps by batch size: " + "; ".join(
+                    f"{kind} " + ", ".join(f"{size}: {n}" for size, n in sizes.items())
+                    for kind, sizes in e["batches"].items() if sizes), flush=True)
             out.append(rnd)
     # the profiler (and py-spy, less) slows the server: those rounds stay apart
     hit = [x for x in out[1:] if "profile" not in x and "py_spy" not in x]

@@ -33,11 +33,17 @@ def test_hit_rounds_load_from_l2_and_are_read_against_their_bound(tmp_path):
             assert b["bound_over_wall"] == pytest.approx(b["bound_s"] / r["wall_s"])
             # a step serves at most the two histories L1 holds: 6 requests x 7 decoded tokens / 2
             assert b["at_once"] == 2 and b["decode_steps"] == math.ceil(6 * 7 / 2)
-            # the engine's own count: its steps hold at most the two requests L1 holds, so the 6 x 7
-            # decoded tokens took at least the bound's steps (mixed ones decode others' tokens too)
+            # the engine's own count: the 6 x 7 decoded tokens took at least the bound's steps (mixed
+            # ones decode others' tokens too; a step may run three: L1 holds two whole histories with
+            # their answers, but a request holds only the blocks of the tokens it has so far)
             e = r["engine"]
             assert sum(e["steps"].values()) >= b["decode_steps"] and e["steps"]["mixed"] >= 1, e
             assert 1 <= e["mean_batch"] <= 2 and e["idle_s"] >= 0 and e["host_s"]["launch"] > 0, e
+            # the steps by batch size (each size up to 8 its own bucket): they add up to the steps of
+            # each kind and to the requests in them
+            assert {kind: sum(sizes.values()) for kind, sizes in e["batches"].items()} == e["steps"], e
+            requests = sum(int(size) * n for sizes in e["batches"].values() for size, n in sizes.items())
+            assert requests == pytest.approx(e["mean_batch"] * sum(e["steps"].values())), e
     # L1 only: the six histories rotate through room for two, so every hit round recomputes them
     assert all(r["l2_bytes_out"] == 0 and r["cached_tokens"] == 0 for r in l1["rounds"])
     # with L2 the histories come back over the copy: most of each hit round's prompt is cached

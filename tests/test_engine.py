@@ -270,6 +270,8 @@ def test_engine_time_counts_its_steps_batch_and_host_phases(tiny_llama):
     e = llm.engine.engine_stats()
     assert e["steps"] == {"mixed": 1, "decode": 5}
     assert e["step_requests"] == 2 * 6
+    decode = e["step_batch"]["decode"]  # every decode step ran both: five steps of a batch of 2
+    assert decode["counts"][decode["bounds"].index(2)] == 5 and sum(decode["counts"]) == 5
     assert e["idle_steps"] == 0 and e["idle_seconds"] == 0.0
     host = e["host_seconds"]
     assert set(host) == {"schedule", "launch", "postprocess"} and all(v > 0 for v in host.values())

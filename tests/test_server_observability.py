@@ -167,11 +167,14 @@ def test_engine_time_series_count_the_steps_of_a_request(server, client):
     def delta(families, sample, **labels):
         return value(families, sample, **labels) - value(before, sample, **labels)
 
-    after = until(server, lambda f: delta(f, "tierkv_engine_steps_total", kind="decode") >= 7)
-    assert after["tierkv_engine_steps"][0] == "counter"
-    steps = {k: delta(after, "tierkv_engine_steps_total", kind=k) for k in ("mixed", "decode")}
+    batch = "tierkv_engine_step_batch_size"
+    after = until(server, lambda f: delta(f, batch + "_count", kind="decode") >= 7)
+    assert after[batch][0] == "histogram"
+    steps = {k: delta(after, batch + "_count", kind=k) for k in ("mixed", "decode")}
     assert steps == {"mixed": 1, "decode": 7}
-    assert delta(after, "tierkv_engine_step_requests_total") == 8
+    assert sum(delta(after, batch + "_sum", kind=k) for k in steps) == 8  # one request in each step
+    assert delta(after, batch + "_bucket", kind="decode", le="1.0") == 7  # (buckets are cumulative)
+    assert delta(after, batch + "_bucket", kind="decode", le="+Inf") == 7
     host = {p: delta(after, "tierkv_engine_host_seconds_total", phase=p) for p in ("schedule", "launch", "postprocess")}
     assert all(v > 0 for v in host.values()) and sum(host.values()) <= wall, (host, wall)
     # the GPU's seconds, by kind: a counter for each (0 on a CPU, where no step is timed), and no

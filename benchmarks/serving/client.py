@@ -117,15 +117,16 @@ async def cache_stats(h: Http) -> dict | None:
 
 
 # /metrics samples of where the engine thread's time goes (tierkv/server/metrics.py), by label
-ENGINE_TIME = {"tierkv_engine_steps_total": "kind", "tierkv_engine_step_requests_total": None,
-               "tierkv_engine_host_seconds_total": "phase", "tierkv_engine_idle_seconds_total": None,
-               "tierkv_engine_gpu_seconds_total": "kind", "tierkv_engine_load_wait_steps_total": None,
-               "tierkv_engine_load_wait_gpu_seconds_total": None}
+ENGINE_TIME = {"tierkv_engine_step_batch_size_count": ("kind",), "tierkv_engine_step_batch_size_sum": ("kind",),
+               "tierkv_engine_step_batch_size_bucket": ("kind", "le"),
+               "tierkv_engine_host_seconds_total": ("phase",), "tierkv_engine_idle_seconds_total": (),
+               "tierkv_engine_gpu_seconds_total": ("kind",), "tierkv_engine_load_wait_steps_total": (),
+               "tierkv_engine_load_wait_gpu_seconds_total": ()}
 
 
 async def engine_time(h: Http) -> dict | None:
-    """{sample name, or name:label value: value} of the engine-time series on /metrics (None where
-    the server exports none)."""
+    """{sample name, then ":" and each of its labels' values: value} of the engine-time series on
+    /metrics (None where the server exports none)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
@@ -138,26 +139,41 @@ async def engine_time(h: Http) -> dict | None:
     for family in text_string_to_metric_families(r.text):
         for s in family.samples:
             if s.name in ENGINE_TIME:
-                label = ENGINE_TIME[s.name]
-                out[s.name if label is None else f"{s.name}:{s.labels[label]}"] = s.value
+                out[":".join([s.name, *(s.labels[label] for label in ENGINE_TIME[s.name])])] = s.value
     return out or None
 
 
 def engine_time_delta(before: dict | None, after: dict | None) -> dict | None:
-    """Between two engine_time() readings: steps by kind, their mean batch, the seconds of steps
-    that launched nothing (idle), the GPU's seconds on the steps by kind, the steps launched with
-    loads in flight and their GPU seconds, and the engine thread's seconds by phase."""
+    """Between two engine_time() readings: steps by kind, their mean batch, how many steps of each
+    kind ran each batch size ({kind: {size: steps}}; past 8 a size stands for the sizes up to it
+    from the one before), the seconds of steps that launched nothing (idle), the GPU's seconds on
+    the steps by kind, the steps launched with loads in flight and their GPU seconds, and the engine
+    thread's seconds by phase."""
     if not before or not after:
         return None
     d = {k: after[k] - before.get(k, 0.0) for k in after}
-    steps = {k.split(":")[1]: int(v) for k, v in d.items() if k.startswith("tierkv_engine_steps_total:")}
+
+    def by(prefix: str) -> dict[str, float]:
+        return {k[len(prefix):]: v for k, v in d.items() if k.startswith(prefix)}
+
+    steps = {kind: int(v) for kind, v in by("tierkv_engine_step_batch_size_count:").items()}
     total = sum(steps.values())
-    return dict(steps=steps, mean_batch=d["tierkv_engine_step_requests_total"] / total if total else 0.0,
-                idle_s=d["tierkv_engine_idle_seconds_total"],
-                gpu_s={k.split(":")[1]: v for k, v in d.items() if k.startswith("tierkv_engine_gpu_seconds_total:")},
+    batches = {}
+    for kind in steps:  # the cumulative buckets' deltas, back to steps per bucket
+        buckets = by(f"tierkv_engine_step_batch_size_bucket:{kind}:")
+        cumulative = sorted((float(le), int(v)) for le, v in buckets.items())
+        below = 0
+        batches[kind] = {}
+        for le, n in cumulative:
+            if n > below:
+                batches[kind]["inf" if le == float("inf") else str(int(le))] = n - below
+            below = n
+    return dict(steps=steps, batches=batches,
+                mean_batch=sum(by("tierkv_engine_step_batch_size_sum:").values()) / total if total else 0.0,
+                idle_s=d["tierkv_engine_idle_seconds_total"], gpu_s=by("tierkv_engine_gpu_seconds_total:"),
                 load_wait_steps=int(d.get("tierkv_engine_load_wait_steps_total", 0)),
                 load_wait_gpu_s=d.get("tierkv_engine_load_wait_gpu_seconds_total", 0.0),
-                host_s={k.split(":")[1]: v for k, v in d.items() if k.startswith("tierkv_engine_host_seconds_total:")})
+                host_s=by("tierkv_engine_host_seconds_total:"))
 
 
 def stats_delta(before: dict | None, after: dict | None) -> dict | None:

@@ -5,7 +5,7 @@ per step, the gap between one request's tokens, and each finished request's time
 admission, computing its prompt and decoding, and its prompt length. Fixed-bucket histograms with
 vLLM's buckets, updated on the engine thread without allocating; `snapshot()` copies them for
 another thread. And where the engine thread's time goes, which vLLM does not export: steps
-launched (decode-only or with prompt tokens) and the requests in them, host seconds per phase of
+launched (decode-only or with prompt tokens) and how many requests each ran, host seconds per phase of
 a step, the time spent in steps that launched nothing while requests were unfinished (the GPU had
 none of this engine's work: loads landing, L1 room, L3 reads), and the GPU's seconds on the steps
 by kind (CUDA events; against the wall time, what the GPU idled), with those of the steps that
@@ -27,6 +27,9 @@ if TYPE_CHECKING:
 ITERATION_TOKENS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 INTER_TOKEN_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                  40.0, 80.0)
+# Requests in a launched step: every size up to 8 (a batch of 4 against 5 is what waves look
+# like), then coarser up to the largest max_num_seqs anyone sets
+STEP_BATCH = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
 REQUEST_PHASE_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                    480.0, 960.0, 1920.0, 7680.0)
 
@@ -73,8 +76,9 @@ class EngineStats:
         self.prefill = Histogram(REQUEST_PHASE_S)  # first admission to first token (preemptions included)
         self.decode = Histogram(REQUEST_PHASE_S)  # first token to last token
         self.prompt_tokens = Histogram(one_two_five(max_model_len))
-        self.steps = {"decode": 0, "mixed": 0}  # launched: every request one token, or some prompt tokens
-        self.step_requests = 0  # requests in launched steps, summed (over `steps`: the mean batch)
+        # requests in each launched step, by kind: decode (every request one token) or mixed (some
+        # compute prompt tokens); their counts are the steps, their sums the requests in them
+        self.batch = {"decode": Histogram(STEP_BATCH), "mixed": Histogram(STEP_BATCH)}
         # engine-thread seconds: scheduling, launching (runner.run), and the rest of a step (taking
         # the previous step's tokens back, which waits for the GPU, and handing them over)
         self.host_s = {"schedule": 0.0, "launch": 0.0, "postprocess": 0.0}
@@ -89,8 +93,7 @@ class EngineStats:
         of it taking a launched step's tokens back. A call that launched nothing was idle but for
         that (the GPU ran the step taken back meanwhile)."""
         if launched is not None:
-            self.steps["decode" if launched.is_decode else "mixed"] += 1
-            self.step_requests += len(launched)
+            self.batch["decode" if launched.is_decode else "mixed"].observe(len(launched))
         else:
             self.idle_steps += 1
             self.idle_s += total_s - taken_s
@@ -123,7 +126,9 @@ class EngineStats:
         return {"num_preemptions": num_preemptions, "iteration_tokens": self.iteration_tokens.snapshot(),
                 "inter_token_latency": self.inter_token.snapshot(), "request_queue_time": self.queue.snapshot(),
                 "request_prefill_time": self.prefill.snapshot(), "request_decode_time": self.decode.snapshot(),
-                "request_prompt_tokens": self.prompt_tokens.snapshot(), "steps": dict(self.steps),
-                "step_requests": self.step_requests, "host_seconds": dict(self.host_s),
+                "request_prompt_tokens": self.prompt_tokens.snapshot(),
+                "step_batch": {kind: h.snapshot() for kind, h in self.batch.items()},
+                "steps": {kind: sum(h.counts) for kind, h in self.batch.items()},
+                "step_requests": int(sum(h.sum for h in self.batch.values())), "host_seconds": dict(self.host_s),
                 "idle_steps": self.idle_steps, "idle_seconds": self.idle_s, "gpu_seconds": dict(self.gpu_s),
                 "load_wait_steps": self.load_wait_steps, "load_wait_gpu_seconds": self.load_wait_gpu_s}

@@ -233,10 +233,9 @@ class _EngineCollector:
 def _engine_time(e: dict):
     """Where the engine thread's time goes (EngineStats): its steps, their batch, its host phases,
     the time in steps that launched nothing and the GPU's time on the steps."""
-    yield _labelled("tierkv_engine_steps", "steps launched: decode (every request one token) or mixed (some "
-                    "computing prompt tokens)", "kind", e.get("steps", {}))
-    yield CounterMetricFamily("tierkv_engine_step_requests", "requests in the steps launched, summed: over "
-                              "tierkv_engine_steps_total, the mean batch", value=e.get("step_requests", 0))
+    yield _histogram("tierkv_engine_step_batch_size", "requests in each step launched, by kind: decode (every "
+                     "request one token) or mixed (some computing prompt tokens); _count is the steps, _sum over "
+                     "_count the mean batch", e.get("step_batch", {}), label="kind")
     yield _labelled("tierkv_engine_host_seconds", "engine-thread seconds by phase of a step: schedule, launch (the "
                     "model's kernels) and postprocess (taking the previous step's tokens back, which waits for the "
                     "GPU, and handing them over)", "phase", e.get("host_seconds", {}))
@@ -260,13 +259,23 @@ def _labelled(name: str, doc: str, label: str, values: dict) -> CounterMetricFam
         family.add_metric([key], value)
     return family
 
-def _histogram(name: str, doc: str, snap: dict) -> HistogramMetricFamily:
-    """A Histogram snapshot (tierkv/engine/stats.py: counts per bucket) as Prometheus' cumulative buckets."""
+def _histogram(name: str, doc: str, snap: dict, label: str | None = None) -> HistogramMetricFamily:
+    """A Histogram snapshot (tierkv/engine/stats.py: counts per bucket) as Prometheus' cumulative
+    buckets; with `label`, `snap` is {label value: snapshot}, one histogram each."""
+    if label is None:
+        return HistogramMetricFamily(name, doc, buckets=_cumulative(snap), sum_value=snap["sum"])
+    family = HistogramMetricFamily(name, doc, labels=[label])
+    for key, one in snap.items():
+        family.add_metric([key], _cumulative(one), one["sum"])
+    return family
+
+
+def _cumulative(snap: dict) -> list[tuple[str, int]]:
     buckets, total = [], 0
     for bound, n in zip((*snap["bounds"], float("inf")), snap["counts"]):
         total += n
         buckets.append((floatToGoString(bound), total))
-    return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=snap["sum"])
+    return buckets
 
 
 class _KVEventsCollector:
