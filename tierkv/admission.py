@@ -1,10 +1,11 @@
 """Admission: how a prompt enters the cache, for tierkv's scheduler and for engines of their own.
 
-Admission (`plan`, `admit`, `allocate`), on the lookups of lookup.py (`match`, `prefetch`): what
-a prompt takes from which tier, what is read from L3 first, and where the engine starts
-computing. `allocate` hands back the SequenceBlocks whose life paged.py runs. The arithmetic of
-load-or-recompute is plan.py's; lookups and this file apply it. Every public method runs under the cache's guard (guard.py) and
-checks its arguments before it changes anything. It never knows about requests or HTTP.
+Admission (`plan`, `admit`, `allocate`, and `warm` for a prompt that waits for L1 room), on the
+lookups of lookup.py (`match`, `prefetch`): what a prompt takes from which tier, what is read
+from L3 first, and where the engine starts computing. `allocate` hands back the SequenceBlocks
+whose life paged.py runs. The arithmetic of load-or-recompute is plan.py's; lookups and this
+file apply it. Every public method runs under the cache's guard (guard.py) and checks its
+arguments before it changes anything. It never knows about requests or HTTP.
 """
 
 from __future__ import annotations
@@ -58,22 +59,26 @@ class Admission(Lookups):
                     direct_l3: int = 0) -> dict[str, int]:
         """A sequence (or a retrieve) starts from blocks taken from L1 and L2, and `direct_l3`
         blocks read straight from L3: count them as hits by the tier each came from (a block read
-        up from L3 into L2 for it counts as an L3 hit, once), and the lookup of `query_tokens`
-        (None: more of a sequence's own prompt, no new lookup). Counted when blocks are used, not
-        in `match`: a scheduler looks a waiting prompt up again every step, and an L3 prefix is
-        found once in L3 and again in L2 once prefetched; counted here, the hits are the cached
-        tokens requests got. Called after the loads are issued: this loop overlaps their copies.
-        Returns the hit tokens by tier."""
+        up ahead of its use counts as a hit of the tier it came from, once: `brought_from`), and
+        the lookup of `query_tokens` (None: more of a sequence's own prompt, no new lookup).
+        Counted when blocks are used, not in `match`: a scheduler looks a waiting prompt up again
+        every step, and an L3 prefix is found once in L3 and again in L2 once prefetched; counted
+        here, the hits are the cached tokens requests got. Called after the loads are issued:
+        this loop overlaps their copies. Returns the hit tokens by tier."""
         c, bs = self.counters, self.block_size
         if query_tokens is not None:
             c.queries += 1
             c.query_tokens += query_tokens
-        staged = 0
-        for e in from_l2:
-            staged += e.staged
-            e.staged = False
-        by_tier = {"l1": len(from_l1) * bs, "l2": (len(from_l2) - staged) * bs, "l3": (staged + direct_l3) * bs}
-        c.hit_tokens += (len(from_l1) + len(from_l2) + direct_l3) * bs
+        blocks = {"l1": 0, "l2": 0, "l3": direct_l3}
+        for tier, entries in (("l1", from_l1), ("l2", from_l2)):
+            for e in entries:
+                if e is None:  # (a window hit's block that no tier holds: with L1)
+                    blocks[tier] += 1
+                    continue
+                blocks[e.brought_from or tier] += 1
+                e.brought_from = ""
+        by_tier = {tier: n * bs for tier, n in blocks.items()}
+        c.hit_tokens += sum(by_tier.values())
         for tier, tokens in by_tier.items():
             c.tiers[tier].hit_tokens += tokens
         return by_tier
@@ -361,6 +366,47 @@ class Admission(Lookups):
         )
         self._live[seq] = None  # until free()
         return seq
+
+    @guarded
+    def warm(self, match: Match, keep: int = 0) -> int:
+        """Start loading the L2 blocks of `match` into L1 before its `allocate`, leaving at least
+        `keep` of L1's room (free slots and unpinned blocks) to others. For a request that waits
+        for room while others run: most of its prefix lands meanwhile, and its `allocate` finds it
+        in L1 (loads perhaps still in flight, which the sequence waits for as for its own) and
+        loads only the rest. The blocks stay cached, not held: room a running sequence needs
+        evicts them again at no cost, L2 keeping its copies; their first use counts as L2 hits.
+        The blocks `allocate` would load whole, first ones first; its L1 hits are not evicted
+        for them. None where the engine owns L1, or once an entry of the match left the index.
+        Returns how many loads started."""
+        self._check_match(match)
+        if self.tiers.engine_owned or self.l2 is None or match.removals != self.index.removals:
+            return 0
+        blocks = match.blocks
+        start = self._left_behind(blocks)
+        if self.tiers.loads_layers:  # before the window, allocate loads full-attention layers alone
+            start = max(start, self.layout.window_start(len(blocks) * self.block_size))
+        in_l2 = [e for e in blocks[start:] if e is not None and e.l1 < 0 and e.l2 >= 0]
+        l1_hits = [e for e in blocks if e is not None and e.l1 >= 0]
+        # while room is made: its L1 hits out of L1's eviction order, and all its L2 blocks out of
+        # L2's (evicted blocks written down must not drop those left for allocate either)
+        for e in l1_hits:
+            self.index.pin(e)
+        self.index.hold_l2(in_l2)
+        try:
+            todo = in_l2[: max(0, self.tiers.l1_room() - keep)]
+            if not todo:
+                return 0
+            slots = self.tiers.take_l1(len(todo), partial=True, loads=len(todo))
+            todo = todo[: len(slots)]
+            self.tiers.load_pinned(todo, slots)
+            for e in reversed(todo):  # cached like any block, the prompt's head evicted last
+                self.index.unpin(e)
+                e.brought_from = e.brought_from or "l2"  # (one read up from L3 first stays an L3 hit)
+            return len(todo)
+        finally:
+            self.index.release_l2(in_l2)
+            for e in l1_hits:
+                self.index.unpin(e)
 
     def _allocate_in_engine_blocks(self, m: Match, blocks: list[BlockEntry], slots, computed: int,
                                    priority: int) -> SequenceBlocks:

@@ -322,6 +322,10 @@ class KVGroups:
         return GroupedPrefetch([c.prefetch(m, deadline_s, priority=priority, blocks=b) if b is not None else None
                                 for c, m, b in zip(self.caches, matches, blocks)])
 
+    def warm(self, matches: list[Match], keep: int = 0) -> int:
+        """Each group's `warm` (TieredKVCache.warm), leaving `keep` of its room to others."""
+        return sum(c.warm(m, keep) for c, m in zip(self.caches, matches))
+
     def allocate(self, tokens=None, salt: str | None = None, *, priority: int = 0, match: list[Match],
                  stream: bool = False, reserve: list[int | None] | None = None) -> GroupedSequence:
         """Every group's sequence; CacheFullError (holding nothing) when one group has no room."""

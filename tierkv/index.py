@@ -41,7 +41,9 @@ class BlockEntry:
     held: int = 0  # holds on its L2 slot (an L3 write in flight, a load being set up); not evictable from L2 while > 0
     l3: str = ""  # what this process knows of it in L3: "", "writing", "written" (or read from there), "failed"
     pos: int = -1  # position in its chain (0 = first block): L3 stores group blocks into chunks by it
-    staged: bool = False  # read up from L3 into L2 and not used since: its first use counts as an L3 hit
+    # the tier it was read up from ahead of any request and not used since ("l3": into L2 by a
+    # prefetch; "l2": into L1 by Admission.warm): its first use counts as a hit of that tier
+    brought_from: str = ""
 
     def slot(self, tier: str) -> int:
         return self.l1 if tier == "l1" else self.l2

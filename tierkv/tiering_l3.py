@@ -215,7 +215,7 @@ class TieringL3:
             broken = broken or not ok
             if not broken and bid.hash not in self.index.entries:
                 e = self.index.create(bid.hash, bid.parent, bid.ns, bid.tokens, job.priority, pos=bid.pos)
-                e.l3, e.staged = "written", True
+                e.l3, e.brought_from = "written", "l3"
                 self.index.place(e, "l2", slot)
                 arrived += 1
             else:

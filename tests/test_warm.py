@@ -1,0 +1,158 @@
+"""A prompt waiting for L1 room loads its L2 blocks into the room there is (tierkv/admission.py:
+`warm`; the scheduler calls it for the first waiting request that does not fit).
+
+With L1 holding five of the bench_rounds histories and a sixth waiting, each new request loaded
+its whole history only once another one ended, and the batch ran one short meanwhile (~20 ms
+of an 8K Llama-8B history on an H100). Warmed, it loads only the rest then. The blocks stay
+cached: a running sequence's room evicts them again at no cost (L2 keeps its copies), and their
+first use counts as L2 hits.
+"""
+
+import torch
+
+from prefix_kv import prefix_kv, read_slots, write_into_slots
+from tierkv import CacheConfig, KVLayout, TieredKVCache
+from tierkv.engine.request import Request
+from tierkv.engine.sampler import SamplingParams
+from tierkv.engine.scheduler import Scheduler
+
+LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=4, dtype=torch.float16, block_size=4)
+BPB = LAYOUT.bytes_per_block
+DOC = list(range(1000, 1033))  # 8 full blocks and one token
+
+
+def cache_with_doc_in_l2(l1_blocks: int = 12) -> TieredKVCache:
+    cache = TieredKVCache(LAYOUT, CacheConfig(l1=l1_blocks * BPB, l2=64 * BPB), device="cpu", model="warm")
+    cache.store(DOC, prefix_kv(LAYOUT, DOC))
+    cache.evict("l1")  # every block of DOC is in L2 alone
+    return cache
+
+
+def running(cache: TieredKVCache, first: int, blocks: int):
+    """A running sequence of `blocks` full blocks of its own tokens, holding that much of L1."""
+    tokens = list(range(first, first + blocks * LAYOUT.block_size))
+    seq = cache.allocate(tokens)
+    write_into_slots(cache, seq, tokens, 0)
+    return seq
+
+
+def in_l1(cache: TieredKVCache, tokens: list[int]) -> list[bool]:
+    return [e.l1 >= 0 for e in cache.match(tokens).blocks]
+
+
+def test_warm_loads_the_leading_l2_blocks_into_the_room_left_and_holds_none():
+    cache = cache_with_doc_in_l2()
+    other = running(cache, 5000, 7)  # 7 of 12 blocks held: room for 5
+    m = cache.match(DOC)
+    assert m.by_tier == {"l1": 0, "l2": 32, "l3": 0} and cache.l1_room() == 5
+    assert cache.warm(m, keep=1) == 4  # one slot of the room left to others
+    assert in_l1(cache, DOC) == [True] * 4 + [False] * 4
+    blocks = cache.match(DOC).blocks
+    assert all(e.ref == 0 and e.l2 >= 0 for e in blocks)  # cached, not held; L2 keeps every copy
+    assert cache.l1_room() == 5  # they are room for whoever needs it
+    # warming again evicts none of its own blocks for the others
+    assert cache.warm(cache.match(DOC), keep=1) == 0
+    assert in_l1(cache, DOC) == [True] * 4 + [False] * 4
+    cache.free(other)
+    moved = cache.stats()["tiers"]["l2"]["bytes_out"]
+    seq = cache.allocate(DOC)
+    assert seq.num_cached_tokens == 32 and seq.cached_by_tier == {"l1": 0, "l2": 32, "l3": 0}
+    assert cache.stats()["tiers"]["l2"]["bytes_out"] - moved == 4 * BPB  # the rest only
+    seq.wait()
+    assert torch.equal(read_slots(cache, seq, 32), prefix_kv(LAYOUT, DOC)[:, :, :32])
+    cache.free(seq)
+    again = cache.allocate(DOC)  # warmed once: the next use is an L1 hit
+    assert again.cached_by_tier == {"l1": 32, "l2": 0, "l3": 0}
+    cache.free(again)
+    cache.close()
+
+
+def test_warmed_blocks_give_way_to_a_running_sequence_at_no_cost():
+    cache = cache_with_doc_in_l2()
+    other = running(cache, 5000, 7)
+    assert cache.warm(cache.match(DOC)) == 5
+    drops = cache.stats()["tiers"]["l1"]["drops"]
+    cache.append(other, 4 * LAYOUT.block_size)  # its next four blocks take four of them back
+    assert sum(in_l1(cache, DOC)) == 1
+    assert cache.stats()["tiers"]["l1"]["drops"] == drops  # nothing lost: L2 holds them
+    assert cache.match(DOC).by_tier["l2"] == 28  # every block still cached
+    cache.free(other)
+    seq = cache.allocate(DOC)
+    seq.wait()
+    assert seq.cached_by_tier["l2"] == 32
+    assert torch.equal(read_slots(cache, seq, 32), prefix_kv(LAYOUT, DOC)[:, :, :32])
+    cache.free(seq)
+    cache.close()
+
+
+def test_warm_keeps_the_prompts_own_l1_hits_and_its_l2_blocks():
+    cache = cache_with_doc_in_l2()
+    head = cache.allocate(DOC[:9])  # brings DOC's first two blocks back into L1
+    cache.free(head)
+    other = running(cache, 5000, 7)
+    assert in_l1(cache, DOC)[:2] == [True, True] and cache.l1_room() == 5
+    # room for 5, of which its own two L1 blocks are not to be evicted: 3 loads
+    assert cache.warm(cache.match(DOC)) == 3
+    assert in_l1(cache, DOC) == [True] * 5 + [False] * 3
+    assert all(e.l2 >= 0 for e in cache.match(DOC).blocks)
+    cache.free(other)
+    cache.close()
+
+
+def test_nothing_to_warm_where_l1_has_no_room_or_every_block_is_there():
+    cache = cache_with_doc_in_l2()
+    other = running(cache, 5000, 12)  # all of L1
+    assert cache.warm(cache.match(DOC)) == 0 and not any(in_l1(cache, DOC))
+    cache.free(other)
+    seq = cache.allocate(DOC)
+    cache.free(seq)
+    assert cache.warm(cache.match(DOC)) == 0  # already in L1
+    cache.close()
+
+
+def test_the_scheduler_warms_the_waiting_request_that_does_not_fit():
+    """Two histories run, a third waits: L1 (20 blocks) has room for 6 of its 9 blocks. Its 8
+    cached blocks load into that room while the two decode, one slot left to each of them; once
+    one ends, it is admitted with all 8 cached, 2 of them loaded then."""
+    cache = TieredKVCache(LAYOUT, CacheConfig(l1=20 * BPB, l2=64 * BPB), device="cpu", model="warm")
+    cache.store(DOC, prefix_kv(LAYOUT, DOC))
+    cache.evict("l1")
+    sched = Scheduler(cache, max_num_seqs=8, max_num_batched_tokens=256)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    a, b = (Request(list(range(first, first + 28)), params) for first in (5000, 6000))
+    waiting = Request(DOC, params)
+    for r in (a, b, waiting):
+        sched.add(r)
+    step = sched.schedule()
+    assert step.requests == [a, b]  # 7 blocks each, with their answers' next block: 14 of 20
+    assert waiting in sched.waiting and cache.l1_room() == 6
+    assert in_l1(cache, DOC) == [True] * 4 + [False] * 4  # 6 of room, less one for each runner
+    moved = cache.stats()["tiers"]["l2"]["bytes_out"]
+    sched.finish(a, "stop")
+    step = sched.schedule()
+    assert waiting in step.requests and waiting.seq.num_cached_tokens == 32
+    assert waiting.cached_by_tier == {"l1": 0, "l2": 32, "l3": 0}
+    assert cache.stats()["tiers"]["l2"]["bytes_out"] - moved == 4 * BPB
+    cache.close()
+
+
+def test_room_made_for_warm_blocks_never_costs_the_prompt_its_other_l2_blocks():
+    # L2 is nearly full of DOC: evicting L1 blocks that L2 lacks, to make the room, writes them down
+    # and so evicts L2 blocks; DOC's last ones, left for allocate to load, must not be among them
+    cache = TieredKVCache(LAYOUT, CacheConfig(l1=12 * BPB, l2=10 * BPB, write_policy="write_back"), device="cpu",
+                          model="warm")
+    cache.store(DOC, prefix_kv(LAYOUT, DOC))
+    cache.evict("l1")
+    other = running(cache, 5000, 7)
+    side = list(range(7000, 7017))  # 4 blocks cached in L1 alone, the first to go for room
+    cache.store(side, prefix_kv(LAYOUT, side))
+    assert cache.match(side).by_tier["l1"] == 16 and cache.l1_room() == 5
+    assert cache.warm(cache.match(DOC), keep=1) == 4
+    assert cache.match(DOC).by_tier == {"l1": 16, "l2": 16, "l3": 0}  # every block still cached
+    cache.free(other)
+    seq = cache.allocate(DOC)
+    seq.wait()
+    assert seq.num_cached_tokens == 32
+    assert torch.equal(read_slots(cache, seq, 32), prefix_kv(LAYOUT, DOC)[:, :, :32])
+    cache.free(seq)
+    cache.close()
