@@ -194,14 +194,17 @@ async def run_round(h: Http, prompts: list[list[int]], a) -> dict:
     results = await asyncio.gather(*(one(p) for p in prompts))
     wall = time.perf_counter() - t
     await asyncio.sleep(STATS_SETTLE_S)  # the server refreshes its counters' snapshot every 0.25 s
-    delta = stats_delta(before, await cache_stats(h))
+    after = await cache_stats(h)
+    delta = stats_delta(before, after)
+    # L2 blocks loaded into L1 for requests waiting for room, and those evicted again unused
+    warmed = {k: after.get(k, 0) - before.get(k, 0) for k in ("warmed_blocks", "warmed_unused")} if delta else None
     engine = engine_time_delta(engine_before, await engine_time(h))
     ttft = pct([r.ttft for r in results if r.ttft is not None], scale=1.0)
     return dict(wall_s=wall, requests=len(results), errors=[r.error for r in results if r.error],
                 prompt_tokens=sum(len(p) for p in prompts), cached_tokens=sum(r.cached_tokens for r in results),
                 output_tokens=sum(r.completion_tokens for r in results),
                 ttft_p50_s=ttft["p50"], ttft_p99_s=ttft["p99"],
-                l2_bytes_out=delta["l2"]["bytes_out"] if delta else None, tiers=delta, engine=engine)
+                l2_bytes_out=delta["l2"]["bytes_out"] if delta else None, tiers=delta, warmed=warmed, engine=engine)
 
 
 async def spied_round(h: Http, prompts: list[list[int]], a, pid: int, summary_to: Path) -> dict:
@@ -278,6 +281,9 @@ async def session(a, url: str, vocab: int, rounds, probes, tier: dict, h2d: floa
                       f"{e['load_wait_gpu_s']:.2f} s of it on {e['load_wait_steps']} steps launched with loads in "
                       f"flight; idle {e['idle_s']:.2f} s; "
                       "host " + ", ".join(f"{k} {v:.2f} s" for k, v in e["host_s"].items()), flush=True)
+                if rnd.get("warmed"):
+                    print(f"    warmed {rnd['warmed']['warmed_blocks']} blocks into L1 for waiting requests, "
+                          f"{rnd['warmed']['warmed_unused']} of them evicted unused", flush=True)
                 print("    steps by batch size: " + "; ".join(
                     f"{kind} " + ", ".join(f"{size}: {n}" for size, n in sizes.items())
                     for kind, sizes in e["batches"].items() if sizes), flush=True)

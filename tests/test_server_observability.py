@@ -183,6 +183,8 @@ def test_engine_time_series_count_the_steps_of_a_request(server, client):
     assert kind == "counter" and sorted(s.labels["kind"] for s in samples if s.name.endswith("_total")) == [
         "decode", "mixed"]
     assert delta(after, "tierkv_engine_load_wait_steps_total") == 0
+    # nothing waited for L1 room: nothing was warmed
+    assert after["tierkv_warmed_blocks"][0] == "counter" and delta(after, "tierkv_warmed_blocks_total") == 0
 
 
 def test_preemptions_are_counted(server, client):

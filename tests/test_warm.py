@@ -50,6 +50,7 @@ def test_warm_loads_the_leading_l2_blocks_into_the_room_left_and_holds_none():
     blocks = cache.match(DOC).blocks
     assert all(e.ref == 0 and e.l2 >= 0 for e in blocks)  # cached, not held; L2 keeps every copy
     assert cache.l1_room() == 5  # they are room for whoever needs it
+    assert cache.stats()["warmed_blocks"] == 4 and cache.stats()["warmed_unused"] == 0
     # warming again evicts none of its own blocks for the others
     assert cache.warm(cache.match(DOC), keep=1) == 0
     assert in_l1(cache, DOC) == [True] * 4 + [False] * 4
@@ -64,6 +65,8 @@ def test_warm_loads_the_leading_l2_blocks_into_the_room_left_and_holds_none():
     again = cache.allocate(DOC)  # warmed once: the next use is an L1 hit
     assert again.cached_by_tier == {"l1": 32, "l2": 0, "l3": 0}
     cache.free(again)
+    cache.evict("l1")  # taken once: none of them counts as unused when it leaves
+    assert cache.stats()["warmed_unused"] == 0
     cache.close()
 
 
@@ -75,6 +78,7 @@ def test_warmed_blocks_give_way_to_a_running_sequence_at_no_cost():
     cache.append(other, 4 * LAYOUT.block_size)  # its next four blocks take four of them back
     assert sum(in_l1(cache, DOC)) == 1
     assert cache.stats()["tiers"]["l1"]["drops"] == drops  # nothing lost: L2 holds them
+    assert cache.stats()["warmed_blocks"] == 5 and cache.stats()["warmed_unused"] == 4  # four loads for nothing
     assert cache.match(DOC).by_tier["l2"] == 28  # every block still cached
     cache.free(other)
     seq = cache.allocate(DOC)

@@ -402,6 +402,7 @@ class Admission(Lookups):
             for e in reversed(todo):  # cached like any block, the prompt's head evicted last
                 self.index.unpin(e)
                 e.brought_from = e.brought_from or "l2"  # (one read up from L3 first stays an L3 hit)
+            self.counters.warmed_blocks += len(todo)
             return len(todo)
         finally:
             self.index.release_l2(in_l2)

@@ -443,7 +443,8 @@ class KVGroups:
         for s in each[1:]:
             out["blocks"] += s["blocks"]
             out["collisions"] += s["collisions"]
-            out["stored_blocks"] += s["stored_blocks"]
+            for key in ("stored_blocks", "warmed_blocks", "warmed_unused"):
+                out[key] += s[key]
             for tier, counters in out["tiers"].items():
                 for key, value in s["tiers"][tier].items():
                     if key != "hit_tokens" and isinstance(value, int):

@@ -41,6 +41,8 @@ class CacheCounters:
     query_tokens: int = 0  # tokens those lookups could have hit (the limit of each)
     hit_tokens: int = 0  # tokens they hit, all tiers together (and what adopt added)
     stored_blocks: int = 0  # new blocks entered into the index (store or commit)
+    warmed_blocks: int = 0  # L2 blocks loaded into L1 ahead of their request (Admission.warm)
+    warmed_unused: int = 0  # of those, evicted from L1 before a sequence took them: loads for nothing
     tiers: dict[str, TierCounters] = field(default_factory=lambda: {t: TierCounters() for t in ("l1", "l2", "l3")})
 
     def as_dict(self) -> dict:

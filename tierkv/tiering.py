@@ -234,6 +234,8 @@ class Tiering(TieringL3):
         for e in victims:
             if e.l2 < 0:
                 self.counters.tiers["l1"].drops += 1
+            # in L1 with its mark still on, it was warmed (Admission.warm) and no sequence took it
+            self.counters.warmed_unused += e.brought_from != ""
             # a copy still reading the block (its save to L2) or writing it (a load for a request
             # that let go of it) keeps the slot from the compute stream until it ends (take_l1)
             busy = in_flight((e.reading, e.loading))

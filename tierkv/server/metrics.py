@@ -178,6 +178,10 @@ class _EngineCollector:
         tiers = s.get("tiers", {})
         yield GaugeMetricFamily("tierkv_kv_cache_usage", "fraction of L1 that requests hold (the rest is free or "
                                 "cached and evictable)", value=l1_held_fraction(s))
+        yield CounterMetricFamily("tierkv_warmed_blocks", "L2 blocks loaded into L1 for a request waiting for room, "
+                                  "before it was admitted", value=s.get("warmed_blocks", 0))
+        yield CounterMetricFamily("tierkv_warmed_unused_blocks", "of those, blocks evicted from L1 again before the "
+                                  "request took them (their loads were for nothing)", value=s.get("warmed_unused", 0))
         yield CounterMetricFamily("tierkv_prefix_cache_queries", "prefix lookups used (sequences admitted)",
                                   value=s.get("queries", 0))
         yield CounterMetricFamily("tierkv_prefix_cache_query_tokens", "tokens those lookups could have hit",
