@@ -249,6 +249,12 @@ class Admission(Lookups):
         their end (every layer windowed: `KVLayout.first_block_read`): it takes no L1 slot for them."""
         return min(self.layout.first_block_read(len(blocks) * self.block_size), len(blocks))
 
+    def _whole_loads_from(self, blocks: list[BlockEntry]) -> int:
+        """The first of the cached `blocks` that a load brings whole: before it, every sliding
+        window has left the blocks behind, and a load that can move some layers alone moves the
+        full-attention layers only (into private slots: `allocate`)."""
+        return self.layout.window_start(len(blocks) * self.block_size) if self.tiers.loads_layers else 0
+
     def _shortfall(self, num_tokens: int, blocks: list[BlockEntry], offloaded: int = 0) -> int:
         """L1 blocks missing to hold `num_tokens` tokens whose first `offloaded` blocks stay in L2
         and whose next cached blocks are `blocks`."""
@@ -324,10 +330,9 @@ class Admission(Lookups):
         if short > 0:
             raise CacheFullError(f"a sequence of {reserved} tokens needs {short} more L1 blocks than can be freed")
         self.index.hold_l2(offloaded)  # they stay in L2 for as long as the sequence runs
-        # L2 hits before `window` are read by full-attention layers only (every sliding window
-        # has left them behind): those layers alone are loaded, into slots the sequence keeps
-        # private, since their other layers are not there for another request to share.
-        window = self.layout.window_start(len(blocks) * self.block_size) if self.tiers.loads_layers else 0
+        # L2 hits before `window` get their full-attention layers alone, into slots the sequence
+        # keeps private: their other layers are not there for another request to share
+        window = self._whole_loads_from(blocks)
         l1_hits = [e for e in cached if e.l1 >= 0]
         l2_hits = [e for i, e in enumerate(cached, start=k + gone) if e.l1 < 0 and i >= window]
         behind = [e for i, e in enumerate(cached, start=k + gone) if e.l1 < 0 and i < window]
@@ -382,9 +387,7 @@ class Admission(Lookups):
         if self.tiers.engine_owned or self.l2 is None or match.removals != self.index.removals:
             return 0
         blocks = match.blocks
-        start = self._left_behind(blocks)
-        if self.tiers.loads_layers:  # before the window, allocate loads full-attention layers alone
-            start = max(start, self.layout.window_start(len(blocks) * self.block_size))
+        start = max(self._left_behind(blocks), self._whole_loads_from(blocks))
         in_l2 = [e for e in blocks[start:] if e is not None and e.l1 < 0 and e.l2 >= 0]
         l1_hits = [e for e in blocks if e is not None and e.l1 >= 0]
         # while room is made: its L1 hits out of L1's eviction order, and all its L2 blocks out of

@@ -251,7 +251,7 @@ class Scheduler:
                     self._give_up(req)  # nothing holds L1 and it still does not fit: it never will
                     continue
                 req.refused_at_room = self.cache.l1_room() if plan.room_decides else None
-                if plan.room_decides and not plan.stream:
+                if plan.room_decides:  # (never a streamed plan: that reserves a chunk)
                     # its L2 blocks load into the room there is while others run: once one ends,
                     # it loads the rest only, instead of all of them while the batch is one short
                     self.cache.warm(plan.match, keep=len(self.running))
