@@ -265,7 +265,15 @@ async def session(a, url: str, vocab: int, rounds, probes, tier: dict, h2d: floa
                 print(f"  profile: {kept['error']}" if "error" in kept else
                       f"  profiled: GPU busy {kept['summary']['gpu_busy_fraction']:.0%}; trace {trace_to.name}",
                       flush=True)
-                for gap in kept.get("summary", {}).get("compute_idle_gaps", [])[:4]:
+                summary = kept.get("summary", {})
+                idle = summary.get("compute_idle_ms", {})
+                if idle:
+                    print("    compute stream idle " + ", ".join(f"{k} ms: {v:.0f}" for k, v in idle.items()),
+                          flush=True)
+                for kind, span in summary.get("step_spans", {}).items():
+                    print(f"    {kind}: {span['count']} steps, median {span['median_ms']:.1f} ms, "
+                          f"{span['total_ms']:.0f} ms in all", flush=True)
+                for gap in summary.get("compute_idle_gaps", [])[:4]:
                     print(f"    compute idle {gap['gap_ms']:.1f} ms at {gap['at_ms']:.0f} ms (other streams busy "
                           f"{gap['other_streams_busy_ms']:.1f} ms) in {gap['step']}", flush=True)
             b = rnd["bound"]

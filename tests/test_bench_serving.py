@@ -50,9 +50,32 @@ def test_a_trace_summary_lists_the_compute_streams_idle_stretches(tmp_path):
               ev("step: run 000b+1; loading -; waiting 3", 12.5, 2, cat="user_annotation")]
     path = tmp_path / "trace.json"
     path.write_text(json.dumps({"traceEvents": events}))
-    [gap] = summarize_trace(path)["compute_idle_gaps"]
+    summary = summarize_trace(path)
+    [gap] = summary["compute_idle_gaps"]
     assert gap["at_ms"] == 1 and gap["gap_ms"] == 9 and gap["other_streams_busy_ms"] == 8
     assert gap["step"] == label
+    # idle between kernels: 9 ms (at 1 ms) and 2 ms (at 11 ms), by stretch length
+    assert summary["compute_idle_ms"] == {"<0.1": 0.0, "0.1-1": 0.0, "1-5": 2.0, ">=5": 9.0, "total": 11.0}
+    # the one GPU step span is a decode step, and copies kept stream 13 busy for 8 of its 12 ms
+    assert summary["step_spans"] == {"decode, beside copies": dict(count=1, median_ms=12.0, total_ms=12.0)}
+
+
+def test_step_spans_split_decode_from_mixed_and_alone_from_beside_copies(tmp_path):
+    def ev(name, ts_ms, dur_ms, cat="gpu_user_annotation", stream=7):
+        return {"ph": "X", "name": name, "cat": cat, "ts": ts_ms * 1e3, "dur": dur_ms * 1e3,
+                "args": {"stream": stream}}
+
+    events = [ev("gemm", t, 0.5, cat="kernel") for t in range(0, 40, 1)]
+    events += [ev("step: run 0a+1 0b+1; loading -; waiting 0", 0, 9),        # decode, alone
+               ev("step: run 0a+1 0b+1; loading 0c; waiting 0", 10, 10),      # decode, copy 4 of 10 ms
+               ev("step: run 0a+1 0c+132; loading -; waiting 0", 20, 20),     # mixed, copy 1 of 20 ms
+               ev("load", 14, 4, cat="kernel", stream=13), ev("load", 30, 1, cat="kernel", stream=13)]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    spans = summarize_trace(path)["step_spans"]
+    assert spans == {"decode, alone": dict(count=1, median_ms=9.0, total_ms=9.0),
+                     "decode, beside copies": dict(count=1, median_ms=10.0, total_ms=10.0),
+                     "mixed, alone": dict(count=1, median_ms=20.0, total_ms=20.0)}
 
 
 def test_long_doc_sweep_on_l1_l2_disk(tmp_path):

@@ -1,8 +1,10 @@
 """Where a profiled server's time went: a summary of a torch.profiler Chrome trace (tierkv-serve's
 /stop_profile writes one). Per CUDA stream, the share of the traced window its kernels and copies
 kept it busy; the whole GPU's busy share (any stream); the kernels and copies that took the most
-GPU time; the compute stream's longest idle stretches, with what the other streams did meanwhile
-and the engine's step in flight (its label: the requests it ran, those loading); and on the
+GPU time; the compute stream's idle time by stretch length and its longest idle stretches, with
+what the other streams did meanwhile and the engine's step in flight (its label: the requests it
+ran, those loading); the steps' GPU spans by kind (decode or mixed) and by whether a copy ran
+beside them (do loads slow the steps they overlap?); and on the
 busiest CPU thread (the engine's) the share of the window it spent inside ops and the ops that
 took longest (inclusive: an op's time counts in its callers too). It reads a
 trace file (`keep_trace` copies one out of the server's folder first) and never talks to a server.
@@ -19,6 +21,8 @@ from pathlib import Path
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 TOP = 12
 GAP_MS = 5.0  # a compute-stream idle stretch worth listing: most of a decode step
+GAP_BUCKETS_MS = (0.1, 1.0, GAP_MS)  # idle stretches summed by length: launch gaps .. waits for the host
+BESIDE = 0.25  # a step ran beside copies when other streams were busy for this share of its GPU span
 
 
 def union(intervals) -> list[list[float]]:
@@ -62,7 +66,9 @@ def summarize_trace(path: Path) -> dict:
     steps = [e for e in events if e.get("name", "").startswith("step: ")]
     return dict(
         window_ms=window / 1e3,
+        compute_idle_ms=idle_by_length(streams),
         compute_idle_gaps=idle_gaps(streams, steps, start),
+        step_spans=step_spans(streams, steps),
         gpu_busy_fraction=busy_us([(e["ts"], e["ts"] + e["dur"]) for e in gpu]) / window,
         stream_busy_fraction={s: busy_us(iv) / window for s, iv in sorted(streams.items())},
         top_gpu_ms={n: d / 1e3 for n, d in by_name.most_common(TOP)},
@@ -70,6 +76,54 @@ def summarize_trace(path: Path) -> dict:
         engine_thread_busy_fraction=busy_us([(e["ts"], e["ts"] + e["dur"]) for e in engine]) / window,
         engine_thread_top_cpu_ops_inclusive_ms={n: d / 1e3 for n, d in ops.most_common(TOP)},
     )
+
+
+def compute_stream(streams: dict[str, list]) -> str:
+    """The compute stream: the one with the most kernels (copies launch few, large ones)."""
+    return max(streams, key=lambda s: len(streams[s]))
+
+
+def idle_by_length(streams: dict[str, list]) -> dict[str, float]:
+    """The compute stream's idle time between its first and last kernel, in milliseconds, summed by
+    stretch length (GAP_BUCKETS_MS): many short gaps are the host launching, long ones a wait."""
+    if not streams:
+        return {}
+    merged = union(streams[compute_stream(streams)])
+    edges = (0.0, *GAP_BUCKETS_MS, float("inf"))
+    names = [f"<{hi:g}" if lo == 0 else f">={lo:g}" if hi == float("inf") else f"{lo:g}-{hi:g}"
+             for lo, hi in zip(edges, edges[1:])]
+    out = dict.fromkeys(names, 0.0)
+    for (_, b0), (a1, _) in zip(merged, merged[1:]):
+        gap_ms = (a1 - b0) / 1e3
+        out[next(n for n, hi in zip(names, edges[1:]) if gap_ms < hi)] += gap_ms
+    out["total"] = sum(out.values())
+    return out
+
+
+def step_kind(label: str) -> str:
+    """'decode' where every request of the step ran one token ('step: run 0a1b2c+1 ...'), else 'mixed'."""
+    runs = label.removeprefix("step: run ").split(";")[0].split()
+    return "decode" if runs and all(r.endswith("+1") for r in runs) else "mixed"
+
+
+def step_spans(streams: dict[str, list], steps: list[dict]) -> dict[str, dict]:
+    """The steps' GPU spans ('step: ...' gpu_user_annotation ranges) by kind, split by whether the
+    other streams (loads, saves) were busy for at least BESIDE of the span: count, median and
+    total milliseconds. A decode step slower beside copies than alone is one they slow down."""
+    if not streams:
+        return {}
+    compute = compute_stream(streams)
+    others = union(iv for s, ivs in streams.items() if s != compute for iv in ivs)
+    groups: dict[str, list[float]] = defaultdict(list)
+    for e in steps:
+        if e.get("cat") != "gpu_user_annotation":
+            continue
+        a, b = e["ts"], e["ts"] + e["dur"]
+        overlap = busy_us((max(x, a), min(y, b)) for x, y in others if x < b and y > a)
+        beside = "beside copies" if e["dur"] and overlap >= BESIDE * e["dur"] else "alone"
+        groups[f"{step_kind(e['name'])}, {beside}"].append(e["dur"] / 1e3)
+    return {k: dict(count=len(v), median_ms=sorted(v)[len(v) // 2], total_ms=sum(v))
+            for k, v in sorted(groups.items())}
 
 
 def idle_gaps(streams: dict[str, list], steps: list[dict], start: float, min_ms: float = GAP_MS) -> list[dict]:
@@ -80,7 +134,7 @@ def idle_gaps(streams: dict[str, list], steps: list[dict], start: float, min_ms:
     last one begun on the host before it otherwise)."""
     if not streams:
         return []
-    compute = max(streams, key=lambda s: len(streams[s]))
+    compute = compute_stream(streams)
     merged = union(streams[compute])
     gaps = sorted(((b0, a1) for (_, b0), (a1, _) in zip(merged, merged[1:]) if a1 - b0 >= min_ms * 1e3),
                   key=lambda g: g[0] - g[1])[:TOP]
