@@ -48,8 +48,9 @@ def release_memory() -> None:
 def first_tokens_from_l2(llm: tierkv.LLM, prompts: list, params: tierkv.SamplingParams):
     """Compute `prompts`, evict them from L1, then generate each again alone, its prefix served
     from L2: (its tokens, its first token's logits [n, vocab] fp32 on the host). Alone, a prompt's
-    uncached tail is one step, whose one logits row is its first token's. Also used by
-    tests/test_kv_offload.py."""
+    uncached tail is one step, whose one logits row is its first token's. `llm` must run eagerly
+    (enforce_eager=True): a replayed CUDA graph never calls the forward that records the logits.
+    Also used by tests/test_kv_offload.py."""
     llm.generate(prompts, params, use_tqdm=False)
     llm.cache.evict("l1")
     net, steps = llm.engine.lm.model, []
@@ -71,6 +72,9 @@ def first_tokens_from_l2(llm: tierkv.LLM, prompts: list, params: tierkv.Sampling
             out = llm.generate([prompt], params, use_tqdm=False)[0]
             assert out.cached_tokens > 0, "the prompt was not served from L2"
             tokens.append(out.token_ids)
+            if not steps:
+                raise RuntimeError("no step's logits were recorded: the step ran as a CUDA graph; "
+                                   "make the LLM with enforce_eager=True")
             rows.append(steps[0][-1])
     finally:
         net.forward = forward

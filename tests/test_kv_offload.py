@@ -253,7 +253,10 @@ BOUNDS = {"llama": (10, 5.0, 2.0), "qwen3": (12, 1.6, 0.7)}  # agree of 16, max 
 def served_from_l2(path: str, offload: str | None, prompts: list[list[int]], device: str = "cpu"):
     """First-token logits [n, vocab] for `prompts` served from L2 (computed once, then evicted from L1)."""
     bb = LLM(path, device=device, dtype="float32", l1=1 << 20, l2=0).cache.layout.bytes_per_block
-    llm = LLM(path, device=device, dtype="float32", l1=64 * bb, l2=256 * bb, kv_offload_dtype=offload)
+    # eager: first_tokens_from_l2 records each step's logits from the model's forward, which a
+    # replayed CUDA graph does not call
+    llm = LLM(path, device=device, dtype="float32", l1=64 * bb, l2=256 * bb, kv_offload_dtype=offload,
+              enforce_eager=True)
     _, logits = first_tokens_from_l2(llm, prompts, SamplingParams(temperature=0, max_tokens=1))
     return logits
 
