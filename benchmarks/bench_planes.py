@@ -9,8 +9,13 @@ or vLLM's per-layer tensors [2, N, bs, h, d], at scattered slots. Cases:
   d2d: vLLM layout -> a block-first device staging buffer, vs a torch d2d copy of the same bytes.
 Each against one contiguous copy of the same bytes (torch .copy_(non_blocking=True), pinned host
 <-> device, or device -> device), timed with CUDA events after warm-up: best and median of
---repeats. GB/s = bytes copied / time. Writes benchmarks/results/bench_planes-<machine>.json (or
---out DIR) and prints a table. Needs CUDA.
+--repeats. GB/s = bytes copied / time.
+Programs: an h2d and a d2h move on at most G programs (copy_planes' `programs`; over PCIe its
+default is plane_copy.HOST_PROGRAMS_PER_SM of the SMs), alone and beside a decode step's linear
+layers (Llama-3.1-8B's, 8 rows, bf16, on another stream): the step's time beside the copy against
+alone, and the copy's GB/s meanwhile. Loads land while the server decodes; a copy that fills the
+SMs slows the step it overlaps (H200, bench_rounds at b964e45: 22 ms against 6.6 ms).
+Writes benchmarks/results/bench_planes-<machine>.json (or --out DIR) and prints a table. Needs CUDA.
 """
 
 from __future__ import annotations
@@ -93,6 +98,42 @@ def launch_us(fn, times: int = 20) -> float:
     return elapsed / times * 1e6
 
 
+def decode_linears(rows: int = 8, layers: int = LAYERS):
+    """A Llama-3.1-8B decode step's linear layers at `rows` sequences (qkv, o, gate+up, down, per
+    layer): reading ~13 GiB of bf16 weights, memory-bound like the real step."""
+    shapes = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]
+    weights = [torch.randn(k, n, dtype=DTYPE, device="cuda") * 0.01 for k, n in shapes]
+    xs = {k: torch.randn(rows, k, dtype=DTYPE, device="cuda") for k, _ in shapes}
+
+    def step():
+        for _ in range(layers):  # one set of weights read once per layer, as a layer's own would be
+            for w in weights:
+                torch.mm(xs[w.shape[0]], w)
+    return step
+
+
+def beside(compute, copy, repeats: int) -> tuple[float, float]:
+    """(median seconds of `compute` on the current stream while `copy` runs on a side stream,
+    seconds of that copy): each repeat starts the copy, then the compute, on one side of an event."""
+    side, spans, copies = torch.cuda.Stream(), [], []
+    for _ in range(repeats + 1):
+        torch.cuda.synchronize()
+        c0, c1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s0, s1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(side):
+            c0.record()
+            copy()
+            c1.record()
+        s0.record()
+        compute()
+        s1.record()
+        torch.cuda.synchronize()
+        spans.append(s0.elapsed_time(s1) / 1e3)
+        copies.append(c0.elapsed_time(c1) / 1e3)
+    spans, copies = sorted(spans[1:]), sorted(copies[1:])  # the first warms up
+    return spans[len(spans) // 2], copies[len(copies) // 2]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--blocks", type=int, default=512)
@@ -154,6 +195,27 @@ def main() -> None:
             sweep[f"{name}_whole_vllm_tile_{kib}kib"] = nbytes / cuda_times(fn, args.repeats)[0] / 1e9
     plane_copy._TILE_BYTES = default_tile
 
+    # programs: a move over PCIe on G programs, alone and beside a decode step's linear layers
+    step = decode_linears()
+    step_alone = cuda_times(step, args.repeats)[1]
+    programs = {}
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    default = max(1, int(sms * plane_copy.HOST_PROGRAMS_PER_SM))
+    for count in sorted({4, 8, 16, default, 2 * default, sms, 0}):
+        label = "one per item" if count == 0 else f"{count}" + (" (default)" if count == default else "")
+        for name, src, ss, dst, ds in (("h2d", l2_table, l2_slots["scattered"], tables["vllm"], l1_slots),
+                                       ("d2h", tables["vllm"], l1_slots, l2_table, l2_slots["scattered"])):
+            def moves(src=src, ss=ss, dst=dst, ds=ds, cap=count or 1 << 30):  # 4 moves: they outlast the step
+                for _ in range(4):
+                    copy_planes(src, ss, dst, ds, programs=cap)
+            alone = cuda_times(moves, args.repeats)[1]
+            step_beside, copies_beside = beside(step, moves, args.repeats)
+            programs[f"{name} {label}"] = dict(
+                programs=count or None, GBps_alone=4 * nbytes / alone / 1e9,
+                GBps_beside_step=4 * nbytes / copies_beside / 1e9, step_ms_alone=step_alone * 1e3,
+                step_ms_beside=step_beside * 1e3, step_slowdown=step_beside / step_alone)
+    del step
+
     gbps = {k: {"best": nbytes / best / 1e9, "median": nbytes / median / 1e9} for k, (best, median) in seconds.items()}
     ratio = {}
     print(f"{n} blocks of {block_bytes >> 20} MiB ({nbytes / 2**30:.2f} GiB) a move; GB/s of bytes copied")
@@ -165,6 +227,11 @@ def main() -> None:
     print("tile size sweep (best GB/s): " + ", ".join(f"{k} {v:.1f}" for k, v in sweep.items()))
     print(f"host time to launch one h2d move: whole {launches['whole']:.0f} us, "
           f"per layer (32 launches) {launches['per_layer']:.0f} us")
+    print(f"programs of a move over PCIe, and a decode step's linear layers beside it "
+          f"({step_alone * 1e3:.2f} ms alone):")
+    for k, v in programs.items():
+        print(f"  {k:<22} {v['GBps_alone']:6.1f} GB/s alone, {v['GBps_beside_step']:6.1f} beside the step; "
+              f"step {v['step_ms_beside']:6.2f} ms beside it ({v['step_slowdown']:.2f}x)")
     figures = {
         "shape": {"layers": LAYERS, "kv_heads": HEADS, "head_dim": DIM, "block_size": BS, "dtype": str(DTYPE),
                   "block_bytes": block_bytes, "blocks": n, "bytes_per_move": nbytes, "l1_blocks": l1_blocks},
@@ -176,6 +243,7 @@ def main() -> None:
         "ratio_to_memcpy": ratio,
         "host_launch_us": launches,
         "tile_sweep_best_GBps": sweep,
+        "programs_over_pcie": programs,
     }
     path = write_results("bench_planes", figures, args.out)
     print(f"wrote {path}")

@@ -1,11 +1,16 @@
 """Triton copy_planes: blocks between any two PlaneTables (paged KV of any layout, GPU or pinned host).
 
-One program moves one tile (up to 32 KiB) of one block of one plane: the block's bs*H rows of D
+A work item is one tile (up to 32 KiB) of one block of one plane: the block's bs*H rows of D
 elements, addressed from the plane's base pointer (read from the table's pointer array, so planes
 may be separate allocations) plus slot * block stride. Elements move as integers of their size,
 so bf16 and fp8 copy bit for bit. A side whose blocks are dense is addressed as one run; when
 both are, the tile is a flat range. Pinned host planes are read or written by the GPU directly
-over PCIe (no copy engine). This file moves bytes only; it must never decide which blocks move.
+over PCIe (no copy engine). Each program takes every G-th item of G programs: a copy within the
+GPU launches one program per item, one over PCIe only HOST_PROGRAMS_PER_SM of the SMs' worth,
+because PCIe, not the SMs, sets its pace, and a grid of one program per item fills every SM
+with programs waiting on PCIe while the compute stream's kernels queue behind them (H200,
+bench_rounds at b964e45: decode steps beside a load took 22 ms against 6.6 ms alone). This file
+moves bytes only; it must never decide which blocks move.
 """
 
 from __future__ import annotations
@@ -15,26 +20,47 @@ import triton
 import triton.language as tl
 
 from . import _checks, reference
-from ._launch import INTERPRETING, pow2
+from ._launch import INTERPRETING, pow2, sm_count
 from .planes import PlaneTable
 
-_TILE_BYTES = 32 << 10  # per program: enough loads in flight per SM to fill PCIe and HBM
+_TILE_BYTES = 32 << 10  # per item: enough loads in flight per SM to fill PCIe and HBM
+# Programs of a copy that crosses PCIe, per SM: a quarter of the SMs, each with one 32 KiB tile in
+# flight, holds ~1 MiB in flight, several times PCIe's bandwidth x latency (~55 GB/s x ~2 us).
+HOST_PROGRAMS_PER_SM = 0.25
 _TL_WORDS = {torch.int8: tl.int8, torch.int16: tl.int16, torch.int32: tl.int32, torch.int64: tl.int64}
 
 
-@triton.jit
+# the item count and the plane range change from call to call: not specialised on, so a copy of
+# a new size never compiles another copy of the kernel in the middle of serving
+@triton.jit(do_not_specialize=["first_plane", "num_planes", "items"])
 def _plane_copy_kernel(
     SrcPtrs, DstPtrs, SrcSlots, DstSlots,
     src_sb, src_st, src_sh, dst_sb, dst_st, dst_sh,   # strides in elements: block, token, head
-    first_plane,
+    first_plane, num_planes, items,
+    WORD: tl.constexpr, H: tl.constexpr, D: tl.constexpr, ROWS_ALL: tl.constexpr,
+    SRC_ALIGN: tl.constexpr, DST_ALIGN: tl.constexpr,
+    FLAT: tl.constexpr, SRC_DENSE: tl.constexpr, DST_DENSE: tl.constexpr,
+    TILE: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr, PIECES: tl.constexpr,
+):
+    # items = slot pairs x planes x PIECES, in that order: programs side by side take neighbours
+    for item in tl.range(tl.program_id(0), items, tl.num_programs(0)):
+        i = item // (num_planes * PIECES)                          # which slot pair
+        p = (item // PIECES) % num_planes + first_plane           # which plane
+        _copy_tile(SrcPtrs, DstPtrs, SrcSlots, DstSlots, i, p, item % PIECES,
+                   src_sb, src_st, src_sh, dst_sb, dst_st, dst_sh,
+                   WORD, H, D, ROWS_ALL, SRC_ALIGN, DST_ALIGN, FLAT, SRC_DENSE, DST_DENSE, TILE, ROWS, BLOCK_D)
+
+
+@triton.jit
+def _copy_tile(
+    SrcPtrs, DstPtrs, SrcSlots, DstSlots, i, p, tile,
+    src_sb, src_st, src_sh, dst_sb, dst_st, dst_sh,
     WORD: tl.constexpr, H: tl.constexpr, D: tl.constexpr, ROWS_ALL: tl.constexpr,
     SRC_ALIGN: tl.constexpr, DST_ALIGN: tl.constexpr,
     FLAT: tl.constexpr, SRC_DENSE: tl.constexpr, DST_DENSE: tl.constexpr,
     TILE: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    i = tl.program_id(0)                      # which slot pair
-    p = tl.program_id(1) + first_plane        # which plane
-    tile = tl.program_id(2)                   # which piece of the block
+    """Tile `tile` of block pair i (SrcSlots[i] -> DstSlots[i]) of plane p."""
     s = tl.load(SrcSlots + i).to(tl.int64)
     d = tl.load(DstSlots + i).to(tl.int64)
     # the plane's base address, with the alignment the table measured: lets loads be 16 bytes wide
@@ -72,11 +98,13 @@ def _plane_copy_kernel(
 
 
 def copy_planes(src: PlaneTable, src_slots: torch.Tensor, dst: PlaneTable, dst_slots: torch.Tensor,
-                planes: tuple[int, int] | None = None) -> PlaneTable:
+                planes: tuple[int, int] | None = None, programs: int | None = None) -> PlaneTable:
     """dst.planes[p][dst_slots[i]] = src.planes[p][src_slots[i]] for p in [first, end) (default all).
 
     Both tables' pointers must live on the GPU the copy runs on (pinned host tables are built
-    with device="cuda"); a pair this kernel cannot address goes to the reference.
+    with device="cuda"); a pair this kernel cannot address goes to the reference. `programs`:
+    at most this many programs (default: one per item within the GPU, HOST_PROGRAMS_PER_SM of
+    the SMs where a side is host memory).
     """
     first, end = _checks.check_copy_planes(src, src_slots, dst, dst_slots, planes)
     if src.device != dst.device or not (INTERPRETING or src.device.type == "cuda"):
@@ -97,13 +125,16 @@ def copy_planes(src: PlaneTable, src_slots: torch.Tensor, dst: PlaneTable, dst_s
         rows = min(pow2(rows_all), max(1, _TILE_BYTES // (block_d * elt)))
         tile = rows * block_d
         pieces = triton.cdiv(rows_all, rows)
-    grid = (n, end - first, pieces)
+    items = n * (end - first) * pieces
+    if programs is None and (src.host or dst.host):
+        programs = max(1, int(sm_count(src.device) * HOST_PROGRAMS_PER_SM))
+    grid = (min(items, programs or items),)
     _plane_copy_kernel[grid](
-        src.ptrs, dst.ptrs, src_slots, dst_slots, *src.strides, *dst.strides, first,
+        src.ptrs, dst.ptrs, src_slots, dst_slots, *src.strides, *dst.strides, first, end - first, items,
         WORD=_TL_WORDS[src.word_dtype], H=h, D=d, ROWS_ALL=rows_all,
         SRC_ALIGN=src.align, DST_ALIGN=dst.align,
         FLAT=flat, SRC_DENSE=src.dense, DST_DENSE=dst.dense,
-        TILE=tile, ROWS=rows, BLOCK_D=block_d, num_warps=_warps(tile * elt),
+        TILE=tile, ROWS=rows, BLOCK_D=block_d, PIECES=pieces, num_warps=_warps(tile * elt),
     )
     return dst
 

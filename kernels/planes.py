@@ -30,11 +30,12 @@ class PlaneTable:
             dense; they may come from separate allocations (one tensor per layer).
     device: where the kernel that addresses them runs. Default: the planes' device. Pinned host
             planes take device="cuda": the GPU reads and writes them through unified virtual
-            addressing, so their pointer table lives on the GPU.
+            addressing, so their pointer table lives on the GPU (`host` says so: a copy to or
+            from them crosses PCIe).
     """
 
     __slots__ = (
-        "planes", "device", "ptrs", "num_blocks", "block_size", "num_heads", "head_dim",
+        "planes", "device", "host", "ptrs", "num_blocks", "block_size", "num_heads", "head_dim",
         "strides", "dtype", "element_size", "word_dtype", "dense", "align",
     )
 
@@ -43,6 +44,7 @@ class PlaneTable:
         self.device = _checks.check_plane_views(planes, device)
         first = planes[0]
         self.planes = planes
+        self.host = first.device.type == "cpu" and self.device.type == "cuda"
         self.num_blocks, self.block_size, self.num_heads, self.head_dim = first.shape
         # elements between consecutive blocks, tokens, heads; the last axis is dense
         self.strides: tuple[int, int, int] = tuple(first.stride()[:3])

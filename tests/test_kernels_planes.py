@@ -113,6 +113,18 @@ def test_triton_plane_range(tk, planes, slot_dtype):
     assert _same(dst, want)
 
 
+@pytest.mark.parametrize("programs", [1, 4, 7])
+@pytest.mark.parametrize("src_layout,dst_layout", [("vllm", "block_first"), ("block_first", "block_first")])
+def test_triton_with_fewer_programs_than_items_copies_every_item(tk, monkeypatch, programs, src_layout, dst_layout):
+    # a copy over PCIe runs on a few programs, each taking every G-th (slot, plane, piece) item:
+    # a strided and a flat (both dense) case, over a plane range that starts past plane 0, with
+    # tiles of 64 bytes so that each 256-byte block of a plane is 4 pieces
+    monkeypatch.setattr(tk, "_TILE_BYTES", 64)
+    src, src_slots, dst, dst_slots, want = _case(src_layout, dst_layout, torch.float16, (1, 5))
+    tk.copy_planes(_table(src_layout, src), src_slots, _table(dst_layout, dst), dst_slots, (1, 5), programs=programs)
+    assert _same(dst, want)
+
+
 @pytest.mark.parametrize("bs,heads,dim", [(3, 5, 24), (16, 1, 8), (1, 3, 40), (2, 2, 1)])
 def test_triton_odd_geometry(tk, bs, heads, dim):
     # D not a power of two (masked columns), bs*H not a tile multiple, size-1 axes
