@@ -198,6 +198,11 @@ def _tile_map(cu_seqlens_q: torch.Tensor, num_tokens: int,
     return seq.flip(0).to(torch.int32), idx.flip(0).to(torch.int32), grid
 
 
+# Average new tokens a sequence up to which the GQA group shares 128-row tiles (_choose_tiles);
+# longer prefills keep one head a tile, as measured for cold prompts
+PACKED_EXTEND_TOKENS = 512
+
+
 @dataclass(slots=True)
 class Launch:
     """How one paged_prefill call runs; every field comes from shapes, never from device data."""
@@ -226,6 +231,12 @@ def _choose_tiles(num_tokens: int, num_seqs: int, num_heads: int, group: int, he
     in 128, so each K/V tile is loaded once per kv head (as decode does). Keys stay 64 a tile:
     compiled for sm_90, 16x64 tiles spill ~70 bytes a thread where 16x128 spill 1-10 KB. These
     short-extend choices are not yet timed on a GPU (bench_kernels --sweep extend does).
+    Extends of up to PACKED_EXTEND_TOKENS a sequence on average (prompt chunks over a cached
+    history, mixed with decodes) pack the group into 128-row tiles too: one head a row, the H200
+    profile of bench_rounds at b964e45 had mixed steps of two 140-token chunks and three decodes
+    over 8K-token histories spend 10-13 ms of their 21-24 ms here, the tiles 128 rows of one head
+    each, a decode's tile one row full and a 140-token chunk's second tile 12: ~2.3x the rows
+    the tokens need, each K/V tile read once per query head instead of once per kv head.
     """
     per_seq = triton.cdiv(num_tokens, num_seqs)             # average new tokens of a sequence
     if per_seq * group <= 128 or per_seq <= 64:
@@ -234,6 +245,8 @@ def _choose_tiles(num_tokens: int, num_seqs: int, num_heads: int, group: int, he
         return block_m, 32 if head_dim > 128 else 64, 4, pack
     if head_dim > 128:
         return 64, 32, 4, 1
+    if per_seq <= PACKED_EXTEND_TOKENS and group <= 128:
+        return 128, 64, 4, group
     big_programs = triton.cdiv(num_tokens, 256) * num_heads   # about; spare programs exit at once
     if num_tokens >= 1024 * num_seqs and big_programs >= 4 * sm_count(device):
         return 256, 64, 8, 1
@@ -377,7 +390,8 @@ def launch_variants(num_heads: int, kv_heads: int, head_dim: int, device: torch.
     compiled kernel (tile rows, keys, warps, packing, split or not; the split count itself is not
     compiled in)."""
     seen: dict[tuple, Launch] = {}
-    for per_seq in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 1024, 4096, 16384):
+    for per_seq in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, PACKED_EXTEND_TOKENS, PACKED_EXTEND_TOKENS + 1,
+                    1024, 4096, 16384):
         for num_seqs in (1, 8, 64):
             for context in (0, 1 << 17):  # a cold prompt, and one over a long cached prefix
                 launch = choose_launch(per_seq * num_seqs, num_seqs, num_heads, kv_heads, per_seq + context,

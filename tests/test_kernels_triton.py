@@ -115,9 +115,11 @@ def test_prefill_splits_gqa_packing_and_head_dims(tk, group, pack, d):
                   num_splits=3, pack=pack, block_m=16, block_n=16)
 
 
-@pytest.mark.parametrize("bs,bm,bn,window", [(16, 32, 32, None), (32, 16, 16, 20), (16, 64, 16, None)])
+@pytest.mark.parametrize("bs,bm,bn,window", [(16, 32, 32, None), (32, 16, 16, 20), (16, 64, 16, None),
+                                              (16, 128, 64, None)])
 def test_prefill_splits_across_pages_and_tiles(tk, bs, bm, bn, window):
-    # packed rows with 32- and 64-row tiles: 8 and 16 new tokens a tile, the last tile part empty
+    # packed rows with 32-, 64- and 128-row tiles (a mixed step's): 8, 16 and 32 new tokens a
+    # tile, the last tile part empty
     _prefill_case(tk, MIXED_LENS, MIXED_Q_LENS, 1, 4, 32, bs, torch.float16, window,
                   num_splits=2, pack=True, block_m=bm, block_n=bn)
 
@@ -152,6 +154,13 @@ def test_prefill_automatic_launch_splits_only_short_extends(tk, monkeypatch):
         assert (cold.block_m, cold.block_n, cold.num_warps, cold.pack, cold.num_splits) == (*tiles, 1, 1)
     # a short cold prefill has nothing fully visible to split, however few its programs
     assert choose(300, 1, 32, 8, 304, 128, cpu).num_splits == 1
+    # a mixed step: two 140-token chunks and a decode over ~8K-token histories (bench_rounds)
+    # packs the group: 32 tokens of 4 heads a 128-row tile, 8 kv heads' tiles instead of 32 heads'
+    mixed = choose(281, 3, 32, 8, 8336, 128, cpu)
+    assert (mixed.block_m, mixed.pack, mixed.tokens_per_tile) == (128, 4, 32) and mixed.num_splits > 1
+    # up to 512 new tokens a sequence; longer ones take one head a tile
+    assert choose(512, 1, 32, 8, 8192, 128, cpu).pack == 4
+    assert choose(513, 1, 32, 8, 8192, 128, cpu).pack == 1
 
 
 def test_prefill_automatic_splits_match_reference(tk, monkeypatch):
