@@ -160,3 +160,32 @@ def test_room_made_for_warm_blocks_never_costs_the_prompt_its_other_l2_blocks():
     assert torch.equal(read_slots(cache, seq, 32), prefix_kv(LAYOUT, DOC)[:, :, :32])
     cache.free(seq)
     cache.close()
+
+
+def test_while_others_run_one_request_whose_blocks_load_is_admitted_a_step(monkeypatch):
+    """Admitting costs the host a lookup, slots and the launch of its loads, and the step launches
+    only after the scheduler returns: with a batch running, one request whose blocks still load
+    (it cannot join the step anyway) is admitted per step, the next one a step later. On a CPU a
+    load lands at once, so loads are held in flight here."""
+    from tierkv.engine import scheduler as scheduling
+
+    cache = TieredKVCache(LAYOUT, CacheConfig(l1=40 * BPB, l2=64 * BPB), device="cpu", model="warm")
+    docs = [DOC, list(range(2000, 2033))]
+    for doc in docs:
+        cache.store(doc, prefix_kv(LAYOUT, doc))
+    cache.evict("l1")
+    monkeypatch.setattr(scheduling, "_loading", lambda req: req.seq.cached_by_tier["l2"] > 0)
+    sched = Scheduler(cache, max_num_seqs=8, max_num_batched_tokens=256)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    runner = Request(list(range(5000, 5028)), params)
+    first, second = (Request(doc, params) for doc in docs)
+    sched.add(runner)
+    assert sched.schedule().requests == [runner]
+    sched.add(first)
+    sched.add(second)
+    step = sched.schedule()
+    assert step.requests == [runner] and first in sched.running and second in sched.waiting
+    step = sched.schedule()
+    assert step.requests == [runner] and second in sched.running and not sched.waiting
+    assert first.seq.cached_by_tier["l2"] == second.seq.cached_by_tier["l2"] == 32
+    cache.close()

@@ -225,7 +225,8 @@ class Scheduler:
     def _admit(self, step: ScheduledStep, budget: int, loading: list[Request]) -> None:
         """Admit waiting requests, each by the cache's plan for it, while L1 and the budget last.
         One whose blocks load joins this step only if the step would otherwise wait for no load
-        (it is empty and no running request is `loading`)."""
+        (it is empty and no running request is `loading`); otherwise it is the last admitted
+        this step."""
         now = time.monotonic()
         # highest priority first, then first come first served
         for req in sorted(self.waiting, key=lambda r: (-r.priority, r.arrival)):
@@ -276,7 +277,13 @@ class Scheduler:
                 req.admitted = now
             self.running.append(req)
             if (step.requests or loading) and _loading(req):
-                continue  # others compute (or load) meanwhile; it joins once its blocks landed
+                # others compute (or load) meanwhile; it joins once its blocks landed. The next
+                # waiting one is looked at next step: admitting one costs the host a few ms (its
+                # lookup, its slots, launching its loads), and the step launches only after this
+                # returns (16 arrivals at once kept a running request's next step waiting ~75 ms,
+                # H200 profile of bench_rounds at b964e45). One a step still issues loads faster
+                # than PCIe lands them (an 8K-token Llama-8B history: ~20 ms, a step ~7 ms).
+                break
             # a streamed request reserved one chunk; one with an L3 tail stops where the tail starts
             n = min(req.seq.num_tokens - req.num_computed, budget, self._until_adopt(req))
             step.requests.append(req)
