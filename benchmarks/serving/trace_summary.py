@@ -64,11 +64,12 @@ def summarize_trace(path: Path) -> dict:
     for e in engine:
         ops[e["name"][:100]] += e["dur"]
     steps = [e for e in events if e.get("name", "").startswith("step: ")]
+    compute, others = split_streams(streams)
     return dict(
         window_ms=window / 1e3,
-        compute_idle_ms=idle_by_length(streams),
-        compute_idle_gaps=idle_gaps(streams, steps, start),
-        step_spans=step_spans(streams, steps),
+        compute_idle_ms=idle_by_length(compute) if compute else {},
+        compute_idle_gaps=idle_gaps(compute, others, steps, start) if compute else [],
+        step_spans=step_spans(others, steps) if compute else {},
         gpu_busy_fraction=busy_us([(e["ts"], e["ts"] + e["dur"]) for e in gpu]) / window,
         stream_busy_fraction={s: busy_us(iv) / window for s, iv in sorted(streams.items())},
         top_gpu_ms={n: d / 1e3 for n, d in by_name.most_common(TOP)},
@@ -78,22 +79,29 @@ def summarize_trace(path: Path) -> dict:
     )
 
 
-def compute_stream(streams: dict[str, list]) -> str:
-    """The compute stream: the one with the most kernels (copies launch few, large ones)."""
-    return max(streams, key=lambda s: len(streams[s]))
-
-
-def idle_by_length(streams: dict[str, list]) -> dict[str, float]:
-    """The compute stream's idle time between its first and last kernel, in milliseconds, summed by
-    stretch length (GAP_BUCKETS_MS): many short gaps are the host launching, long ones a wait."""
+def split_streams(streams: dict[str, list]) -> tuple[list[list[float]], list[list[float]]]:
+    """(the compute stream's busy runs, the other streams' together), each disjoint and in order.
+    The compute stream is the one with the most kernels (copies launch few, large ones)."""
     if not streams:
-        return {}
-    merged = union(streams[compute_stream(streams)])
+        return [], []
+    compute = max(streams, key=lambda s: len(streams[s]))
+    return union(streams[compute]), union(iv for s, ivs in streams.items() if s != compute for iv in ivs)
+
+
+def busy_within(runs: list[list[float]], a: float, b: float) -> float:
+    """Microseconds of the disjoint `runs` inside [a, b)."""
+    return sum(min(y, b) - max(x, a) for x, y in runs if x < b and y > a)
+
+
+def idle_by_length(compute: list[list[float]]) -> dict[str, float]:
+    """The compute stream's idle time between its first and last kernel (`compute`: its busy runs),
+    in milliseconds, summed by stretch length (GAP_BUCKETS_MS): many short gaps are the host
+    launching, long ones a wait."""
     edges = (0.0, *GAP_BUCKETS_MS, float("inf"))
     names = [f"<{hi:g}" if lo == 0 else f">={lo:g}" if hi == float("inf") else f"{lo:g}-{hi:g}"
              for lo, hi in zip(edges, edges[1:])]
     out = dict.fromkeys(names, 0.0)
-    for (_, b0), (a1, _) in zip(merged, merged[1:]):
+    for (_, b0), (a1, _) in zip(compute, compute[1:]):
         gap_ms = (a1 - b0) / 1e3
         out[next(n for n, hi in zip(names, edges[1:]) if gap_ms < hi)] += gap_ms
     out["total"] = sum(out.values())
@@ -106,47 +114,38 @@ def step_kind(label: str) -> str:
     return "decode" if runs and all(r.endswith("+1") for r in runs) else "mixed"
 
 
-def step_spans(streams: dict[str, list], steps: list[dict]) -> dict[str, dict]:
+def step_spans(others: list[list[float]], steps: list[dict]) -> dict[str, dict]:
     """The steps' GPU spans ('step: ...' gpu_user_annotation ranges) by kind, split by whether the
-    other streams (loads, saves) were busy for at least BESIDE of the span: count, median and
-    total milliseconds. A decode step slower beside copies than alone is one they slow down."""
-    if not streams:
-        return {}
-    compute = compute_stream(streams)
-    others = union(iv for s, ivs in streams.items() if s != compute for iv in ivs)
+    other streams (`others`: their busy runs; loads, saves) were busy for at least BESIDE of the
+    span: count, median and total milliseconds. A decode step slower beside copies than alone is
+    one they slow down."""
     groups: dict[str, list[float]] = defaultdict(list)
     for e in steps:
         if e.get("cat") != "gpu_user_annotation":
             continue
-        a, b = e["ts"], e["ts"] + e["dur"]
-        overlap = busy_us((max(x, a), min(y, b)) for x, y in others if x < b and y > a)
+        overlap = busy_within(others, e["ts"], e["ts"] + e["dur"])
         beside = "beside copies" if e["dur"] and overlap >= BESIDE * e["dur"] else "alone"
         groups[f"{step_kind(e['name'])}, {beside}"].append(e["dur"] / 1e3)
     return {k: dict(count=len(v), median_ms=sorted(v)[len(v) // 2], total_ms=sum(v))
             for k, v in sorted(groups.items())}
 
 
-def idle_gaps(streams: dict[str, list], steps: list[dict], start: float, min_ms: float = GAP_MS) -> list[dict]:
-    """The longest stretches (>= min_ms, at most TOP) in which the compute stream (the one with the
-    most kernels) ran nothing: where each began (ms into the window), how long it lasted, how busy
-    the other streams were meanwhile (loads, saves), and the engine's step label in flight (the
+def idle_gaps(compute: list[list[float]], others: list[list[float]], steps: list[dict], start: float,
+              min_ms: float = GAP_MS) -> list[dict]:
+    """The longest stretches (>= min_ms, at most TOP) between the compute stream's busy runs
+    (`compute`): where each began (ms into the window), how long it lasted, how busy the other
+    streams (`others`: loads, saves) were meanwhile, and the engine's step label in flight (the
     GPU span of a 'step: ...' range holding the gap's start, as Engine.label_steps names them; the
     last one begun on the host before it otherwise)."""
-    if not streams:
-        return []
-    compute = compute_stream(streams)
-    merged = union(streams[compute])
-    gaps = sorted(((b0, a1) for (_, b0), (a1, _) in zip(merged, merged[1:]) if a1 - b0 >= min_ms * 1e3),
+    gaps = sorted(((b0, a1) for (_, b0), (a1, _) in zip(compute, compute[1:]) if a1 - b0 >= min_ms * 1e3),
                   key=lambda g: g[0] - g[1])[:TOP]
     out = []
     for a, b in gaps:
-        others = busy_us([(max(x, a), min(y, b)) for s, iv in streams.items() if s != compute
-                          for x, y in iv if x < b and y > a])
         holding = [e for e in steps if e["ts"] <= a < e["ts"] + e["dur"] and e.get("cat") == "gpu_user_annotation"]
         begun = [e for e in steps if e["ts"] <= a and e.get("cat") != "gpu_user_annotation"]
         label = holding[-1]["name"] if holding else max(begun, key=lambda e: e["ts"])["name"] if begun else None
-        out.append(dict(at_ms=(a - start) / 1e3, gap_ms=(b - a) / 1e3, other_streams_busy_ms=others / 1e3,
-                        step=label))
+        out.append(dict(at_ms=(a - start) / 1e3, gap_ms=(b - a) / 1e3,
+                        other_streams_busy_ms=busy_within(others, a, b) / 1e3, step=label))
     return out
 
 
