@@ -12,8 +12,8 @@ Each against one contiguous copy of the same bytes (torch .copy_(non_blocking=Tr
 --repeats. GB/s = bytes copied / time.
 Programs: an h2d and a d2h move on at most G programs (copy_planes' `programs`; over PCIe its
 default is plane_copy.HOST_PROGRAMS_PER_SM of the SMs), alone and beside a decode step's linear
-layers (Llama-3.1-8B's, 8 rows, bf16, on another stream): the step's time beside the copy against
-alone, and the copy's GB/s meanwhile. Loads land while the server decodes; a copy that fills the
+layers (Llama-3.1-8B's, 8 rows, bf16, on another stream), and the copy engine's memcpy of the
+same bytes likewise: the step's time beside the copy against alone, and the copy's GB/s meanwhile. Loads land while the server decodes; a copy that fills the
 SMs slows the step it overlaps (H200, bench_rounds at b964e45: 22 ms against 6.6 ms).
 Writes benchmarks/results/bench_planes-<machine>.json (or --out DIR) and prints a table. Needs CUDA.
 """
@@ -207,13 +207,24 @@ def main() -> None:
                                        ("d2h", tables["vllm"], l1_slots, l2_table, l2_slots["scattered"])):
             def moves(src=src, ss=ss, dst=dst, ds=ds, cap=count or 1 << 30):  # 4 moves: they outlast the step
                 for _ in range(4):
-                    copy_planes(src, ss, dst, ds, programs=cap)
+                    plane_copy.copy_planes(src, ss, dst, ds, programs=cap)
             alone = cuda_times(moves, args.repeats)[1]
             step_beside, copies_beside = beside(step, moves, args.repeats)
             programs[f"{name} {label}"] = dict(
                 programs=count or None, GBps_alone=4 * nbytes / alone / 1e9,
                 GBps_beside_step=4 * nbytes / copies_beside / 1e9, step_ms_alone=step_alone * 1e3,
                 step_ms_beside=step_beside * 1e3, step_slowdown=step_beside / step_alone)
+    # the copy engine's own copy of the same bytes beside the step: what a move costs the step with no SMs
+    for name, dst_t, src_t in (("h2d", dev_flat, host_flat), ("d2h", host_flat, dev_flat)):
+        def memcpys(dst_t=dst_t, src_t=src_t):
+            for _ in range(4):
+                dst_t.copy_(src_t, non_blocking=True)
+        alone = cuda_times(memcpys, args.repeats)[1]
+        step_beside, copies_beside = beside(step, memcpys, args.repeats)
+        programs[f"{name} copy engine"] = dict(
+            programs=0, GBps_alone=4 * nbytes / alone / 1e9,
+            GBps_beside_step=4 * nbytes / copies_beside / 1e9, step_ms_alone=step_alone * 1e3,
+            step_ms_beside=step_beside * 1e3, step_slowdown=step_beside / step_alone)
     del step
 
     gbps = {k: {"best": nbytes / best / 1e9, "median": nbytes / median / 1e9} for k, (best, median) in seconds.items()}
