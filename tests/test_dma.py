@@ -1,7 +1,8 @@
-"""dma.copy on a CUDA GPU: plain and strided (2-D) copies between pinned host memory and the
-device, ordered on a side stream, bit for bit; a bad copy raises and leaves CUDA usable. And the
-staged-DMA moves built on it (transfer.BlockMover with DMA_MOVES on), over many staging chunks,
-scattered slots, groups of layers and a second thread, bit for bit."""
+"""dma.copy and dma.copy_batch on a CUDA GPU: plain, strided (2-D) and batched scattered copies
+between pinned host memory and the device, ordered on a side stream, bit for bit; a bad copy
+raises and leaves CUDA usable. And the staged-DMA moves built on them (transfer.BlockMover with
+DMA_MOVES on), over many staging chunks, scattered slots, groups of layers and a second thread,
+bit for bit."""
 
 from __future__ import annotations
 
@@ -46,6 +47,35 @@ def test_a_bad_copy_raises_and_cuda_stays_usable():
     with pytest.raises(RuntimeError, match="cudaMemcpy2DAsync"):
         dma.copy(dev.data_ptr(), dev.data_ptr(), 16, 2, dst_pitch=8, src_pitch=16)  # pitch < width
     assert (dev + 1).sum().item() == 16  # no sticky error for torch's next kernel
+
+
+def test_a_batch_of_scattered_copies_lands_bit_for_bit_both_ways():
+    assert dma.batched()  # torch's runtime (CUDA 12.8+) has cudaMemcpyBatchAsync
+    rows, row = 16, 8192
+    host = torch.randint(0, 256, (rows, row), dtype=torch.uint8).pin_memory()
+    dev = torch.zeros((rows, row), dtype=torch.uint8, device="cuda")
+    order = [5, 0, 11, 3, 14]  # host row order[i] -> device row i: bytes 1024..5120 of each
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())  # the zeros above are the default stream's work
+    dma.copy_batch([dev[i].data_ptr() + 1024 for i in range(len(order))],
+                   [host[r].data_ptr() + 1024 for r in order], [4096] * len(order), stream=stream.cuda_stream)
+    stream.synchronize()
+    want = torch.zeros_like(host)
+    want[: len(order), 1024:5120] = host[order, 1024:5120]
+    assert torch.equal(dev.cpu(), want)
+    back = torch.zeros_like(host).pin_memory()  # whole rows back, to the rows they came from
+    dma.copy_batch([back[r].data_ptr() for r in order], [dev[i].data_ptr() for i in range(len(order))],
+                   [row] * len(order), stream=stream.cuda_stream)
+    stream.synchronize()
+    want_back = torch.zeros_like(host)
+    want_back[order] = want[: len(order)]
+    assert torch.equal(back, want_back)
+    # the legacy default stream, which a batch refuses, gets one copy each
+    dma.copy_batch([dev[15].data_ptr()], [host[15].data_ptr()], [row], stream=0)
+    torch.cuda.synchronize()
+    assert torch.equal(dev[15].cpu(), host[15])
+    with pytest.raises(ValueError, match="as many destinations"):
+        dma.copy_batch([dev[0].data_ptr()], [host[0].data_ptr(), host[1].data_ptr()], [row], stream=0)
 
 
 @pytest.fixture

@@ -5,13 +5,14 @@ stream and are ordered among themselves (a slot written by one move and read by 
 needs no extra sync). A move goes one of two ways, whatever L1's layout (tierkv's own or an
 engine's registered buffers):
   staged DMA: one kernel gathers the blocks into a device staging buffer (or scatters them out of
-    it), and the copy engines move each run of neighbouring L2 slots in one DMA (dma.py), at the
-    speed of a pinned memcpy. Where L2 holds another format (an OffloadLayout: fp8 and scales)
+    it), and the copy engines move the rows between it and L2 in one batch of DMAs (dma.py): one
+    a run of neighbouring L2 slots, or one a block for a group of layers. They leave the SMs to
+    the compute stream. Where L2 holds another format (an OffloadLayout: fp8 and scales)
     the kernels also quantise and dequantise, so PCIe carries the small format. The buffer has
     two halves, and the kernels run on a stream of their own: a chunk's gather or scatter
     overlaps the next chunk's DMA (on one stream they took turns).
-  the GPU's own copy: where L2 is pinned in L1's format and the runs are short (scattered slots,
-    one layer at a time: below MIN_DMA_BYTES a DMA), one kernel (kernels.copy_planes) copies the
+  the GPU's own copy: where L2 is pinned in L1's format and a block's part is too narrow for a
+    DMA (one layer at a time: below MIN_DMA_ROW), one kernel (kernels.copy_planes) copies the
     blocks straight between the pools, reading and writing host memory through unified addressing.
 DMA_MOVES switches staged DMA off for L2 in L1's format. A load goes in groups of layers, each
 with its own event, so that attention can wait for its layer alone. On CPU a move is a plain
@@ -52,14 +53,17 @@ STAGING_BYTES = 256 * 2**20  # device staging buffer: big enough for full-speed 
 # Llama-3.1-8B block, is too narrow for one: the GPU copies it, at ~89% of a memcpy).
 LAYER_GROUPS = 4
 # Where L2 is pinned in L1's format, the GPU can copy the blocks itself through unified addressing
-# (one kernel however scattered the slots: ~89% of a pinned memcpy on the H200) or stage them for
-# the copy engines (one DMA per run of neighbouring L2 slots: ~memcpy speed when the runs are long).
-# Staged DMA is chosen when a DMA averages at least this many bytes (each DMA costs ~4 us beyond
-# its bytes on the H200: 512 KiB ones reach ~72% of a memcpy, the GPU's copy ~89%; bench_custom_engine
-# --compare-paths) ...
+# (one kernel however scattered the slots: ~89% of a pinned memcpy on the H200, ~62% host->device
+# on the H100) or stage them for the copy engines. The GPU's copy fills SMs the compute stream
+# needs: beside it a decode step's linears ran 1.2x (4 programs) to 24x (one per item) slower on
+# the H100, beside the copy engines' 1.03-1.07x (bench_planes at 5aaa4f8). So staged DMA is chosen
+# wherever each block's part is at least MIN_DMA_ROW long and the runtime batches DMAs (one call a
+# chunk, dma.copy_batch). Without batching, each DMA costs host time too (~4 us beyond its bytes on
+# the H200: 512 KiB ones reach ~72% of a memcpy; bench_custom_engine --compare-paths), so then
+# staged DMA needs the DMAs to average at least MIN_DMA_BYTES ...
 MIN_DMA_BYTES = 2**20
-MIN_DMA_ROW = 256 * 2**10  # ... and each block's part is at least this long: narrower strided rows
-# crawl (one layer of 64 KiB a block, 2-D D2H: ~35% of a memcpy)
+MIN_DMA_ROW = 256 * 2**10  # ... each block's part at least this long: narrower rows crawl (one
+# layer of 64 KiB a block, 2-D D2H: ~35% of a memcpy)
 # Staged DMA for L2 in L1's format (off: the GPU copies such blocks itself, ~89% of a memcpy).
 # It was off while tierkv-serve crashed with it; the cause was slot lists that the compute stream
 # reused (see _index), and the crash came with it off too.
@@ -156,6 +160,9 @@ class BlockMover:
         # moves whole packed rows (a layer's part of one is not where it is in L1's format)
         # (a head slice of a shared L2, HostPool.attach(heads=), is no run of whole rows: no DMA)
         self.dma = self.cuda and self.fmt is None and DMA_MOVES and dma.available() and l2.kv.is_contiguous()
+        # staged rows move as one batch of DMAs by address (dma.copy_batch) where L2's rows are
+        # addressable (any format); else torch's copies, one a run of whole rows
+        self.by_address = self.cuda and dma.available() and l2.kv.is_contiguous()
         if self.cuda:
             self.stream = torch.cuda.Stream(self.device)  # DMAs, and the GPU's own copies
             self.kernels = torch.cuda.Stream(self.device)  # a staged move's gathers and scatters
@@ -422,8 +429,12 @@ class BlockMover:
         if not self.dma:
             return False
         width = self._span(layers)[1]
+        if width < MIN_DMA_ROW:
+            return False
+        if dma.batched():  # one call a chunk, however scattered: the copy engines leave the SMs to compute
+            return True
         num_runs = 1 + sum(b != a + 1 for a, b in zip(l2_slots, l2_slots[1:]))
-        return width >= MIN_DMA_ROW and len(l2_slots) * width >= MIN_DMA_BYTES * num_runs
+        return len(l2_slots) * width >= MIN_DMA_BYTES * num_runs
 
     def _span(self, layers: range | None) -> tuple[int, int]:
         """(offset, length) in bytes, within one L2 block, of `layers` (None: the whole block)."""
@@ -434,24 +445,28 @@ class BlockMover:
         return layers.start * per_layer, len(layers) * per_layer
 
     def _dma(self, l2_slots: list[int], layers: range | None, to_l2: bool, base: int) -> None:
-        """Between staging rows base.. and L2 slots `l2_slots`: one DMA per run of neighbouring
-        slots, of `layers` of each block (a strided copy when that is not the whole block)."""
+        """Between staging rows base.. and L2 slots `l2_slots`: `layers` of each block (None: all),
+        in one batch of DMAs (dma.copy_batch): a copy per run of neighbouring slots where whole
+        blocks move, else a copy per block (a slice of its row)."""
         offset, width = self._span(layers)
         row = self.l2.layout.bytes_per_block
-        if width == row:  # whole blocks: torch's copies, one a run
-            assert offset == 0
+        if not self.by_address:
+            assert width == row, "a part of each block moves by staged DMA only"
             for pos, first, n in runs(l2_slots):
                 host, staged = self.l2.kv[first : first + n], self.staging[base + pos : base + pos + n]
                 (host if to_l2 else staged).copy_(staged if to_l2 else host, non_blocking=True)
             return
-        assert self.dma, "a part of each block moves by staged DMA only"
-        stream = torch.cuda.current_stream(self.device).cuda_stream  # strided: one cudaMemcpy2DAsync a run
         host, staged = self.l2.kv.data_ptr() + offset, self.staging.data_ptr() + offset + base * row
-        for pos, first, n in runs(l2_slots):
-            src, dst = staged + pos * row, host + first * row
-            if not to_l2:
-                src, dst = dst, src
-            dma.copy(dst, src, width, n, dst_pitch=row, src_pitch=row, stream=stream)
+        if width == row:
+            pieces = [(pos, first, n) for pos, first, n in runs(l2_slots)]
+        else:
+            pieces = [(pos, slot, 1) for pos, slot in enumerate(l2_slots)]
+        srcs = [staged + pos * row for pos, _, _ in pieces]
+        dsts = [host + first * row for _, first, _ in pieces]
+        if not to_l2:
+            srcs, dsts = dsts, srcs
+        dma.copy_batch(dsts, srcs, [n * width for _, _, n in pieces],
+                       stream=torch.cuda.current_stream(self.device).cuda_stream)
 
     def _d2h(self, l1_slots: list[int], l2_slots: list[int], l1_index: torch.Tensor,
              layers: range | None = None) -> torch.cuda.Stream:
