@@ -13,8 +13,9 @@ Each against one contiguous copy of the same bytes (torch .copy_(non_blocking=Tr
 Programs: an h2d and a d2h move on at most G programs (copy_planes' `programs`; over PCIe its
 default is plane_copy.HOST_PROGRAMS_PER_SM of the SMs), alone and beside a decode step's linear
 layers (Llama-3.1-8B's, 8 rows, bf16, on another stream), and the copy engine's memcpy of the
-same bytes likewise: the step's time beside the copy against alone, and the copy's GB/s meanwhile. Loads land while the server decodes; a copy that fills the
-SMs slows the step it overlaps (H200, bench_rounds at b964e45: 22 ms against 6.6 ms).
+same bytes likewise: the step's time beside the copy against alone, and the copy's GB/s
+meanwhile. Loads land while the server decodes; a copy that fills the SMs slows the step it
+overlaps (H200, bench_rounds at b964e45: 22 ms against 6.6 ms).
 Writes benchmarks/results/bench_planes-<machine>.json (or --out DIR) and prints a table. Needs CUDA.
 """
 

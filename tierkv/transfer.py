@@ -7,10 +7,13 @@ engine's registered buffers):
   staged DMA: one kernel gathers the blocks into a device staging buffer (or scatters them out of
     it), and the copy engines move the rows between it and L2 in one batch of DMAs (dma.py): one
     a run of neighbouring L2 slots, or one a block for a group of layers. They leave the SMs to
-    the compute stream. Where L2 holds another format (an OffloadLayout: fp8 and scales)
-    the kernels also quantise and dequantise, so PCIe carries the small format. The buffer has
-    two halves, and the kernels run on a stream of their own: a chunk's gather or scatter
-    overlaps the next chunk's DMA (on one stream they took turns).
+    the compute stream. Where L2 holds another format (an OffloadLayout: fp8 and scales) the
+    kernels also quantise and dequantise, so PCIe carries the small format. The buffer has two
+    halves, and the kernels run on a stream of their own: a chunk's gather or scatter overlaps
+    the next chunk's DMA (on one stream they took turns). A chunk fills a half with its blocks'
+    slices packed, so a chunk of a quarter of the layers holds four times the blocks of whole
+    ones: the host's work per chunk (bookkeeping, a batch call, a kernel launch) comes a
+    quarter as often.
   the GPU's own copy: where L2 is pinned in L1's format and a block's part is too narrow for a
     DMA (one layer at a time: below MIN_DMA_ROW), one kernel (kernels.copy_planes) copies the
     blocks straight between the pools, reading and writing host memory through unified addressing.
@@ -38,6 +41,7 @@ import torch
 
 from . import dma, kernels
 from .index_ring import IndexRing
+from .kernels import PlaneTable
 from .layout import OffloadLayout
 from .tiers import DevicePool, HostPool
 from .tiers.gpu import block_planes
@@ -163,6 +167,7 @@ class BlockMover:
         # staged rows move as one batch of DMAs by address (dma.copy_batch) where L2's rows are
         # addressable (any format); else torch's copies, one a run of whole rows
         self.by_address = self.cuda and dma.available() and l2.kv.is_contiguous()
+        self._staging_tables: dict[tuple, PlaneTable] = {}  # _staging_table's, by (layers, half)
         if self.cuda:
             self.stream = torch.cuda.Stream(self.device)  # DMAs, and the GPU's own copies
             self.kernels = torch.cuda.Stream(self.device)  # a staged move's gathers and scatters
@@ -205,13 +210,39 @@ class BlockMover:
         return torch.empty((n, *shape), dtype=dtype, device=self.device)
 
     @functools.cached_property
-    def _staging_planes(self):
-        return block_planes(self.staging)
+    def _half_bytes(self) -> int:
+        """Bytes of a half of the staging buffer (all of it when it holds one block). A staged
+        chunk fills one half, its blocks' slices packed from the half's start whatever part of
+        each block moves, so the two halves never overlap, whatever the parts a move mixes."""
+        return max(1, self.staging.shape[0] // 2) * self.l2.layout.bytes_per_block
 
-    @functools.cached_property
-    def chunk(self) -> int:
-        """Blocks a staged chunk holds: half the staging buffer (all of it when it holds one block)."""
-        return max(1, self.staging.shape[0] // 2)
+    def _chunk_blocks(self, layers: range | None) -> int:
+        """Blocks a staged chunk of `layers` of each block (None: all) holds: as many slices as
+        fit in a half (a group of a quarter of the layers: four times the whole blocks)."""
+        return self._half_bytes // self._span(layers)[1]
+
+    def _staging_table(self, layers: range | None, half: int) -> PlaneTable:
+        """The planes of half `half` of the staging buffer holding `layers` of each block (None:
+        all) packed from its start: [rows, len(layers), 2, bs, h, d] (L1's format). The table has
+        every plane of the model, so its plane numbers are L1's; a layer outside `layers` is
+        given the first one's place, never copied. Built once per (layers, half)."""
+        key = (None if layers is None else (layers.start, layers.stop), half)
+        table = self._staging_tables.get(key)
+        if table is None:
+            group = range(self.layers) if layers is None else layers
+            per_block = self._span(layers)[1] // self.staging.element_size()    # elements of a block's slice
+            start = half * self._half_bytes // self.staging.element_size()
+            rows = self._chunk_blocks(layers)
+            packed = self.staging.view(-1)[start : start + rows * per_block].view(
+                rows, len(group), *self.l1.layout.block_shape[1:])             # [rows, len(group), 2, bs, h, d]
+            table = self._staging_tables[key] = PlaneTable([packed[:, layer - group.start if layer in group else 0, c]
+                                                            for layer in range(self.layers) for c in (0, 1)])
+        return table
+
+    def _staged_blocks(self, half: int, n: int) -> torch.Tensor:
+        """The first n whole rows of half `half` of the staging buffer (moves of whole blocks)."""
+        first = half * self._half_bytes // self.l2.layout.bytes_per_block
+        return self.staging[first : first + n]
 
     def _blocks(self, n: int) -> torch.Tensor:
         """Scratch blocks [n, layers, 2, bs, h, d] in L1's dtype on the device."""
@@ -262,7 +293,7 @@ class BlockMover:
             return self._on_stream(self._bytes(l1_slots, layers), [lambda: kernels.copy_planes(
                 self.l1.planes, self._index(l1_slots), self.l2_planes, self._index(l2_slots), _planes(layers))])
         assert layers is None or self.fmt is None, "L2 in another format than L1 is written whole blocks at a time"
-        cap, index = self.chunk, self._index(l1_slots)
+        cap, index = self._chunk_blocks(layers), self._index(l1_slots)
         return self._on_stream(self._bytes(l1_slots, layers), [
             lambda i=i: self._d2h(l1_slots[i : i + cap], l2_slots[i : i + cap], index[i : i + cap], layers)
             for i in range(0, len(l1_slots), cap)])
@@ -302,12 +333,15 @@ class BlockMover:
                 for g in groups], starts=[g.start for g in groups])
         if not self.dma:
             groups = [None]  # whole blocks: packed rows (fp8), or torch's copies of a pageable L2
-        cap, index = self.chunk, self._index(l1_slots)
-        chunks = [(l2_slots[i : i + cap], l1_slots[i : i + cap], index[i : i + cap])
-                  for i in range(0, len(l1_slots), cap)]
+        index = self._index(l1_slots)
         # Group by group, so that layer l's attention waits only for its group's DMAs and scatters
-        launches = [lambda c=c, g=g: self._h2d(*chunks[c], g) for g in groups for c in range(len(chunks))]
-        starts = [0 if g is None else g.start for g in groups for _ in chunks]
+        launches, starts = [], []
+        for g in groups:
+            cap = self._chunk_blocks(g)
+            for i in range(0, len(l1_slots), cap):
+                launches.append(lambda g=g, i=i, cap=cap: self._h2d(
+                    l2_slots[i : i + cap], l1_slots[i : i + cap], index[i : i + cap], g))
+                starts.append(0 if g is None else g.start)
         return self._on_stream(nbytes, launches, starts=starts if groups[0] is not None else None)
 
     def read_l2(self, l2_slots: list[int]) -> torch.Tensor:
@@ -401,8 +435,8 @@ class BlockMover:
         return self.last
 
     def _staged(self, fill, drain, to_l2: bool) -> torch.cuda.Stream:
-        """One chunk through a half of the staging buffer: `fill(first_row)` writes the half,
-        `drain(first_row)` reads it. Towards L2 the kernels' stream fills (gather) and the copy
+        """One chunk through a half of the staging buffer: `fill(half)` writes the half,
+        `drain(half)` reads it. Towards L2 the kernels' stream fills (gather) and the copy
         stream drains (DMA); towards L1 the other way round. A half is filled again only after
         the chunk before in it was drained. Returns the stream the chunk ends on."""
         half = self._chunks % 2 if self.staging.shape[0] > 1 else 0
@@ -411,18 +445,19 @@ class BlockMover:
         if self._free[half] is not None:
             first.wait_event(self._free[half])
         with torch.cuda.stream(first):
-            fill(half * self.chunk)
+            fill(half)
         then.wait_stream(first)
         with torch.cuda.stream(then):
-            drain(half * self.chunk)
+            drain(half)
         self._free[half] = torch.cuda.Event()
         self._free[half].record(then)
         return then
 
     @functools.cached_property
     def _rows(self) -> torch.Tensor:
-        """[cap] int64 on the device: the staging rows 0..cap-1, for the scatter and gather kernels."""
-        return self._index(range(self.staging.shape[0]))
+        """[cap] int64 on the device: rows 0..cap-1 of a half of the staging buffer, for the scatter
+        and gather kernels; cap: the most a half holds, one layer of each block."""
+        return self._index(range(self._chunk_blocks(range(1))))
 
     def _dma_pays(self, l2_slots: list[int], layers: range | None) -> bool:
         """Whether staged DMA beats the GPU's own copy for these slots (see MIN_DMA_BYTES)."""
@@ -444,29 +479,35 @@ class BlockMover:
         per_layer = row // self.layers  # L2 in L1's format: [layers, 2, bs, h, d] per block
         return layers.start * per_layer, len(layers) * per_layer
 
-    def _dma(self, l2_slots: list[int], layers: range | None, to_l2: bool, base: int) -> None:
-        """Between staging rows base.. and L2 slots `l2_slots`: `layers` of each block (None: all),
-        in one batch of DMAs (dma.copy_batch): a copy per run of neighbouring slots where whole
-        blocks move, else a copy per block (a slice of its row)."""
+    def _dma(self, l2_slots: list[int], layers: range | None, to_l2: bool, half: int) -> None:
+        """Between half `half` of the staging buffer and L2 slots `l2_slots`: `layers` of each
+        block (None: all), in one batch of DMAs (dma.copy_batch)."""
+        if not self.by_address:  # whole rows only: torch's copies, one a run
+            assert layers is None or self._span(layers)[1] == self.l2.layout.bytes_per_block
+            staged = self._staged_blocks(half, len(l2_slots))
+            for pos, first, n in runs(l2_slots):
+                host, rows = self.l2.kv[first : first + n], staged[pos : pos + n]
+                (host if to_l2 else rows).copy_(rows if to_l2 else host, non_blocking=True)
+            return
+        dsts, srcs, sizes = self._dma_copies(l2_slots, layers, to_l2, half)
+        dma.copy_batch(dsts, srcs, sizes, stream=torch.cuda.current_stream(self.device).cuda_stream)
+
+    def _dma_copies(self, l2_slots: list[int], layers: range | None, to_l2: bool,
+                    half: int) -> tuple[list[int], list[int], list[int]]:
+        """(destination addresses, source addresses, sizes) of the DMAs between half `half` of the
+        staging buffer, where the chunk's slices lie packed in order, and their L2 blocks: one a
+        run of neighbouring slots where whole blocks move, else one a block (a slice of its row)."""
         offset, width = self._span(layers)
         row = self.l2.layout.bytes_per_block
-        if not self.by_address:
-            assert width == row, "a part of each block moves by staged DMA only"
-            for pos, first, n in runs(l2_slots):
-                host, staged = self.l2.kv[first : first + n], self.staging[base + pos : base + pos + n]
-                (host if to_l2 else staged).copy_(staged if to_l2 else host, non_blocking=True)
-            return
-        host, staged = self.l2.kv.data_ptr() + offset, self.staging.data_ptr() + offset + base * row
+        host, staged = self.l2.kv.data_ptr() + offset, self.staging.data_ptr() + half * self._half_bytes
         if width == row:
-            pieces = [(pos, first, n) for pos, first, n in runs(l2_slots)]
+            pieces = list(runs(l2_slots))
         else:
             pieces = [(pos, slot, 1) for pos, slot in enumerate(l2_slots)]
-        srcs = [staged + pos * row for pos, _, _ in pieces]
-        dsts = [host + first * row for _, first, _ in pieces]
-        if not to_l2:
-            srcs, dsts = dsts, srcs
-        dma.copy_batch(dsts, srcs, [n * width for _, _, n in pieces],
-                       stream=torch.cuda.current_stream(self.device).cuda_stream)
+        on_device = [staged + pos * width for pos, _, _ in pieces]
+        in_l2 = [host + first * row for _, first, _ in pieces]
+        sizes = [n * width for _, _, n in pieces]
+        return (in_l2, on_device, sizes) if to_l2 else (on_device, in_l2, sizes)
 
     def _d2h(self, l1_slots: list[int], l2_slots: list[int], l1_index: torch.Tensor,
              layers: range | None = None) -> torch.cuda.Stream:
@@ -474,34 +515,34 @@ class BlockMover:
         carries packed rows)."""
         n = len(l1_slots)
 
-        def gather(base: int) -> None:
-            staged = self.staging[base : base + n]
-            if self.fmt is None:  # gathered into staging blocks
-                kernels.copy_planes(self.l1.planes, l1_index, self._staging_planes, self._rows[base : base + n],
+        def gather(half: int) -> None:
+            staged = self._staged_blocks(half, n)
+            if self.fmt is None:  # gathered into the half, each block's slice packed
+                kernels.copy_planes(self.l1.planes, l1_index, self._staging_table(layers, half), self._rows[:n],
                                     _planes(layers))
             elif self.l1.kv is not None:
                 kernels.gather_quantize_fp8(self.l1.kv, l1_index, self.fmt.payload(staged), self.fmt.scales(staged))
             else:  # an engine's own layout: gathered into tierkv's block layout first
                 self._encode(self.l1.read(l1_slots), staged)
 
-        return self._staged(gather, lambda base: self._dma(l2_slots, layers, True, base), to_l2=True)
+        return self._staged(gather, lambda half: self._dma(l2_slots, layers, True, half), to_l2=True)
 
     def _h2d(self, l2_slots: list[int], l1_slots: list[int], l1_index: torch.Tensor,
              layers: range | None) -> torch.cuda.Stream:
         """One staged chunk L2 -> L1 (`layers` of each block, where L2 holds L1's format)."""
         n = len(l1_slots)
 
-        def scatter(base: int) -> None:
-            staged = self.staging[base : base + n]
+        def scatter(half: int) -> None:
+            staged = self._staged_blocks(half, n)
             if self.fmt is None:
-                kernels.copy_planes(self._staging_planes, self._rows[base : base + n], self.l1.planes, l1_index,
+                kernels.copy_planes(self._staging_table(layers, half), self._rows[:n], self.l1.planes, l1_index,
                                     _planes(layers))
             elif self.l1.kv is not None:  # dequantised on the device, straight into the L1 slots
                 kernels.dequantize_scatter_fp8(self.fmt.payload(staged), self.fmt.scales(staged), self.l1.kv, l1_index)
             else:
                 self.l1.write(l1_slots, self._decode(staged))
 
-        return self._staged(lambda base: self._dma(l2_slots, layers, False, base), scatter, to_l2=False)
+        return self._staged(lambda half: self._dma(l2_slots, layers, False, half), scatter, to_l2=False)
 
 
 def layer_groups(num_layers: int) -> list[int]:
