@@ -273,6 +273,12 @@ async def session(a, url: str, vocab: int, rounds, probes, tier: dict, h2d: floa
                 for kind, span in summary.get("step_spans", {}).items():
                     print(f"    {kind}: {span['count']} steps, median {span['median_ms']:.1f} ms, "
                           f"{span['total_ms']:.0f} ms in all", flush=True)
+                host = summary.get("host_in_compute_gaps")
+                if host:
+                    calls = ", ".join(f"{n} {c['count']}x {c['ms']:.1f} ms"
+                                      for n, c in list(host["cuda_calls"].items())[:4])
+                    print(f"    compute idle >= 1 ms: {host['gaps_ms']:.0f} ms, the engine thread in no traced op "
+                          f"{host['untraced_ms']:.0f} ms; CUDA calls then: {calls}", flush=True)
                 for gap in summary.get("compute_idle_gaps", [])[:4]:
                     print(f"    compute idle {gap['gap_ms']:.1f} ms at {gap['at_ms']:.0f} ms (other streams busy "
                           f"{gap['other_streams_busy_ms']:.1f} ms) in {gap['step']}", flush=True)

@@ -60,6 +60,24 @@ def test_a_trace_summary_lists_the_compute_streams_idle_stretches(tmp_path):
     assert summary["step_spans"] == {"decode, beside copies": dict(count=1, median_ms=12.0, total_ms=12.0)}
 
 
+def test_the_hosts_doings_while_the_compute_stream_idles(tmp_path):
+    """The compute stream idles 9 ms (1-10) and 0.5 ms (11-11.5); inside the first, the engine
+    thread (tid 1) runs an op for 1 ms, a batch copy call and half of a launch; the call in the
+    short stretch is not counted; the rest of the 9 ms it is in no traced op or call."""
+    def ev(name, ts_ms, dur_ms, cat, **where):
+        return {"ph": "X", "name": name, "cat": cat, "ts": ts_ms * 1e3, "dur": dur_ms * 1e3, **where}
+
+    events = [ev("gemm", t, d, "kernel", args={"stream": 7}) for t, d in ((0, 1), (10, 1), (11.5, 0.5))]
+    events += [ev("aten::mm", 2, 1, "cpu_op", tid=1), ev("INVALID", 4, 0.5, "cuda_runtime", tid=1),
+               ev("cudaLaunchKernel", 9.5, 1, "cuda_runtime", tid=1),
+               ev("cudaEventQuery", 11.1, 0.2, "cuda_runtime", tid=1)]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    host = summarize_trace(path)["host_in_compute_gaps"]
+    assert host["gaps_ms"] == 9.0 and host["untraced_ms"] == 7.0
+    assert host["cuda_calls"] == {"INVALID": dict(count=1, ms=0.5), "cudaLaunchKernel": dict(count=1, ms=0.5)}
+
+
 def test_step_spans_split_decode_from_mixed_and_alone_from_beside_copies(tmp_path):
     def ev(name, ts_ms, dur_ms, cat="gpu_user_annotation", stream=7):
         return {"ph": "X", "name": name, "cat": cat, "ts": ts_ms * 1e3, "dur": dur_ms * 1e3,

@@ -6,7 +6,10 @@ what the other streams did meanwhile and the engine's step in flight (its label:
 ran, those loading); the steps' GPU spans by kind (decode or mixed) and by whether a copy ran
 beside them (do loads slow the steps they overlap?); and on the
 busiest CPU thread (the engine's) the share of the window it spent inside ops and the ops that
-took longest (inclusive: an op's time counts in its callers too). It reads a
+took longest (inclusive: an op's time counts in its callers too), and what it did while the
+compute stream idled: the CUDA calls it made then (torch's profiler names calls it does not
+know "INVALID": cudaMemcpyBatchAsync on torch 2.11) and the time it spent in no traced op or
+call (Python: the scheduler, the cache, ctypes). It reads a
 trace file (`keep_trace` copies one out of the server's folder first) and never talks to a server.
 """
 
@@ -23,6 +26,8 @@ TOP = 12
 GAP_MS = 5.0  # a compute-stream idle stretch worth listing: most of a decode step
 GAP_BUCKETS_MS = (0.1, 1.0, GAP_MS)  # idle stretches summed by length: launch gaps .. waits for the host
 BESIDE = 0.25  # a step ran beside copies when other streams were busy for this share of its GPU span
+HOST_GAP_MS = 1.0  # compute-stream idle stretches this long or longer: the host's doings in them
+CUDA_CALLS = ("cuda_runtime", "cuda_driver")
 
 
 def union(intervals) -> list[list[float]]:
@@ -65,11 +70,13 @@ def summarize_trace(path: Path) -> dict:
         ops[e["name"][:100]] += e["dur"]
     steps = [e for e in events if e.get("name", "").startswith("step: ")]
     compute, others = split_streams(streams)
+    engine_calls = [e for e in events if e.get("tid") == engine_tid and e.get("cat") in ("cpu_op", *CUDA_CALLS)]
     return dict(
         window_ms=window / 1e3,
         compute_idle_ms=idle_by_length(compute) if compute else {},
         compute_idle_gaps=idle_gaps(compute, others, steps, start) if compute else [],
         step_spans=step_spans(others, steps) if compute else {},
+        host_in_compute_gaps=host_in_gaps(compute, engine_calls) if compute else {},
         gpu_busy_fraction=busy_us([(e["ts"], e["ts"] + e["dur"]) for e in gpu]) / window,
         stream_busy_fraction={s: busy_us(iv) / window for s, iv in sorted(streams.items())},
         top_gpu_ms={n: d / 1e3 for n, d in by_name.most_common(TOP)},
@@ -147,6 +154,28 @@ def idle_gaps(compute: list[list[float]], others: list[list[float]], steps: list
         out.append(dict(at_ms=(a - start) / 1e3, gap_ms=(b - a) / 1e3,
                         other_streams_busy_ms=busy_within(others, a, b) / 1e3, step=label))
     return out
+
+
+def host_in_gaps(compute: list[list[float]], engine: list[dict]) -> dict:
+    """What the engine thread (`engine`: its cpu ops and CUDA calls) did while the compute stream
+    (`compute`: its busy runs) idled for HOST_GAP_MS or more: those stretches' total, the CUDA
+    calls inside them by name (count, milliseconds inside the stretches), and the milliseconds the
+    thread spent in no traced op or call (its Python). A host that keeps the GPU waiting shows here."""
+    gaps = [(b0, a1) for (_, b0), (a1, _) in zip(compute, compute[1:]) if a1 - b0 >= HOST_GAP_MS * 1e3]
+    calls: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for e in engine:
+        if e.get("cat") not in CUDA_CALLS:
+            continue
+        inside = sum(busy_within([[e["ts"], e["ts"] + e["dur"]]], a, b) for a, b in gaps)
+        if inside > 0:
+            calls[e["name"]][0] += 1
+            calls[e["name"]][1] += inside / 1e3
+    traced = union((e["ts"], e["ts"] + e["dur"]) for e in engine)
+    gap_us = sum(b - a for a, b in gaps)
+    longest = sorted(calls.items(), key=lambda kv: -kv[1][1])[:TOP]
+    return dict(gaps_ms=gap_us / 1e3,
+                untraced_ms=(gap_us - sum(busy_within(traced, a, b) for a, b in gaps)) / 1e3,
+                cuda_calls={n: dict(count=c, ms=ms) for n, (c, ms) in longest})
 
 
 def keep_trace(trace: Path | str, trace_to: Path) -> dict:
