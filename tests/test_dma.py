@@ -88,7 +88,7 @@ def staged_dma(monkeypatch):
     monkeypatch.setattr(transfer, "STAGING_BYTES", 5 * layout.bytes_per_block)
     l1, l2 = DevicePool(layout, 64, "cuda"), HostPool(layout, 96, pin=True)
     mover = transfer.BlockMover(l1, l2)
-    assert mover.dma and mover.staging.shape[0] == 5
+    assert mover.dma and mover.staging.tensor.shape[0] == 5
     return l1, l2, mover
 
 

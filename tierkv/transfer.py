@@ -11,8 +11,8 @@ engine's registered buffers):
     kernels also quantise and dequantise, so PCIe carries the small format. The buffer has two
     halves, and the kernels run on a stream of their own: a chunk's gather or scatter overlaps
     the next chunk's DMA (on one stream they took turns). A chunk fills a half with its blocks'
-    slices packed, so a chunk of a quarter of the layers holds four times the blocks of whole
-    ones: the host's work per chunk (bookkeeping, a batch call, a kernel launch) comes a
+    parts packed (staging.py), so a chunk of a quarter of the layers holds four times the blocks
+    of whole ones: the host's work per chunk (bookkeeping, a batch call, a kernel launch) comes a
     quarter as often.
   the GPU's own copy: where L2 is pinned in L1's format and a block's part is too narrow for a
     DMA (one layer at a time: below MIN_DMA_ROW), one kernel (kernels.copy_planes) copies the
@@ -35,14 +35,14 @@ import functools
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
 from . import dma, kernels
 from .index_ring import IndexRing
-from .kernels import PlaneTable
 from .layout import OffloadLayout
+from .staging import StagingBuffer, layer_span, runs
 from .tiers import DevicePool, HostPool
 from .tiers.gpu import block_planes
 
@@ -129,15 +129,6 @@ def in_flight(transfers: Iterable[Transfer | None]) -> list[Transfer]:
     return [t for t in dict.fromkeys(t for t in transfers if t is not None) if not t.done()]
 
 
-def runs(slots: list[int]) -> Iterator[tuple[int, int, int]]:
-    """Split `slots` into runs of consecutive numbers: yields (position in slots, first slot, length)."""
-    start = 0
-    for i in range(1, len(slots) + 1):
-        if i == len(slots) or slots[i] != slots[i - 1] + 1:
-            yield start, slots[start], i - start
-            start = i
-
-
 class BlockMover:
     def __init__(self, l1: DevicePool, l2: HostPool, warm_up: bool = True) -> None:
         """`warm_up`: compile the copy kernels now by copying slot 0 both ways (the first L2 hit
@@ -167,7 +158,6 @@ class BlockMover:
         # staged rows move as one batch of DMAs by address (dma.copy_batch) where L2's rows are
         # addressable (any format); else torch's copies, one a run of whole rows
         self.by_address = self.cuda and dma.available() and l2.kv.is_contiguous()
-        self._staging_tables: dict[tuple, PlaneTable] = {}  # _staging_table's, by (layers, half)
         if self.cuda:
             self.stream = torch.cuda.Stream(self.device)  # DMAs, and the GPU's own copies
             self.kernels = torch.cuda.Stream(self.device)  # a staged move's gathers and scatters
@@ -193,7 +183,7 @@ class BlockMover:
             if self.dma:
                 launches.append(lambda: self._h2d([0], [0], zero, range(0, 1)))
         if self.fmt is not None:
-            out = self.staging[:1]
+            out = self.staging.tensor[:1]
             launches += [  # to_host, read_l2
                 lambda: kernels.quantize_fp8(self._blocks(1), self.fmt.payload(out), self.fmt.scales(out)),
                 lambda: kernels.dequantize_fp8(self.fmt.payload(out), self.fmt.scales(out), self._blocks(1))]
@@ -201,53 +191,16 @@ class BlockMover:
         if self.dma:  # the staging tables of the loads' groups: building one copies its pointers
             bounds = [*layer_groups(self.layers), self.layers]  # to the device, a wait mid-move
             for a, b in zip(bounds, bounds[1:]):
-                for half in range(2 if self.staging.shape[0] > 1 else 1):  # (one block: one half)
-                    self._staging_table(range(a, b), half)
+                for half in range(self.staging.halves):
+                    self.staging.table(range(a, b), half)
         self._timings.clear()  # compile time is no bandwidth sample
         self.last = DONE
 
     @functools.cached_property
-    def staging(self) -> torch.Tensor:
-        """The device side of every DMA between the pools: packed rows [n, bytes_per_block] uint8
-        when L2 holds fp8, else blocks [n, layers, 2, bs, h, d]."""
-        shape, dtype = self.l2.layout.block_storage
+    def staging(self) -> StagingBuffer:
+        """The device side of every staged DMA between the pools (staging.py)."""
         n = max(1, min(self.l1.num_blocks, STAGING_BYTES // self.l2.layout.bytes_per_block))
-        return torch.empty((n, *shape), dtype=dtype, device=self.device)
-
-    @functools.cached_property
-    def _half_bytes(self) -> int:
-        """Bytes of a half of the staging buffer (all of it when it holds one block). A staged
-        chunk fills one half, its blocks' slices packed from the half's start whatever part of
-        each block moves, so the two halves never overlap, whatever the parts a move mixes."""
-        return max(1, self.staging.shape[0] // 2) * self.l2.layout.bytes_per_block
-
-    def _chunk_blocks(self, layers: range | None) -> int:
-        """Blocks a staged chunk of `layers` of each block (None: all) holds: as many slices as
-        fit in a half (a group of a quarter of the layers: four times the whole blocks)."""
-        return self._half_bytes // self._span(layers)[1]
-
-    def _staging_table(self, layers: range | None, half: int) -> PlaneTable:
-        """The planes of half `half` of the staging buffer holding `layers` of each block (None:
-        all) packed from its start: [rows, len(layers), 2, bs, h, d] (L1's format). The table has
-        every plane of the model, so its plane numbers are L1's; a layer outside `layers` is
-        given the first one's place, never copied. Built once per (layers, half)."""
-        key = (None if layers is None else (layers.start, layers.stop), half)
-        table = self._staging_tables.get(key)
-        if table is None:
-            group = range(self.layers) if layers is None else layers
-            per_block = self._span(layers)[1] // self.staging.element_size()    # elements of a block's slice
-            start = half * self._half_bytes // self.staging.element_size()
-            rows = self._chunk_blocks(layers)
-            packed = self.staging.view(-1)[start : start + rows * per_block].view(
-                rows, len(group), *self.l1.layout.block_shape[1:])             # [rows, len(group), 2, bs, h, d]
-            table = self._staging_tables[key] = PlaneTable([packed[:, layer - group.start if layer in group else 0, c]
-                                                            for layer in range(self.layers) for c in (0, 1)])
-        return table
-
-    def _staged_blocks(self, half: int, n: int) -> torch.Tensor:
-        """The first n whole rows of half `half` of the staging buffer (moves of whole blocks)."""
-        first = half * self._half_bytes // self.l2.layout.bytes_per_block
-        return self.staging[first : first + n]
+        return StagingBuffer(self.l1.layout, self.l2.layout, n, self.device)
 
     def _blocks(self, n: int) -> torch.Tensor:
         """Scratch blocks [n, layers, 2, bs, h, d] in L1's dtype on the device."""
@@ -298,7 +251,7 @@ class BlockMover:
             return self._on_stream(self._bytes(l1_slots, layers), [lambda: kernels.copy_planes(
                 self.l1.planes, self._index(l1_slots), self.l2_planes, self._index(l2_slots), _planes(layers))])
         assert layers is None or self.fmt is None, "L2 in another format than L1 is written whole blocks at a time"
-        cap, index = self._chunk_blocks(layers), self._index(l1_slots)
+        cap, index = self.staging.chunk_blocks(layers), self._index(l1_slots)
         return self._on_stream(self._bytes(l1_slots, layers), [
             lambda i=i: self._d2h(l1_slots[i : i + cap], l2_slots[i : i + cap], index[i : i + cap], layers)
             for i in range(0, len(l1_slots), cap)])
@@ -342,7 +295,7 @@ class BlockMover:
         # Group by group, so that layer l's attention waits only for its group's DMAs and scatters
         launches, starts = [], []
         for g in groups:
-            cap = self._chunk_blocks(g)
+            cap = self.staging.chunk_blocks(g)
             for i in range(0, len(l1_slots), cap):
                 launches.append(lambda g=g, i=i, cap=cap: self._h2d(
                     l2_slots[i : i + cap], l1_slots[i : i + cap], index[i : i + cap], g))
@@ -360,7 +313,7 @@ class BlockMover:
                 kernels.copy_planes(self.l2_planes, self._index(l2_slots), block_planes(out),
                                     self._index(range(len(l2_slots))))
             else:  # packed blocks land in `rows` first and are dequantised into `out` on the copy stream
-                rows = torch.empty((len(l2_slots), *self.staging.shape[1:]), dtype=self.staging.dtype,
+                rows = torch.empty((len(l2_slots), *self.staging.tensor.shape[1:]), dtype=self.staging.tensor.dtype,
                                    device=self.device)
                 for pos, first, n in runs(l2_slots):
                     rows[pos : pos + n].copy_(self.l2.kv[first : first + n], non_blocking=True)
@@ -444,7 +397,7 @@ class BlockMover:
         `drain(half)` reads it. Towards L2 the kernels' stream fills (gather) and the copy
         stream drains (DMA); towards L1 the other way round. A half is filled again only after
         the chunk before in it was drained. Returns the stream the chunk ends on."""
-        half = self._chunks % 2 if self.staging.shape[0] > 1 else 0
+        half = self._chunks % self.staging.halves
         self._chunks += 1
         first, then = (self.kernels, self.stream) if to_l2 else (self.stream, self.kernels)
         if self._free[half] is not None:
@@ -462,13 +415,13 @@ class BlockMover:
     def _rows(self) -> torch.Tensor:
         """[cap] int64 on the device: rows 0..cap-1 of a half of the staging buffer, for the scatter
         and gather kernels; cap: the most a half holds, one layer of each block."""
-        return self._index(range(self._chunk_blocks(range(1))))
+        return self._index(range(self.staging.chunk_blocks(range(1))))
 
     def _dma_pays(self, l2_slots: list[int], layers: range | None) -> bool:
         """Whether staged DMA beats the GPU's own copy for these slots (see MIN_DMA_BYTES)."""
         if not self.dma:
             return False
-        width = self._span(layers)[1]
+        width = layer_span(layers, self.layers, self.l2.layout.bytes_per_block)[1]
         if width < MIN_DMA_ROW:
             return False
         if dma.batched():  # one call a chunk, however scattered: the copy engines leave the SMs to compute
@@ -476,43 +429,18 @@ class BlockMover:
         num_runs = 1 + sum(b != a + 1 for a, b in zip(l2_slots, l2_slots[1:]))
         return len(l2_slots) * width >= MIN_DMA_BYTES * num_runs
 
-    def _span(self, layers: range | None) -> tuple[int, int]:
-        """(offset, length) in bytes, within one L2 block, of `layers` (None: the whole block)."""
-        row = self.l2.layout.bytes_per_block
-        if layers is None:
-            return 0, row
-        per_layer = row // self.layers  # L2 in L1's format: [layers, 2, bs, h, d] per block
-        return layers.start * per_layer, len(layers) * per_layer
-
     def _dma(self, l2_slots: list[int], layers: range | None, to_l2: bool, half: int) -> None:
         """Between half `half` of the staging buffer and L2 slots `l2_slots`: `layers` of each
         block (None: all), in one batch of DMAs (dma.copy_batch)."""
         if not self.by_address:  # whole rows only: torch's copies, one a run
-            assert layers is None or self._span(layers)[1] == self.l2.layout.bytes_per_block
-            staged = self._staged_blocks(half, len(l2_slots))
+            assert layers is None or self.staging.span(layers)[1] == self.staging.row
+            staged = self.staging.rows(half, len(l2_slots))
             for pos, first, n in runs(l2_slots):
                 host, rows = self.l2.kv[first : first + n], staged[pos : pos + n]
                 (host if to_l2 else rows).copy_(rows if to_l2 else host, non_blocking=True)
             return
-        dsts, srcs, sizes = self._dma_copies(l2_slots, layers, to_l2, half)
+        dsts, srcs, sizes = self.staging.copies(self.l2.kv, l2_slots, layers, to_l2, half)
         dma.copy_batch(dsts, srcs, sizes, stream=torch.cuda.current_stream(self.device).cuda_stream)
-
-    def _dma_copies(self, l2_slots: list[int], layers: range | None, to_l2: bool,
-                    half: int) -> tuple[list[int], list[int], list[int]]:
-        """(destination addresses, source addresses, sizes) of the DMAs between half `half` of the
-        staging buffer, where the chunk's slices lie packed in order, and their L2 blocks: one a
-        run of neighbouring slots where whole blocks move, else one a block (a slice of its row)."""
-        offset, width = self._span(layers)
-        row = self.l2.layout.bytes_per_block
-        host, staged = self.l2.kv.data_ptr() + offset, self.staging.data_ptr() + half * self._half_bytes
-        if width == row:
-            pieces = list(runs(l2_slots))
-        else:
-            pieces = [(pos, slot, 1) for pos, slot in enumerate(l2_slots)]
-        on_device = [staged + pos * width for pos, _, _ in pieces]
-        in_l2 = [host + first * row for _, first, _ in pieces]
-        sizes = [n * width for _, _, n in pieces]
-        return (in_l2, on_device, sizes) if to_l2 else (on_device, in_l2, sizes)
 
     def _d2h(self, l1_slots: list[int], l2_slots: list[int], l1_index: torch.Tensor,
              layers: range | None = None) -> torch.cuda.Stream:
@@ -521,9 +449,9 @@ class BlockMover:
         n = len(l1_slots)
 
         def gather(half: int) -> None:
-            staged = self._staged_blocks(half, n)
+            staged = self.staging.rows(half, n)
             if self.fmt is None:  # gathered into the half, each block's slice packed
-                kernels.copy_planes(self.l1.planes, l1_index, self._staging_table(layers, half), self._rows[:n],
+                kernels.copy_planes(self.l1.planes, l1_index, self.staging.table(layers, half), self._rows[:n],
                                     _planes(layers))
             elif self.l1.kv is not None:
                 kernels.gather_quantize_fp8(self.l1.kv, l1_index, self.fmt.payload(staged), self.fmt.scales(staged))
@@ -538,9 +466,9 @@ class BlockMover:
         n = len(l1_slots)
 
         def scatter(half: int) -> None:
-            staged = self._staged_blocks(half, n)
+            staged = self.staging.rows(half, n)
             if self.fmt is None:
-                kernels.copy_planes(self._staging_table(layers, half), self._rows[:n], self.l1.planes, l1_index,
+                kernels.copy_planes(self.staging.table(layers, half), self._rows[:n], self.l1.planes, l1_index,
                                     _planes(layers))
             elif self.l1.kv is not None:  # dequantised on the device, straight into the L1 slots
                 kernels.dequantize_scatter_fp8(self.fmt.payload(staged), self.fmt.scales(staged), self.l1.kv, l1_index)
