@@ -162,6 +162,39 @@ def test_dispatch_env_forces_triton(tk, monkeypatch):
     assert _same(dst, want)
 
 
+@pytest.mark.parametrize("layers,half", [(None, 1), (range(1, 3), 0), (range(1, 3), 1), (range(2, 3), 1)],
+                         ids=["whole-half1", "group-half0", "group-half1", "layer-half1"])
+@pytest.mark.parametrize("l1_layout", ["tierkv_l1", "vllm"])
+def test_triton_gathers_into_and_scatters_out_of_a_packed_staging_half(tk, layers, half, l1_layout):
+    """The staged path's tables (tierkv/staging.py: a half of the buffer, each block's part of
+    `layers` packed): the kernel gathers L1 blocks into one and scatters them back out, bit for
+    bit as the reference, and writes nothing outside the half's parts."""
+    from tierkv.layout import KVLayout
+    from tierkv.staging import StagingBuffer
+
+    layout = KVLayout(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM, block_size=BS, dtype=torch.float16)
+    planes = (0, 2 * LAYERS) if layers is None else (2 * layers.start, 2 * layers.stop)
+    g = torch.Generator().manual_seed(3)
+    l1 = _storage(l1_layout, 9, torch.float16, g)
+    ours, theirs = (StagingBuffer(layout, layout, 4, torch.device("cpu")) for _ in range(2))
+    ours.tensor.zero_(), theirs.tensor.zero_()  # (allocated empty)
+    n = ours.chunk_blocks(layers)
+    slots, rows = torch.tensor([7, 2, 5, 0, 8, 1][:n]), torch.arange(n)
+    tk.copy_planes(_table(l1_layout, l1), slots, ours.table(layers, half), rows, planes)
+    ref.copy_planes(_table(l1_layout, l1), slots, theirs.table(layers, half), rows, planes)
+    assert torch.equal(ours.tensor.view(torch.int16), theirs.tensor.view(torch.int16))
+    written = ours.tensor.view(-1).view(torch.uint8).clone()  # nothing outside the half's parts
+    start = half * ours.half_bytes
+    written[start : start + n * ours.span(layers)[1]] = 0
+    assert not written.any()
+    back = _storage(l1_layout, 9, torch.float16, None, zero=True)
+    tk.copy_planes(ours.table(layers, half), rows, _table(l1_layout, back), slots, planes)
+    l1_planes, back_planes = LAYOUTS[l1_layout][1](l1), LAYOUTS[l1_layout][1](back)
+    for p in range(2 * LAYERS):
+        want = l1_planes[p][slots] if planes[0] <= p < planes[1] else torch.zeros_like(l1_planes[p][slots])
+        assert torch.equal(back_planes[p][slots].view(torch.int16), want.view(torch.int16)), p
+
+
 leave_only_the_child_run(globals())
 
 
