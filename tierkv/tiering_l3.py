@@ -240,6 +240,13 @@ class TieringL3:
         self._flush(in_l2, self.mover.last)
         only_l1 = [e for e in dirty if e.l2 < 0]
         while only_l1:  # through L2 in batches of what it can take while earlier batches drain
+            # write-through's catch-up (when a write ends) may have copied some down meanwhile:
+            # those are written from L2 now, not waited for as if they still needed room there
+            moved = [e for e in only_l1 if e.l2 >= 0]
+            if moved:
+                self._flush(moved, self.mover.last)
+                only_l1 = [e for e in only_l1 if e.l2 < 0 and e.l1 >= 0]
+                continue
             done = self.write_down(only_l1[: max(1, len(self.l2.free))])
             if self.config.write_policy != "write_through":
                 self._flush(only_l1[:done], self.mover.last)
