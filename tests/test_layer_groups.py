@@ -181,6 +181,8 @@ def test_an_l3_tail_is_read_by_every_group_while_the_start_is_recomputed(alterna
         assert isinstance(req.tail, GroupedPrefetch) and BLOCK < start < 30 * BLOCK - 2 * WINDOW
         assert req.num_computed == start  # it stopped where the tail starts
         assert req.tail.parts[0].wait(30)
+        if window_read == "lands":  # (under load the window group's read may land a step later)
+            assert all(part.wait(30) for part in req.tail.parts)
         while engine.has_unfinished():
             engine.step()
     finally:
