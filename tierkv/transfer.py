@@ -426,8 +426,7 @@ class BlockMover:
             return False
         if dma.batched():  # one call a chunk, however scattered: the copy engines leave the SMs to compute
             return True
-        num_runs = 1 + sum(b != a + 1 for a, b in zip(l2_slots, l2_slots[1:]))
-        return len(l2_slots) * width >= MIN_DMA_BYTES * num_runs
+        return len(l2_slots) * width >= MIN_DMA_BYTES * sum(1 for _ in runs(l2_slots))
 
     def _dma(self, l2_slots: list[int], layers: range | None, to_l2: bool, half: int) -> None:
         """Between half `half` of the staging buffer and L2 slots `l2_slots`: `layers` of each
