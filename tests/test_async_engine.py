@@ -151,3 +151,27 @@ def test_the_drain_cuts_at_its_deadline_while_a_step_runs_on(engine):
         seconds, err = ends[name]
         assert isinstance(err, ShuttingDown) and 0.25 < seconds < 1.5, (name, seconds, err)
     assert ends["freed"]
+
+
+def test_start_lowers_the_switch_interval_so_neither_thread_holds_the_other_back(engine):
+    # The loop and the engine thread share the GIL: at CPython's default 5 ms, a token handed to
+    # the loop waited out the engine thread's next launch. start() lowers it, and never raises
+    # a lower one a process chose for itself.
+    import sys
+
+    from tierkv.server.async_engine import SWITCH_INTERVAL_S
+
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        aeng = AsyncEngine(engine)
+        aeng.start()
+        assert sys.getswitchinterval() == pytest.approx(SWITCH_INTERVAL_S, abs=2e-6)
+        asyncio.run(aeng.shutdown(grace_s=1, flush_timeout_s=1))
+        sys.setswitchinterval(0.0001)
+        again = AsyncEngine(Engine(engine.config.model, device="cpu"))
+        again.start()
+        assert sys.getswitchinterval() == pytest.approx(0.0001, abs=2e-6)  # (kept to the microsecond)
+        asyncio.run(again.shutdown(grace_s=1, flush_timeout_s=1))
+    finally:
+        sys.setswitchinterval(before)
