@@ -91,37 +91,3 @@ def pinned_handouts() -> int:
     """Pinned blocks torch's caching host allocator has page-locked so far (cudaHostAlloc calls: with
     the copy stream busy, pin_memory() per list would make one for each list)."""
     return torch.cuda.memory.host_memory_stats()["num_host_alloc"]
-
-
-@pytest.mark.parametrize("dma_on", [False, True])
-def test_moves_ordered_after_an_event_wait_for_the_work_before_it_not_after(dma_on, monkeypatch):
-    # The engine admits requests just after launching a step (Scheduler.admit_after_launch), their
-    # moves ordered after an event recorded before that launch: a load must not wait for the step
-    # (here a ~0.1 s sleep queued after the event), and a save must still see what the compute
-    # stream wrote before the event.
-    from tierkv import transfer
-
-    monkeypatch.setattr(transfer, "DMA_MOVES", dma_on)
-    monkeypatch.setattr(transfer, "MIN_DMA_ROW", 0)  # these small blocks go by staged DMA too
-    monkeypatch.setattr(transfer, "MIN_DMA_BYTES", 0)
-    layout = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64)
-    l1, l2 = DevicePool(layout, 64, "cuda"), HostPool(layout, 64, pin=True)
-    mover = BlockMover(l1, l2)
-    assert mover.dma == dma_on
-    l2.kv.copy_(torch.randn(l2.kv.shape).to(l2.kv.dtype))
-    written = torch.randn(l1.kv[:, :4].shape, device="cuda").to(l1.kv.dtype)
-    l1.kv[:, :4] = written  # the compute stream writes L1 slots 0-3 ...
-    before = torch.cuda.Event()
-    before.record()  # ... then the event, then the launched step: a long sleep
-    torch.cuda._sleep(200_000_000)
-    step_done = torch.cuda.Event()
-    step_done.record()
-    with mover.ordered_after(before):
-        save = mover.l1_to_l2(list(range(4)), list(range(40, 44)))
-        load = mover.l2_to_l1(list(range(8)), list(range(20, 28)))
-    load.synchronize()
-    assert not step_done.query()  # the load landed while the step still ran
-    save.synchronize()
-    assert torch.equal(l2.kv[40:44].to("cuda"), l1.read(list(range(4))))  # slots 0-3 as written before the event
-    torch.cuda.synchronize()
-    assert torch.equal(l1.read(list(range(20, 28))).cpu(), l2.kv[:8])

@@ -8,7 +8,6 @@ cached: a running sequence's room evicts them again at no cost (L2 keeps its cop
 first use counts as L2 hits.
 """
 
-import pytest
 import torch
 
 from prefix_kv import prefix_kv, read_slots, write_into_slots
@@ -115,16 +114,14 @@ def test_nothing_to_warm_where_l1_has_no_room_or_every_block_is_there():
     cache.close()
 
 
-@pytest.mark.parametrize("after_launch", [False, True], ids=["cpu-scheduler", "gpu-scheduler"])
-def test_the_scheduler_warms_the_waiting_request_that_does_not_fit(after_launch):
+def test_the_scheduler_warms_the_waiting_request_that_does_not_fit():
     """Two histories run, a third waits: L1 (20 blocks) has room for 6 of its 9 blocks. Its 8
     cached blocks load into that room while the two decode, one slot left to each of them; once
-    one ends, it is admitted with all 8 cached, 2 of them loaded then. A GPU's scheduler does
-    both once the step is launched (admit_after_launch)."""
+    one ends, it is admitted with all 8 cached, 2 of them loaded then."""
     cache = TieredKVCache(LAYOUT, CacheConfig(l1=20 * BPB, l2=64 * BPB), device="cpu", model="warm")
     cache.store(DOC, prefix_kv(LAYOUT, DOC))
     cache.evict("l1")
-    sched = Scheduler(cache, max_num_seqs=8, max_num_batched_tokens=256, defer_moving_admissions=after_launch)
+    sched = Scheduler(cache, max_num_seqs=8, max_num_batched_tokens=256)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     a, b = (Request(list(range(first, first + 28)), params) for first in (5000, 6000))
     waiting = Request(DOC, params)
@@ -132,18 +129,11 @@ def test_the_scheduler_warms_the_waiting_request_that_does_not_fit(after_launch)
         sched.add(r)
     step = sched.schedule()
     assert step.requests == [a, b]  # 7 blocks each, with their answers' next block: 14 of 20
-    if after_launch:
-        assert in_l1(cache, DOC) == [False] * 8  # nothing warmed before the launch
-        sched.admit_after_launch()
     assert waiting in sched.waiting and cache.l1_room() == 6
     assert in_l1(cache, DOC) == [True] * 4 + [False] * 4  # 6 of room, less one for each runner
     moved = cache.stats()["tiers"]["l2"]["bytes_out"]
     sched.finish(a, "stop")
     step = sched.schedule()
-    if after_launch:  # admitted after this launch (its blocks landed on return, on a CPU): in the next step
-        assert waiting not in step.requests
-        sched.admit_after_launch()
-        step = sched.schedule()
     assert waiting in step.requests and waiting.seq.num_cached_tokens == 32
     assert waiting.cached_by_tier == {"l1": 0, "l2": 32, "l3": 0}
     assert cache.stats()["tiers"]["l2"]["bytes_out"] - moved == 4 * BPB
@@ -172,13 +162,11 @@ def test_room_made_for_warm_blocks_never_costs_the_prompt_its_other_l2_blocks():
     cache.close()
 
 
-@pytest.mark.parametrize("after_launch", [False, True], ids=["cpu-scheduler", "gpu-scheduler"])
-def test_while_others_run_one_request_whose_blocks_load_is_admitted_a_step(monkeypatch, after_launch):
+def test_while_others_run_one_request_whose_blocks_load_is_admitted_a_step(monkeypatch):
     """Admitting costs the host a lookup, slots and the launch of its loads, and the step launches
     only after the scheduler returns: with a batch running, one request whose blocks still load
-    (it cannot join the step anyway) is admitted per step, the next one a step later (a GPU's
-    scheduler admits it after the launch, and leaves nothing more for it). On a CPU a load lands
-    at once, so loads are held in flight here."""
+    (it cannot join the step anyway) is admitted per step, the next one a step later. On a CPU a
+    load lands at once, so loads are held in flight here."""
     from tierkv.engine import scheduler as scheduling
 
     cache = TieredKVCache(LAYOUT, CacheConfig(l1=40 * BPB, l2=64 * BPB), device="cpu", model="warm")
@@ -187,7 +175,7 @@ def test_while_others_run_one_request_whose_blocks_load_is_admitted_a_step(monke
         cache.store(doc, prefix_kv(LAYOUT, doc))
     cache.evict("l1")
     monkeypatch.setattr(scheduling, "_loading", lambda req: req.seq.cached_by_tier["l2"] > 0)
-    sched = Scheduler(cache, max_num_seqs=8, max_num_batched_tokens=256, defer_moving_admissions=after_launch)
+    sched = Scheduler(cache, max_num_seqs=8, max_num_batched_tokens=256)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     runner = Request(list(range(5000, 5028)), params)
     first, second = (Request(doc, params) for doc in docs)
@@ -195,65 +183,9 @@ def test_while_others_run_one_request_whose_blocks_load_is_admitted_a_step(monke
     assert sched.schedule().requests == [runner]
     sched.add(first)
     sched.add(second)
-    for admitted, left in ((first, [second]), (second, [])):
-        step = sched.schedule()
-        assert step.requests == [runner]
-        if after_launch:
-            assert admitted in sched.waiting  # not before the launch
-            sched.admit_after_launch()
-            assert sched.deferred_budget is None  # nothing left over for a second launch
-        assert admitted in sched.running and sched.waiting == left
+    step = sched.schedule()
+    assert step.requests == [runner] and first in sched.running and second in sched.waiting
+    step = sched.schedule()
+    assert step.requests == [runner] and second in sched.running and not sched.waiting
     assert first.seq.cached_by_tier["l2"] == second.seq.cached_by_tier["l2"] == 32
-    cache.close()
-
-
-def deferring(cache: TieredKVCache) -> Scheduler:
-    """The scheduler as the engine makes it on a GPU, where a launch returns before the step ran."""
-    return Scheduler(cache, max_num_seqs=8, max_num_batched_tokens=256, defer_moving_admissions=True)
-
-
-def test_with_a_batch_running_an_admission_that_loads_waits_until_the_step_is_launched():
-    """Admitting an L2 hit costs the host its lookup, its slots and issuing its loads (~5-15 ms of an
-    8K-token Llama-8B history, bench_rounds' py-spy at f3b9cbe); done before the launch, that kept
-    the GPU waiting. The request could not join the step anyway, so schedule() leaves it for
-    admit_after_launch(), which the engine calls once the step is launched: no copy is issued
-    before that, and the request then starts from its L2 blocks."""
-    cache = cache_with_doc_in_l2(l1_blocks=20)
-    sched = deferring(cache)
-    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    runner, hit = Request(list(range(5000, 5028)), params), Request(DOC, params)
-    sched.add(runner)
-    assert sched.schedule().requests == [runner] and sched.deferred_budget is None  # nothing to defer
-    sched.add(hit)
-    moved = cache.stats()["tiers"]["l2"]["bytes_out"]
-    step = sched.schedule()
-    assert step.requests == [runner] and hit in sched.waiting and sched.deferred_budget is not None
-    assert cache.stats()["tiers"]["l2"]["bytes_out"] == moved  # no load issued yet
-    sched.admit_after_launch()
-    assert hit in sched.running and hit.seq.cached_by_tier == {"l1": 0, "l2": 32, "l3": 0}
-    assert cache.stats()["tiers"]["l2"]["bytes_out"] - moved == 8 * BPB
-    assert sched.deferred_budget is None
-    sched.admit_after_launch()  # nothing left for it: it admits nothing more
-    assert sched.running == [runner, hit]
-    step = sched.schedule()  # (on a CPU its blocks landed on return) it computes from its L2 part
-    assert step.requests == [runner, hit] and step.num_new[1] == len(DOC) - 32
-    assert torch.equal(read_slots(cache, hit.seq, 32), prefix_kv(LAYOUT, DOC)[:, :, :32])
-    cache.close()
-
-
-def test_what_moves_no_block_is_admitted_into_the_step_and_an_empty_step_defers_nothing():
-    # a cold prompt joins the running batch's step at once; with nothing running, an L2 hit is
-    # admitted by schedule() and computes in that very step, as before
-    cache = cache_with_doc_in_l2(l1_blocks=20)
-    sched = deferring(cache)
-    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    hit = Request(DOC, params)
-    sched.add(hit)
-    step = sched.schedule()
-    assert step.requests == [hit] and sched.deferred_budget is None
-    cold = Request(list(range(7000, 7010)), params)
-    sched.add(cold)
-    step = sched.schedule()
-    assert cold in step.requests and step.num_new[step.requests.index(cold)] == 10
-    assert sched.deferred_budget is None
     cache.close()

@@ -31,7 +31,6 @@ This file decides nothing about which blocks move, and never touches the index.
 from __future__ import annotations
 
 import bisect
-import contextlib
 import functools
 import logging
 import time
@@ -140,7 +139,6 @@ class BlockMover:
         self.cuda = self.device.type == "cuda"
         self.layers = l1.layout.num_layers
         self.last = DONE  # the most recent move; every earlier one is complete when it is
-        self._after: torch.cuda.Event | None = None  # set by ordered_after
         # Bytes/second of finished moves (EWMA), for load-or-recompute. Starts at a typical
         # figure (pinned PCIe Gen5 / a host memcpy) so that the first loads happen and measure.
         self.bandwidth = 25e9 if self.cuda else 5e9
@@ -359,18 +357,6 @@ class BlockMover:
         dequantised there (on the current stream)."""
         return self._decode(rows.to(self.device))
 
-    @contextlib.contextmanager
-    def ordered_after(self, event: torch.cuda.Event):
-        """Moves issued inside start after `event` (recorded on the compute stream) instead of after
-        all the compute stream holds. The engine admits requests just after launching a step
-        (Engine.step) that touches none of the slots their moves read or write; ordered after an
-        event recorded before that launch, their loads do not wait for the step to end."""
-        self._after, before = event, self._after
-        try:
-            yield
-        finally:
-            self._after = before
-
     def fence(self) -> None:
         """Make the current stream wait for every move issued so far (before reusing an evicted L1 slot)."""
         self.last.wait()
@@ -388,10 +374,7 @@ class BlockMover:
         # The copy stream must see everything the compute stream wrote to these blocks so far,
         # and must not overwrite an L1 slot the compute stream may still be reading; the kernels'
         # stream starts where the copy stream is (after the previous move, and the slot lists).
-        if self._after is not None:
-            self.stream.wait_event(self._after)
-        else:
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
         self.kernels.wait_stream(self.stream)
         self._free, self._chunks = [None, None], 0
         start = torch.cuda.Event(enable_timing=True)

@@ -6,10 +6,8 @@ logprobs, stop checks). With async scheduling (the default) postprocess handles 
 step, after this one is launched: the host schedules and prepares step N+1 while the GPU runs
 step N, and tokens return without a sync on the hot path; for a streaming caller, a step the
 device has finished already (on a CPU: every step) is taken back at once, so that each token
-leaves in the step that sampled it. On a GPU, the admissions that load blocks while a batch runs
-are made right after the launch (Scheduler.admit_after_launch). Used by `LLM` (which loops until
-done) and by the server (which steps on a background thread). Single-threaded; nothing here
-knows about HTTP.
+leaves in the step that sampled it. Used by `LLM` (which loops until done) and by the server (which steps on a
+background thread). Single-threaded; nothing here knows about HTTP.
 """
 
 from __future__ import annotations
@@ -123,7 +121,7 @@ class Engine:
         self.max_model_len = config.max_model_len
         self.scheduler = Scheduler(
             self.cache, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-            enable_prefix_caching=config.enable_prefix_caching, defer_moving_admissions=dev.type == "cuda",
+            enable_prefix_caching=config.enable_prefix_caching,
         )
         self.stats = EngineStats(self.max_model_len)  # per step and per request, for /metrics
         if dev.type == "cuda":
@@ -267,7 +265,6 @@ class Engine:
         streaming = emit is not None
         emit = emit or outputs.extend
         t0, taken = time.perf_counter(), 0.0  # taken: seconds taking a launched step's tokens back
-        admitted = 0.0  # seconds admitting after the launch (Scheduler.admit_after_launch)
         if self.in_flight is not None and ((streaming and self.in_flight.ready()) or not self._may_overlap()):
             taken += self._take_back(emit)
         t1 = time.perf_counter()
@@ -278,13 +275,8 @@ class Engine:
             self.scheduler.given_up.clear()
         launched = None
         if len(step):
-            before = self._mark()
             with self._labelled(step):
                 launched = self.runner.run(step, self.in_flight)
-            t = time.perf_counter()
-            with self._moves_after(before):
-                self.scheduler.admit_after_launch()
-            admitted = time.perf_counter() - t  # scheduling work, though done after the launch
             for req, n in zip(step.requests, step.num_new):
                 self.scheduler.computed(req, n)
                 self.num_computed_tokens += n
@@ -299,31 +291,9 @@ class Engine:
         if launched is None and ((self.scheduler.waiting and not self.scheduler.running) or self.scheduler.tail_waits):
             time.sleep(0.001)  # waiting only for L3 reads to land (prefetches, or tails)
         if launched is not None or self.has_unfinished():
-            self.stats.stepped(step if launched is not None else None, time.perf_counter() - t0, t2 - t1 + admitted,
-                               t3 - t2 - admitted, taken)
+            self.stats.stepped(step if launched is not None else None, time.perf_counter() - t0, t2 - t1,
+                               t3 - t2, taken)
         return outputs
-
-    def _mark(self):
-        """An event on the compute stream now, before a step's launch, where admissions were left
-        for after it (Scheduler.admit_after_launch); else None."""
-        if self.scheduler.deferred_budget is None or self.lm.device.type != "cuda":
-            return None
-        import torch
-
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.lm.device))
-        return event
-
-    @contextlib.contextmanager
-    def _moves_after(self, event):
-        """The L1/L2 moves issued inside start after `event` rather than after the step launched since:
-        the admissions made here touch no slot that step reads or writes (only blocks no running
-        request holds), so their loads need not wait for it (BlockMover.ordered_after)."""
-        with contextlib.ExitStack() as stack:
-            for cache in caches_of(self.cache) if event is not None else ():
-                if cache.tiers.mover is not None:  # (None: no L2, so no moves)
-                    stack.enter_context(cache.tiers.mover.ordered_after(event))
-            yield
 
     def _take_back(self, emit: Callable[[list[RequestOutput]], None]) -> float:
         """Hand over the outputs of the step in flight (waiting for its tokens); the seconds it took."""

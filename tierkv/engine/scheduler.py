@@ -4,18 +4,16 @@ Continuous batching under a per-step token budget. Running requests go first (a 
 one token), then prompts continue in chunks, then waiting requests are admitted by priority and
 arrival while L1 can hold them. Admission goes through the cache: L1 hits are shared, L2 hits
 load while other requests compute (a step waits for one request's loads at most, when nothing
-else can run; on a GPU such an admission is made just after the step's launch,
-`admit_after_launch`, so that its host work overlaps the step), and L3 hits are prefetched
-into L2 first (the request waits for them up to a deadline, then recomputes what has not
-arrived; when loading all of it first would be slower than recomputing, the end of the L3 part
-is read in the background while the start is recomputed, and taken once the computation
-reaches it). When L1 runs out, the lowest-priority, latest request is preempted: its full
-blocks are committed and released, so they demote to L2 instead of vanishing, and its next
-admission finds them there. A request that all of L1 cannot hold is streamed instead: it keeps
-at most half of L1, moves its oldest computed blocks to L2 as it grows, and attention reads
-them back layer by layer. With async scheduling a running request may have a sampled token on
-its way to the host ("pending"): it is scheduled as if that token were known, unless that
-token is its last.
+else can run), and L3 hits are prefetched into L2 first (the request waits
+for them up to a deadline, then recomputes what has not arrived; when loading all of it first
+would be slower than recomputing, the end of the L3 part is read in the background while the
+start is recomputed, and taken once the computation reaches it). When L1 runs out, the
+lowest-priority, latest request is preempted: its full blocks are committed and released, so
+they demote to L2 instead of vanishing, and its next admission finds them there. A request that
+all of L1 cannot hold is streamed instead: it keeps at most half of L1, moves its oldest
+computed blocks to L2 as it grows, and attention reads them back layer by layer. With async
+scheduling a running request may have a sampled token on its way to the host ("pending"): it is
+scheduled as if that token were known, unless that token is its last.
 
 Never runs the model and never touches tensors.
 """
@@ -59,13 +57,8 @@ class Scheduler:
         max_num_batched_tokens: int,
         enable_prefix_caching: bool = True,
         prefetch_deadline_s: float = 1.0,
-        defer_moving_admissions: bool = False,
     ) -> None:
-        """`defer_moving_admissions`: a step's launch returns before the device has computed it (a GPU),
-        so that an admission that moves blocks is left for `admit_after_launch()`, which the engine
-        calls once the step is launched: the host's work for it then runs while the GPU computes."""
         self.cache = cache
-        self.defers_moving_admissions = defer_moving_admissions
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.prefix_caching = enable_prefix_caching
@@ -79,9 +72,6 @@ class Scheduler:
         self.num_preemptions = 0
         self.tail_waits = 0
         self.loading: list[Request] = []  # running requests whose loads were in flight at the last schedule()
-        # What budget the admissions schedule() left for after the step's launch had (admit_after_launch);
-        # None: none were left
-        self.deferred_budget: int | None = None
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -94,7 +84,6 @@ class Scheduler:
     def schedule(self) -> ScheduledStep:
         budget = self.max_num_batched_tokens
         step = ScheduledStep([], [])
-        self.deferred_budget = None
         self.tail_waits = 0  # running requests that wait for their L3 tail this step
         loading = self.loading = []  # requests whose L2 blocks are still on their way into L1
         for req in list(self.running):  # oldest first; a preemption below may remove later ones
@@ -233,25 +222,11 @@ class Scheduler:
         candidates = [r for r in self.running if r not in exclude]
         return min(candidates, key=lambda r: (r.priority, -r.arrival))
 
-    def admit_after_launch(self) -> None:
-        """Admit what schedule() left waiting for the step's launch (`deferred_budget` set): the engine
-        calls this once the step is launched, so that the host's work for an admission that loads
-        (its lookup, its slots, issuing its loads: ~5-15 ms for an 8K-token Llama-8B history) runs
-        while the GPU computes instead of holding the launch back. Such an admission would not
-        have joined the step anyway (it joins once its blocks landed). At most one admission that
-        loads or warms, as in schedule()."""
-        if self.deferred_budget is None:
-            return
-        budget, self.deferred_budget = self.deferred_budget, None
-        self._admit(ScheduledStep([], []), budget, self.loading, launched=True)
-
-    def _admit(self, step: ScheduledStep, budget: int, loading: list[Request], launched: bool = False) -> None:
+    def _admit(self, step: ScheduledStep, budget: int, loading: list[Request]) -> None:
         """Admit waiting requests, each by the cache's plan for it, while L1 and the budget last.
         One whose blocks load joins this step only if the step would otherwise wait for no load
         (it is empty and no running request is `loading`); otherwise it is the last admitted
-        this step. Where the step computes already, the first that would load or warm L1 stops
-        the admissions until the step is launched (`admit_after_launch`); `launched`: that call,
-        whose `step` is launched already (what it admits computes from the next step on)."""
+        this step."""
         now = time.monotonic()
         # highest priority first, then first come first served
         for req in sorted(self.waiting, key=lambda r: (-r.priority, r.arrival)):
@@ -264,9 +239,6 @@ class Scheduler:
             if req.refused_at_room is not None and self.running and self.cache.l1_room() <= req.refused_at_room:
                 break  # refused at this room, which has not grown since: a lookup would find the same
             plan = self._plan(req, budget)
-            if self.defers_moving_admissions and step.requests and not launched and _moves_blocks(plan):
-                self.deferred_budget = budget  # its loads are issued once the step is launched
-                break
             if plan.fetch is not None and req.prefetch is None:
                 # bring the L3 part up into L2 in the background; others run meanwhile
                 req.prefetch = self.cache.prefetch(plan.match, plan.fetch_deadline_s, priority=req.priority,
@@ -304,7 +276,7 @@ class Scheduler:
                 req.cached_by_tier = dict(req.seq.cached_by_tier)
                 req.admitted = now
             self.running.append(req)
-            if (step.requests or loading or launched) and _loading(req):
+            if (step.requests or loading) and _loading(req):
                 # others compute (or load) meanwhile; it joins once its blocks landed. The next
                 # waiting one is looked at next step: admitting one costs the host a few ms (its
                 # lookup, its slots, launching its loads), and the step launches only after this
@@ -390,12 +362,6 @@ class Scheduler:
             req.seq = None
         if req in self.running:
             self.running.remove(req)
-
-
-def _moves_blocks(plan) -> bool:
-    """Whether admitting by `plan` moves blocks from L2 into L1: it loads them, or, not fitting
-    yet, warms L1 with them (host work that issues copies)."""
-    return plan.match.by_tier["l2"] > 0
 
 
 def _loading(req: Request) -> bool:
