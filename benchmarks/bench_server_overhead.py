@@ -6,7 +6,11 @@ request at a time in a fixed rotation for --rounds rounds. Each round appends an
 question (--question-tokens) to the user's history. L1 holds only --l1-users users' KV (or
 --l1-gib), so when a user comes back the rotation has pushed its history down to L2: every round
 after the first finds ~prefix tokens in L2 and computes ~answer + question. The same rotation runs
-twice on the same model, tier sizes and sampling (greedy, --max-tokens, ignore_eos):
+on two paths with the same model, tier sizes and sampling (greedy, --max-tokens, ignore_eos), both
+resident at once (two copies of the weights, L1 and L2), each request sent to one path then the
+other, which goes first alternating: a drift of the machine over the run falls on both alike
+(run one after the other, LLM.generate's own p50 moved from 42 to 48 ms between two runs on one
+H100, more than the difference measured):
   http  a `tierkv-serve` process; streamed token-id prompts on /v1/completions; TTFT = the first
         chunk's arrival. The hit requests go round the --clients in turn (each client sees every
         kind of hit, on one server and one cache history):
@@ -24,8 +28,9 @@ path and client, hit tokens per tier over those rounds, and http / llm p50 per c
 1.15, issues 29 and 40). Per request also the server's own TTFT (its /metrics histogram, read after
 each request outside the timers: from the handler's hand-off to the engine to the first token back in
 its event loop), which splits each client's TTFT into what comes before and after the engine. Per
-path, the CPU time of the process serving the requests (all threads) per hit request: steadier than
-wall time on a shared machine. With --py-spy, a py-spy summary of the server during the hit rounds.
+path, the CPU time of the process serving the requests (all threads) during its hit requests, per
+request: steadier than wall time on a shared machine. With --py-spy, a py-spy summary of the server
+during the hit rounds.
 
     python benchmarks/bench_server_overhead.py           # H200: random-weight Llama-3.1-8B shape, ~4 min
     python benchmarks/bench_server_overhead.py --smoke   # CPU: tiny Llama, < 2 min
@@ -135,15 +140,15 @@ def make_prompts(a, vocab: int) -> tuple[list[int], list[tuple[int, int, list[in
 
 
 def sizes(a, kv_bytes_per_token: int) -> dict:
-    """L1 holds --l1-users of the longest histories, L2 all of them twice over; the context fits the
-    longest prompt and its answer."""
+    """L1 holds --l1-users of the longest histories, L2 all of them 1.25 times over (the two paths
+    pin an L2 each at once); the context fits the longest prompt and its answer."""
     longest = a.prefix_tokens + a.rounds * (a.answer_tokens + a.question_tokens) + a.max_tokens
     blocks = math.ceil(longest / BLOCK) + 1
     l1 = int(a.l1_gib * 2**30) if a.l1_gib else a.l1_users * blocks * BLOCK * kv_bytes_per_token
     if l1 >= a.users * blocks * BLOCK * kv_bytes_per_token:
         raise SystemExit(f"--l1-gib {a.l1_gib} holds every user's history: nothing would hit L2")
     return dict(l1=l1,
-                l2=2 * a.users * blocks * BLOCK * kv_bytes_per_token,
+                l2=math.ceil(1.25 * a.users * blocks) * BLOCK * kv_bytes_per_token,
                 max_model_len=256 * math.ceil((longest + 1) / 256))
 
 
@@ -281,72 +286,99 @@ def client_summary(requests: list[dict]) -> dict:
     return out
 
 
-def run_http(a, model_dir: Path, tier: dict, prompts, tmp: Path) -> dict:
-    warm, rotation = prompts
-    args = ["--model", str(model_dir), "--served-model-name", "bench", "--l1", str(tier["l1"]), "--l2",
-            str(tier["l2"]), "--max-model-len", str(tier["max_model_len"]), "--max-num-seqs", str(a.max_num_seqs),
-            "--log-level", "warning", "--grace-period", "5", "--flush-timeout", "1", *a.server_args.split()]
-    srv = ServerProcess(args, tmp / "server.log")
-    kinds = {"httpx": HttpxClient, "openai": OpenAIClient, "aiohttp": AiohttpClient}
-    clients, opened = {}, []
-    try:
-        t = time.perf_counter()
-        srv.wait_ready(a.timeout)
-        start_s = time.perf_counter() - t
-        print(f"http: server up in {start_s:.1f} s", flush=True)
-        opened.append(control := httpx.Client(timeout=a.timeout))  # stats and metrics, outside the timers
-        for name in a.clients.split(","):
-            opened.append(clients.setdefault(name, kinds[name](srv.url, a)))
-        if "httpx" not in clients:
-            opened.append(HttpxClient(srv.url, a))
-        old = clients.get("httpx") or opened[-1]  # the warm-up and the cold round: the old method
+class HttpPath:
+    """A `tierkv-serve` process and its clients: `warm`, then `request` per prompt in rotation order
+    (the cold round by the old method, the hit requests round the clients), then `close`."""
 
-        def server_ttft() -> tuple[float, float]:  # the server's own TTFT histogram: sum, count
-            text = control.get(srv.url + "/metrics").text
-            return tuple(metric(text, f"tierkv_time_to_first_token_seconds_{k}") for k in ("sum", "count"))
-
-        def timed(r: int, u: int, prompt, name: str) -> dict:
-            s0, n0 = server_ttft()
-            out = dict(round=r, user=u, client=name, **(clients.get(name) or old).ttft(prompt))
-            s1, n1 = server_ttft()
-            out["server_ttft_s"] = (s1 - s0) if n1 == n0 + 1 else None
-            return out
-
-        old.ttft(warm)
-        for client in clients.values():  # each client's first request (imports, connection) untimed
-            client.ttft(warm)
-        requests = [timed(r, u, p, "httpx") for r, u, p in rotation if r == 0]
-        before, cpu0 = control.get(srv.url + "/v1/cache/stats").json(), cpu_seconds(srv.proc.pid)
-        spy = contextlib.nullcontext()
-        if a.py_spy:
-            profile = tmp / "server.pyspy"
-            spy = pyspy.record(srv.proc.pid, profile)
-        names = list(clients)
+    def __init__(self, a, model_dir: Path, tier: dict, tmp: Path) -> None:
+        self.a, self.tmp = a, tmp
+        self.args = ["--model", str(model_dir), "--served-model-name", "bench", "--l1", str(tier["l1"]), "--l2",
+                     str(tier["l2"]), "--max-model-len", str(tier["max_model_len"]), "--max-num-seqs",
+                     str(a.max_num_seqs), "--log-level", "warning", "--grace-period", "5", "--flush-timeout", "1",
+                     *a.server_args.split()]
+        self.srv = ServerProcess(self.args, tmp / "server.log")
+        self.clients, self.opened, self.requests = {}, [], []
+        self.cpu, self.hits, self.before, self.profile = 0.0, 0, None, None
+        self.spy = contextlib.ExitStack()  # py-spy through the hit rounds (--py-spy)
         try:
-            with spy:  # the hit requests go round the clients: each sees every user and round
-                requests += [timed(r, u, p, names[i % len(names)])
-                             for i, (r, u, p) in enumerate(q for q in rotation if q[0] > 0)]
+            t = time.perf_counter()
+            self.srv.wait_ready(a.timeout)
+            self.start_s = time.perf_counter() - t
+            print(f"http: server up in {self.start_s:.1f} s", flush=True)
+            self.opened.append(control := httpx.Client(timeout=a.timeout))  # stats and metrics, outside the timers
+            self.control = control
+            kinds = {"httpx": HttpxClient, "openai": OpenAIClient, "aiohttp": AiohttpClient}
+            for name in a.clients.split(","):
+                self.opened.append(self.clients.setdefault(name, kinds[name](self.srv.url, a)))
+            if "httpx" not in self.clients:
+                self.opened.append(HttpxClient(self.srv.url, a))
+            self.old = self.clients.get("httpx") or self.opened[-1]  # the warm-up and the cold round: the old method
+            self.names = list(self.clients)
+        except Exception:
+            self.close(failed=True)
+            raise
+
+    def _server_ttft(self) -> tuple[float, float]:  # the server's own TTFT histogram: sum, count
+        text = self.control.get(self.srv.url + "/metrics").text
+        return tuple(metric(text, f"tierkv_time_to_first_token_seconds_{k}") for k in ("sum", "count"))
+
+    def warm(self, prompt: list[int]) -> None:
+        self.old.ttft(prompt)
+        for client in self.clients.values():  # each client's first request (imports, connection) untimed
+            client.ttft(prompt)
+
+    def start_hits(self) -> None:
+        """The hit rounds begin: cache stats and py-spy from here on."""
+        self.before = self.control.get(self.srv.url + "/v1/cache/stats").json()
+        if self.a.py_spy:
+            self.profile = self.tmp / "server.pyspy"
+            self.spy.enter_context(pyspy.record(self.srv.proc.pid, self.profile))
+
+    def request(self, r: int, u: int, prompt: list[int]) -> dict:
+        name = "httpx" if r == 0 else self.names[self.hits % len(self.names)]  # each client sees every user and round
+        s0, n0 = self._server_ttft()
+        cpu0 = cpu_seconds(self.srv.proc.pid)
+        try:
+            out = dict(round=r, user=u, client=name, **(self.clients.get(name) or self.old).ttft(prompt))
+        except Exception:
+            print(f"http: a request failed; server log tail:\n{self.srv.log()[-4000:]}", flush=True)
+            raise
+        if r > 0:
+            self.cpu += cpu_seconds(self.srv.proc.pid) - cpu0
+            self.hits += 1
+        s1, n1 = self._server_ttft()
+        out["server_ttft_s"] = (s1 - s0) if n1 == n0 + 1 else None
+        self.requests.append(out)
+        return out
+
+    def result(self) -> dict:
+        """The figures, once the rotation is done (stops py-spy)."""
+        try:
+            self.spy.close()
         except pyspy.PySpyError as err:  # raised after the rounds: their timings stand
             print(f"http: {err}", flush=True)
-            profile = None
-        cpu = cpu_seconds(srv.proc.pid) - cpu0
-        hits = hits_between(before, control.get(srv.url + "/v1/cache/stats").json())
-    except Exception:
-        print(f"http: a request failed; server log tail:\n{srv.log()[-4000:]}", flush=True)
-        raise
-    finally:
-        for client in opened:
+            self.profile = None
+        hits = hits_between(self.before, self.control.get(self.srv.url + "/v1/cache/stats").json())
+        hit_requests = [q for q in self.requests if q["round"] > 0]
+        out = dict(server_start_s=self.start_s, server_args=self.args, hit_tokens=hits,
+                   ttft_cold_s=[q["ttft_s"] for q in self.requests if q["round"] == 0],
+                   clients={name: client_summary([q for q in hit_requests if q["client"] == name])
+                            for name in self.clients},
+                   requests=self.requests, cpu_s_per_hit=self.cpu / len(hit_requests))
+        if self.a.py_spy:
+            out["py_spy"] = (save_profile(self.profile, self.a.out) if self.profile is not None
+                             else "py-spy failed (see the log)")
+        return out
+
+    def close(self, failed: bool = False) -> None:
+        if failed:
+            print(f"http: the server failed; log tail:\n{self.srv.log()[-4000:]}", flush=True)
+        with contextlib.suppress(pyspy.PySpyError):
+            self.spy.close()
+        for client in self.opened:
             client.close()
-        if srv.stop() != 0:
-            print(f"http: server exited badly; log tail:\n{srv.log()[-1500:]}", flush=True)
-    hit_requests = [q for q in requests if q["round"] > 0]
-    out = dict(server_start_s=start_s, server_args=args, hit_tokens=hits,
-               ttft_cold_s=[q["ttft_s"] for q in requests if q["round"] == 0],
-               clients={name: client_summary([q for q in hit_requests if q["client"] == name]) for name in clients},
-               requests=requests, cpu_s_per_hit=cpu / len(hit_requests))
-    if a.py_spy:
-        out["py_spy"] = save_profile(profile, a.out) if profile is not None else "py-spy failed (see the log)"
-    return out
+        if self.srv.stop() != 0:
+            print(f"http: server exited badly; log tail:\n{self.srv.log()[-1500:]}", flush=True)
 
 
 def save_profile(raw: Path, out_dir: Path) -> str:
@@ -360,36 +392,81 @@ def save_profile(raw: Path, out_dir: Path) -> str:
 # ---------------------------------------------------------------------------- llm
 
 
-def run_llm(a, model_dir: Path, tier: dict, prompts) -> dict:
-    warm, rotation = prompts
-    import tierkv
+class LlmPath:
+    """`LLM` in this process, driven by LLM.generate's own loop (add_request, then step() until
+    done), timed at the request's first token: `warm`, `request` per prompt, `close`."""
 
-    llm = tierkv.LLM(str(model_dir), l1=tier["l1"], l2=tier["l2"], max_model_len=tier["max_model_len"],
-                     max_num_seqs=a.max_num_seqs)
-    params = tierkv.SamplingParams(temperature=0, max_tokens=a.max_tokens, ignore_eos=True)
-    engine = llm.engine
+    def __init__(self, a, model_dir: Path, tier: dict) -> None:
+        import tierkv
 
-    def ttft(prompt) -> float:
-        """LLM.generate's loop, timed at the request's first token."""
+        self.llm = tierkv.LLM(str(model_dir), l1=tier["l1"], l2=tier["l2"], max_model_len=tier["max_model_len"],
+                              max_num_seqs=a.max_num_seqs)
+        self.params = tierkv.SamplingParams(temperature=0, max_tokens=a.max_tokens, ignore_eos=True)
+        self.engine = self.llm.engine
+        self.requests, self.cpu, self.before = [], 0.0, None
+
+    def _ttft(self, prompt: list[int]) -> float:
         start, first = time.perf_counter(), None
-        req = engine.add_request(prompt, params)
-        while engine.has_unfinished():
-            for out in engine.step():
+        req = self.engine.add_request(prompt, self.params)
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
                 if first is None and out.request_id == req.request_id and out.token_ids:
                     first = time.perf_counter() - start
         return first
 
+    def warm(self, prompt: list[int]) -> None:
+        self._ttft(prompt)
+
+    def start_hits(self) -> None:
+        self.before = self.engine.cache_stats()
+
+    def request(self, r: int, u: int, prompt: list[int]) -> dict:
+        cpu0 = time.process_time()  # this process: the other path's clients are idle meanwhile
+        out = dict(round=r, user=u, ttft_s=self._ttft(prompt))
+        if r > 0:
+            self.cpu += time.process_time() - cpu0
+        self.requests.append(out)
+        return out
+
+    def result(self) -> dict:
+        hits = hits_between(self.before, self.engine.cache_stats())
+        hit_rounds = [q for q in self.requests if q["round"] > 0]
+        return dict(hit_tokens=hits, **summary(self.requests), requests=self.requests,
+                    cpu_s_per_hit=self.cpu / len(hit_rounds))
+
+    def close(self, failed: bool = False) -> None:
+        self.llm.close()
+
+
+def run_paths(a, model_dir: Path, tier: dict, prompts, tmp: Path) -> dict:
+    """Every path of --paths open at once, each request of the rotation sent to each path in turn
+    (which goes first alternates), so that a drift of the machine over the run (clocks, other
+    tenants: LLM.generate's p50 moved from 42 to 48 ms between two runs on one H100) falls on both
+    paths alike rather than on whichever ran later."""
+    warm, rotation = prompts
+    paths: dict[str, HttpPath | LlmPath] = {}
+    failed = True
     try:
-        ttft(warm)
-        timed = [dict(round=0, user=u, ttft_s=ttft(p)) for r, u, p in rotation if r == 0]
-        before, cpu0 = engine.cache_stats(), time.process_time()
-        hit_rounds = [dict(round=r, user=u, ttft_s=ttft(p)) for r, u, p in rotation if r > 0]
-        cpu = time.process_time() - cpu0
-        hits = hits_between(before, engine.cache_stats())
+        for name in a.paths.split(","):
+            t = time.perf_counter()
+            paths[name] = HttpPath(a, model_dir, tier, tmp) if name == "http" else LlmPath(a, model_dir, tier)
+            paths[name].warm(warm)
+            print(f"{name}: ready and warm in {time.perf_counter() - t:.0f} s", flush=True)
+        order = list(paths.values())
+        hits_started = False
+        for i, (r, u, prompt) in enumerate(rotation):
+            if r > 0 and not hits_started:
+                for path in order:
+                    path.start_hits()
+                hits_started = True
+            for path in order if i % 2 == 0 else order[::-1]:
+                path.request(r, u, prompt)
+        out = {name: path.result() for name, path in paths.items()}
+        failed = False
+        return out
     finally:
-        llm.close()
-    return dict(hit_tokens=hits, **summary(timed + hit_rounds), requests=timed + hit_rounds,
-                cpu_s_per_hit=cpu / len(hit_rounds))
+        for path in paths.values():
+            path.close(failed=failed)
 
 
 def hits_between(before: dict | None, after: dict | None) -> dict | None:
@@ -426,13 +503,12 @@ def main(argv=None) -> Path:
                    model=dict(source=model.source, **model.shape, vocab_size=model.vocab_size,
                               kv_bytes_per_token=model.kv_bytes_per_token, build_and_save_s=build_s),
                    workload={k: getattr(a, k) for k in H200}, sizes=tier, target_ratio=TARGET, paths={})
-        for path in a.paths.split(","):
-            t = time.perf_counter()
-            out["paths"][path] = (run_http(a, model.path, tier, prompts, tmp) if path == "http"
-                                  else run_llm(a, model.path, tier, prompts))
-            fig = out["paths"][path]
-            print(f"{path}: CPU {fig['cpu_s_per_hit'] * 1e3:.0f} ms a hit request; hit tokens {fig['hit_tokens']} "
-                  f"({time.perf_counter() - t:.0f} s)", flush=True)
+        t = time.perf_counter()
+        out["paths"] = run_paths(a, model.path, tier, prompts, tmp)
+        print(f"paths {a.paths}, interleaved: {time.perf_counter() - t:.0f} s", flush=True)
+        for path, fig in out["paths"].items():
+            print(f"{path}: CPU {fig['cpu_s_per_hit'] * 1e3:.0f} ms a hit request; hit tokens {fig['hit_tokens']}",
+                  flush=True)
             for name, c in fig.get("clients", {"": fig}).items():
                 extra = "".join(f", {label} p50 {c[key] * 1e3:.1f} ms" for key, label in (
                     ("server_ttft_p50_s", "the server's own TTFT"), ("client_prep_p50_s", "client before sending"))
