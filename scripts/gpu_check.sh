@@ -70,7 +70,9 @@ part() {  # part NAME SECONDS COMMAND...
   for p in "$@"; do
     case $p in
       # the files that hold GPU tests (the others may import what the device lacks: zmq, kubernetes_validate)
-      tests) part tests ${TESTS_LIMIT:-480} python3 -m pytest -m gpu -q -p no:cacheprovider --durations=10 ${TESTS_ARGS:-} \
+      # -v: each test's outcome is logged as it ends, so a run cut off by its time limit still names
+      # the failures so far (with -q, xdist prints dots; a8622f3's cut-off run named none)
+      tests) part tests ${TESTS_LIMIT:-480} python3 -m pytest -m gpu -v -p no:cacheprovider --durations=10 ${TESTS_ARGS:-} \
                ${GPU_TESTS:-$(grep -l "pytest.mark.gpu" tests/test_*.py)} ;;
       kernels) part kernels 300 python3 benchmarks/bench_kernels.py --out "$OUT" ${KERNELS_ARGS:-} ;;
       throughput) part throughput 540 python3 benchmarks/bench_throughput.py --out "$OUT" ${THROUGHPUT_ARGS:-} ;;
