@@ -24,7 +24,12 @@ The bound of a round, from limits measured in this run on the same server (probe
            the second half of their tokens (all C decode by then).
 The GPU and the copy engine run side by side, so a round takes at least max(pcie, compute):
 bound / wall is the share of the hardware's pace the round reached (target >= 0.8 for l1+l2's hit
-rounds), and the larger term names what binds. Also the l1 / l1+l2 ratio of hit-round time, and per
+rounds), and the larger term names what binds. Beside it, for information only, the compute term
+with whole requests per seat (`whole_requests_s`): every request is max_tokens long, so some seat
+runs ceil(requests / C) of them one after another, and its decode steps, ceil(requests / C) x
+(max_tokens - 1), bound the round however the others are placed (32 requests on 5 seats: 7 x 31
+= 217 steps where the bound takes 199); the round's first history must also land before any of it
+computes (its bytes / the copy's bandwidth). Also the l1 / l1+l2 ratio of hit-round time, and per
 round where the engine's time went (its /metrics series, unprofiled): decode and mixed steps and
 their mean batch, the GPU's seconds on them, the seconds of steps that launched nothing, and the
 host's phases of a step.
@@ -233,8 +238,13 @@ def round_bound(rnd: dict, at_once: int, cold: dict, batch: dict, h2d: float, ma
     seconds = dict(compute=computed * cold["s_per_token"] + steps * batch["step_s"],
                    pcie=(rnd["l2_bytes_out"] or 0) / h2d)
     binding = max(seconds, key=seconds.get)
+    # information, not the target's bound (module docstring): the seat with the most requests
+    waves = math.ceil(rnd["requests"] / at_once)
+    first_load = (rnd["l2_bytes_out"] or 0) / rnd["requests"] / h2d  # one history's share of the round's loads
+    whole = computed * cold["s_per_token"] + waves * (max_tokens - 1) * batch["step_s"] + first_load
     return dict(computed_tokens=computed, at_once=at_once, decode_steps=steps, seconds=seconds, binding=binding,
-                bound_s=seconds[binding], bound_over_wall=seconds[binding] / rnd["wall_s"])
+                bound_s=seconds[binding], bound_over_wall=seconds[binding] / rnd["wall_s"],
+                whole_requests_s=whole, whole_requests_over_wall=whole / rnd["wall_s"])
 
 
 async def session(a, url: str, vocab: int, rounds, probes, tier: dict, h2d: float, trace_to: Path | None,
@@ -286,7 +296,8 @@ async def session(a, url: str, vocab: int, rounds, probes, tier: dict, h2d: floa
             print(f"  round {r}: {rnd['wall_s']:.2f} s, TTFT p50 {rnd['ttft_p50_s'] * 1e3:.0f} ms p99 "
                   f"{rnd['ttft_p99_s'] * 1e3:.0f} ms, cached {rnd['cached_tokens'] / rnd['prompt_tokens']:.0%}, "
                   f"L2->L1 {(rnd['l2_bytes_out'] or 0) / 1e9:.2f} GB; bound {b['bound_s']:.2f} s ({b['binding']}), "
-                  f"{b['bound_over_wall']:.0%} of it", flush=True)
+                  f"{b['bound_over_wall']:.0%} of it (with whole requests per seat {b['whole_requests_s']:.2f} s, "
+                  f"{b['whole_requests_over_wall']:.0%})", flush=True)
             if rnd["engine"]:
                 e = rnd["engine"]
                 print(f"    engine: {e['steps'].get('decode', 0)} decode + {e['steps'].get('mixed', 0)} mixed steps, "

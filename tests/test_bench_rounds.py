@@ -31,6 +31,10 @@ def test_hit_rounds_load_from_l2_and_are_read_against_their_bound(tmp_path):
             assert b["seconds"]["pcie"] == pytest.approx((r["l2_bytes_out"] or 0) / h2d)
             assert b["bound_s"] == max(b["seconds"].values()) > 0
             assert b["bound_over_wall"] == pytest.approx(b["bound_s"] / r["wall_s"])
+            # whole requests per seat: 6 requests on 2 seats, 3 each, 7 decode steps a request
+            cold, step = config["cold_probe"]["s_per_token"], config["batch_probe"]["step_s"]
+            expected = b["computed_tokens"] * cold + 3 * 7 * step + (r["l2_bytes_out"] or 0) / 6 / h2d
+            assert b["whole_requests_s"] == pytest.approx(expected) and b["whole_requests_s"] >= b["seconds"]["compute"]
             # a step serves at most the two histories L1 holds: 6 requests x 7 decoded tokens / 2
             assert b["at_once"] == 2 and b["decode_steps"] == math.ceil(6 * 7 / 2)
             # the engine's own count, over the round alone: its steps hold at most the two requests L1
