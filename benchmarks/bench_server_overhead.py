@@ -315,7 +315,8 @@ class HttpPath:
             self.old = self.clients.get("httpx") or self.opened[-1]  # the warm-up and the cold round: the old method
             self.names = list(self.clients)
         except Exception:
-            self.close(failed=True)
+            print(f"http: the server failed to start; log tail:\n{self.srv.log()[-4000:]}", flush=True)
+            self.close()
             raise
 
     def _server_ttft(self) -> tuple[float, float]:  # the server's own TTFT histogram: sum, count
@@ -370,9 +371,7 @@ class HttpPath:
                              else "py-spy failed (see the log)")
         return out
 
-    def close(self, failed: bool = False) -> None:
-        if failed:
-            print(f"http: the server failed; log tail:\n{self.srv.log()[-4000:]}", flush=True)
+    def close(self) -> None:
         with contextlib.suppress(pyspy.PySpyError):
             self.spy.close()
         for client in self.opened:
@@ -434,7 +433,7 @@ class LlmPath:
         return dict(hit_tokens=hits, **summary(self.requests), requests=self.requests,
                     cpu_s_per_hit=self.cpu / len(hit_rounds))
 
-    def close(self, failed: bool = False) -> None:
+    def close(self) -> None:
         self.llm.close()
 
 
@@ -445,7 +444,6 @@ def run_paths(a, model_dir: Path, tier: dict, prompts, tmp: Path) -> dict:
     paths alike rather than on whichever ran later."""
     warm, rotation = prompts
     paths: dict[str, HttpPath | LlmPath] = {}
-    failed = True
     try:
         for name in a.paths.split(","):
             t = time.perf_counter()
@@ -461,12 +459,10 @@ def run_paths(a, model_dir: Path, tier: dict, prompts, tmp: Path) -> dict:
                 hits_started = True
             for path in order if i % 2 == 0 else order[::-1]:
                 path.request(r, u, prompt)
-        out = {name: path.result() for name, path in paths.items()}
-        failed = False
-        return out
+        return {name: path.result() for name, path in paths.items()}
     finally:
         for path in paths.values():
-            path.close(failed=failed)
+            path.close()
 
 
 def hits_between(before: dict | None, after: dict | None) -> dict | None:
