@@ -64,6 +64,7 @@ def test_hit_rounds_load_from_l2_and_are_read_against_their_bound(tmp_path):
     # the second hit round (round 2) was traced on each server, and is left out of the hit rounds' sums
     for config in (l1, l2):
         assert config["hit_rounds"]["wall_s"] == config["rounds"][1]["wall_s"]
+        assert config["hit_rounds"]["whole_requests_s"] == config["rounds"][1]["bound"]["whole_requests_s"]
     for name in ("l1", "l1+l2"):
         prof = out["configs"][name]["rounds"][2]["profile"]
         assert "error" not in prof, prof
