@@ -201,13 +201,16 @@ class BlockIndex:
                 self._note_copy(e)
 
     def touch(self, entry: BlockEntry, priority: int = 0) -> None:
+        # (called for every block of every admission: the tiers spelled out, not looped over)
         entry.hits += 1
         entry.priority = max(entry.priority, priority)
-        for tier in TIERS:
-            if entry.slot(tier) >= 0:
-                self.policies[tier].touch(entry.hash, priority=priority)
-        if entry.hash in self.l2_copies:  # a copy in use goes last among the copies
-            self.l2_copies.move_to_end(entry.hash)
+        h = entry.hash
+        if entry.l1 >= 0:
+            self.policies["l1"].touch(h, priority=priority)
+        if entry.l2 >= 0:
+            self.policies["l2"].touch(h, priority=priority)
+        if h in self.l2_copies:  # a copy in use goes last among the copies
+            self.l2_copies.move_to_end(h)
 
     def evictable(self, tier: str) -> int:
         return len(self.policies[tier])

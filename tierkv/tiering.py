@@ -228,6 +228,7 @@ class Tiering(TieringL3):
 
     def _evict_l1(self, victims: list[BlockEntry]) -> None:
         self.index.leaving_l1(victims)
+        freed = []
         for e in victims:  # written down now if L2 has room, else dropped: owed no more
             self.owed.pop(e.hash, None)
         self.write_down([e for e in victims if e.l2 < 0 and self._admits(e)])
@@ -238,11 +239,12 @@ class Tiering(TieringL3):
             self.counters.warmed_unused += e.brought_from != ""
             # a copy still reading the block (its save to L2) or writing it (a load for a request
             # that let go of it) keeps the slot from the compute stream until it ends (take_l1)
-            busy = in_flight((e.reading, e.loading))
+            busy = in_flight((e.reading, e.loading)) if e.reading is not None or e.loading is not None else None
             slot = self.index.unplace(e, "l1")  # (forgets both)
             if busy:
                 self._busy[slot] = busy
-            self.l1.free.give([slot])
+            freed.append(slot)
+        self.l1.free.give(freed[::-1])  # (stacked in eviction order, as one give() a slot would)
         self.counters.tiers["l1"].evictions += len(victims)
 
     def _admits(self, entry: BlockEntry) -> bool:
