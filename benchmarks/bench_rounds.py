@@ -234,14 +234,15 @@ async def spied_round(h: Http, prompts: list[list[int]], a, pid: int, summary_to
 def round_bound(rnd: dict, at_once: int, cold: dict, batch: dict, h2d: float, max_tokens: int) -> dict:
     """The round's bound (module docstring): its terms in seconds, the binding one, bound / wall."""
     computed = rnd["prompt_tokens"] - rnd["cached_tokens"]
+    prefill = computed * cold["s_per_token"]
     steps = math.ceil(rnd["requests"] * (max_tokens - 1) / at_once)
-    seconds = dict(compute=computed * cold["s_per_token"] + steps * batch["step_s"],
+    seconds = dict(compute=prefill + steps * batch["step_s"],
                    pcie=(rnd["l2_bytes_out"] or 0) / h2d)
     binding = max(seconds, key=seconds.get)
     # information, not the target's bound (module docstring): the seat with the most requests
     waves = math.ceil(rnd["requests"] / at_once)
     first_load = (rnd["l2_bytes_out"] or 0) / rnd["requests"] / h2d  # one history's share of the round's loads
-    whole = computed * cold["s_per_token"] + waves * (max_tokens - 1) * batch["step_s"] + first_load
+    whole = prefill + waves * (max_tokens - 1) * batch["step_s"] + first_load
     return dict(computed_tokens=computed, at_once=at_once, decode_steps=steps, seconds=seconds, binding=binding,
                 bound_s=seconds[binding], bound_over_wall=seconds[binding] / rnd["wall_s"],
                 whole_requests_s=whole, whole_requests_over_wall=whole / rnd["wall_s"])

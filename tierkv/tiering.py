@@ -228,10 +228,10 @@ class Tiering(TieringL3):
 
     def _evict_l1(self, victims: list[BlockEntry]) -> None:
         self.index.leaving_l1(victims)
-        freed = []
         for e in victims:  # written down now if L2 has room, else dropped: owed no more
             self.owed.pop(e.hash, None)
         self.write_down([e for e in victims if e.l2 < 0 and self._admits(e)])
+        freed = []
         for e in victims:
             if e.l2 < 0:
                 self.counters.tiers["l1"].drops += 1
