@@ -81,7 +81,7 @@ from server_helpers import ServerProcess  # noqa: E402
 
 TARGET = 0.8  # issue 40 item 3: l1+l2's hit rounds at >= 80% of their bound
 STATS_SETTLE_S = 0.6  # before and after a round, before reading counters the server snapshots every 0.25 s
-BLOCK = 16
+BLOCK = 16  # tokens a KV block, tierkv-serve's default (--block-size to change)
 CONFIGS = ("l1", "l1+l2")
 # issue 40's run: 32 users x 8K tokens, 16 at a time, L1 6 GiB, 4 rounds, 32 tokens each
 H200 = dict(users=32, rounds=4, context_tokens=8000, question_tokens=100, answer_tokens=32, max_tokens=32,
@@ -106,6 +106,8 @@ def parse(argv) -> argparse.Namespace:
     add("--py-spy", choices=("off", "threads", "gil"), default="off", help="sample the server with py-spy during "
         "the last round (left out of the hit rounds' sums): every thread's stacks, or with gil only the thread "
         "holding the GIL; a summary goes to OUT/profiles/ (needs py-spy)")
+    add("--block-size", type=int, default=BLOCK,
+        help=f"tokens per KV block, for the server and the sizes (default {BLOCK})")
     add("--server-args", default="", help="more tierkv-serve flags, space separated")
     add("--timeout", type=float, default=900.0, help="seconds for a server to start, and for one request")
     add("--seed", type=int, default=0)
@@ -151,26 +153,27 @@ def conversations(a, vocab: int) -> tuple[list[list[list[int]]], list[list[int]]
     return rounds, probes
 
 
-def blocks_of(tokens: int) -> int:
-    return math.ceil(tokens / BLOCK)
+def blocks_of(tokens: int, block: int) -> int:
+    return math.ceil(tokens / block)
 
 
 def sizes(a, rounds, kv_bytes_per_token: int) -> dict:
     """L1 and L2 bytes, the longest sequence, and per round the requests that can run at once (C)."""
-    block_bytes = BLOCK * kv_bytes_per_token
+    bs = a.block_size
+    block_bytes = bs * kv_bytes_per_token
     longest = max(len(p) for p in rounds[-1]) + a.max_tokens
     l1_blocks = (int(a.l1_gib * 2**30) // block_bytes if a.l1_gib
-                 else SMOKE_L1_HISTORIES * (blocks_of(longest) + 1))
+                 else SMOKE_L1_HISTORIES * (blocks_of(longest, bs) + 1))
     l2_blocks = (int(a.l2_gib * 2**30) // block_bytes if a.l2_gib
-                 else math.ceil(1.25 * a.users * blocks_of(longest)))
-    at_once = [min(a.concurrency, l1_blocks // blocks_of(len(prompts[0]) + a.max_tokens)) for prompts in rounds]
+                 else math.ceil(1.25 * a.users * blocks_of(longest, bs)))
+    at_once = [min(a.concurrency, l1_blocks // blocks_of(len(prompts[0]) + a.max_tokens, bs)) for prompts in rounds]
     if min(at_once) < 1:
-        raise SystemExit(f"L1 ({l1_blocks} blocks of {BLOCK} tokens) holds none of the longest histories "
+        raise SystemExit(f"L1 ({l1_blocks} blocks of {bs} tokens) holds none of the longest histories "
                          f"({longest} tokens): give a larger --l1-gib")
-    if a.users * blocks_of(len(rounds[1][0])) <= l1_blocks:
+    if a.users * blocks_of(len(rounds[1][0]), bs) <= l1_blocks:
         raise SystemExit("L1 holds every user's history: nothing would hit L2; give a smaller --l1-gib")
-    return dict(l1_bytes=l1_blocks * block_bytes, l2_bytes=l2_blocks * block_bytes, block_bytes=block_bytes,
-                max_model_len=BLOCK * (blocks_of(longest) + 1), at_once=at_once)
+    return dict(l1_bytes=l1_blocks * block_bytes, l2_bytes=l2_blocks * block_bytes, block_tokens=bs,
+                block_bytes=block_bytes, max_model_len=bs * (blocks_of(longest, bs) + 1), at_once=at_once)
 
 
 async def batch_probe(h: Http, prompts: list[list[int]], max_tokens: int) -> dict:
@@ -358,8 +361,8 @@ def plot(out: dict, path: Path) -> None:
 def run_config(a, config: str, model, tier: dict, rounds, probes, h2d: float, tmp: Path) -> dict:
     args = ["--model", str(model.path), "--served-model-name", "bench", "--l1", str(tier["l1_bytes"]),
             "--l2", str(tier["l2_bytes"]) if config == "l1+l2" else "0", "--max-model-len", str(tier["max_model_len"]),
-            "--max-num-seqs", str(a.concurrency), "--log-level", "warning", "--grace-period", "5",
-            "--flush-timeout", "1"]
+            "--max-num-seqs", str(a.concurrency), "--block-size", str(a.block_size), "--log-level", "warning",
+            "--grace-period", "5", "--flush-timeout", "1"]
     trace_to = None
     if a.profile_seconds:
         args += ["--profile-dir", str(tmp / f"traces-{config.replace('+', '_')}")]
