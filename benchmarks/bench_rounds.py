@@ -32,7 +32,9 @@ runs ceil(requests / C) of them one after another, and its decode steps, ceil(re
 computes (its bytes / the copy's bandwidth). Also the l1 / l1+l2 ratio of hit-round time, and per
 round where the engine's time went (its /metrics series, unprofiled): decode and mixed steps and
 their mean batch, the GPU's seconds on them, the seconds of steps that launched nothing, and the
-host's phases of a step.
+host's phases of a step; and from the client's clock how the round kept its C seats decoding
+(`seat_turnovers`: when all C had a first token, how long a freed seat waited for its next first
+token, and the share of C x wall spent decoding).
 With --profile-seconds, the server's torch profiler runs that long from the start of the second
 hit round: its trace goes to --out, a summary (GPU and per-stream busy shares, the top kernels and
 the engine thread's top ops) to the JSON. The profiler slows the server (a hit round took 2.6-2.8x
@@ -209,7 +211,10 @@ async def run_round(h: Http, prompts: list[list[int]], a) -> dict:
     warmed = {k: after.get(k, 0) - before.get(k, 0) for k in ("warmed_blocks", "warmed_unused")} if delta else None
     engine = engine_time_delta(engine_before, await engine_time(h))
     ttft = pct([r.ttft for r in results if r.ttft is not None], scale=1.0)
+    served = [r for r in results if r.ttft is not None and r.error is None]
     return dict(wall_s=wall, requests=len(results), errors=[r.error for r in results if r.error],
+                # seconds from the round's start to each request's first token and to its end (seat_turnovers)
+                first_token_s=[r.arrival + r.ttft - t for r in served], done_s=[r.arrival + r.e2e - t for r in served],
                 prompt_tokens=sum(len(p) for p in prompts), cached_tokens=sum(r.cached_tokens for r in results),
                 output_tokens=sum(r.completion_tokens for r in results),
                 ttft_p50_s=ttft["p50"], ttft_p99_s=ttft["p99"],
@@ -232,6 +237,22 @@ async def spied_round(h: Http, prompts: list[list[int]], a, pid: int, summary_to
     rnd["py_spy"] = dict(mode=a.py_spy, summary=summary_to.name)
     print(f"  py-spy ({a.py_spy}) summary: {summary_to}", flush=True)
     return rnd
+
+
+def seat_turnovers(first_token_s: list[float], done_s: list[float], seats: int, wall_s: float) -> dict | None:
+    """How the round kept its `seats` (C) decoding, from the client's clock: when the C-th first
+    token came (`full_s`: the round's start), and for each request's end, the first token of the
+    request that took its seat: with the ends and the first tokens each in order, end k frees the
+    seat that first token k + C fills (`turnover_s`: that gap, each; ends the round's last C
+    requests leave no seat to fill). `decoding_share`: the seconds requests spent between their
+    first token and their end, over C x the round's wall time. None with C or fewer requests."""
+    starts, ends = sorted(first_token_s), sorted(done_s)
+    if len(starts) <= seats or len(ends) != len(starts):
+        return None
+    gaps = [starts[k + seats] - ends[k] for k in range(len(ends) - seats)]
+    return dict(seats=seats, full_s=starts[seats - 1], turnover_p50_s=statistics.median(gaps),
+                turnover_mean_s=statistics.fmean(gaps),
+                decoding_share=sum(e - s for s, e in zip(first_token_s, done_s)) / (seats * wall_s))
 
 
 def round_bound(rnd: dict, at_once: int, cold: dict, batch: dict, h2d: float, max_tokens: int) -> dict:
@@ -274,6 +295,7 @@ async def session(a, url: str, vocab: int, rounds, probes, tier: dict, h2d: floa
             else:
                 rnd = await run_round(h, prompts, a)
             rnd["bound"] = round_bound(rnd, tier["at_once"][r], cold, batch, h2d, a.max_tokens)
+            rnd["seats"] = seat_turnovers(rnd["first_token_s"], rnd["done_s"], tier["at_once"][r], rnd["wall_s"])
             if tracing is not None:
                 rnd["profile"] = kept = await asyncio.to_thread(keep_trace, await tracing, trace_to)
                 print(f"  profile: {kept['error']}" if "error" in kept else
@@ -302,6 +324,12 @@ async def session(a, url: str, vocab: int, rounds, probes, tier: dict, h2d: floa
                   f"L2->L1 {(rnd['l2_bytes_out'] or 0) / 1e9:.2f} GB; bound {b['bound_s']:.2f} s ({b['binding']}), "
                   f"{b['bound_over_wall']:.0%} of it (with whole requests per seat {b['whole_requests_s']:.2f} s, "
                   f"{b['whole_requests_over_wall']:.0%})", flush=True)
+            if rnd["seats"]:
+                st = rnd["seats"]
+                print(f"    seats: {st['seats']} with a first token by {st['full_s'] * 1e3:.0f} ms; a freed seat's "
+                      f"next first token after p50 {st['turnover_p50_s'] * 1e3:.0f} ms, mean "
+                      f"{st['turnover_mean_s'] * 1e3:.0f} ms; decoding {st['decoding_share']:.0%} of seats x wall",
+                      flush=True)
             if rnd["engine"]:
                 e = rnd["engine"]
                 print(f"    engine: {e['steps'].get('decode', 0)} decode + {e['steps'].get('mixed', 0)} mixed steps, "

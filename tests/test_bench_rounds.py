@@ -54,6 +54,11 @@ def test_hit_rounds_load_from_l2_and_are_read_against_their_bound(tmp_path):
             assert {kind: sum(sizes.values()) for kind, sizes in e["batches"].items()} == e["steps"], e
             requests = sum(int(size) * n for sizes in e["batches"].values() for size, n in sizes.items())
             assert requests == pytest.approx(e["mean_batch"] * sum(e["steps"].values())), e
+            # every request's first token and end, from the round's start, and the seats they kept busy
+            assert len(r["first_token_s"]) == len(r["done_s"]) == r["requests"]
+            assert all(0 < s < d <= r["wall_s"] for s, d in zip(r["first_token_s"], r["done_s"]))
+            st = r["seats"]
+            assert st["seats"] == 2 and 0 < st["full_s"] < r["wall_s"] and 0 < st["decoding_share"] <= 1, st
     # L1 only: the six histories rotate through room for two, so every hit round recomputes them
     assert all(r["l2_bytes_out"] == 0 and r["cached_tokens"] == 0 for r in l1["rounds"])
     # with L2 the histories come back over the copy: most of each hit round's prompt is cached
@@ -69,6 +74,22 @@ def test_hit_rounds_load_from_l2_and_are_read_against_their_bound(tmp_path):
         prof = out["configs"][name]["rounds"][2]["profile"]
         assert "error" not in prof, prof
         assert (tmp_path / prof["trace"]).stat().st_size > 0 and prof["summary"]["window_ms"] > 0
+
+
+def test_a_freed_seat_is_timed_to_the_first_token_of_the_request_that_takes_it():
+    # two seats, five requests: a and b start together; c takes the seat a frees at 1.0 (its first
+    # token at 1.3), d the one b frees at 1.2 (at 1.4), e the one c frees at 2.0 (at 2.6)
+    first = [0.1, 0.2, 1.3, 1.4, 2.6]
+    done = [1.0, 1.2, 2.0, 2.5, 3.0]
+    st = bench_rounds.seat_turnovers(first, done, seats=2, wall_s=3.0)
+    assert st["full_s"] == 0.2
+    assert st["turnover_mean_s"] == pytest.approx((0.3 + 0.2 + 0.6) / 3)
+    assert st["turnover_p50_s"] == pytest.approx(0.3)
+    assert st["decoding_share"] == pytest.approx((0.9 + 1.0 + 0.7 + 1.1 + 0.4) / (2 * 3.0))
+    # the order the requests finish in is not the order they started in: the pairing is by time
+    shuffled = bench_rounds.seat_turnovers(first[::-1], done[::-1], seats=2, wall_s=3.0)
+    assert shuffled == pytest.approx(st)
+    assert bench_rounds.seat_turnovers(first[:2], done[:2], seats=2, wall_s=3.0) is None
 
 
 @pytest.mark.skipif(shutil.which("py-spy") is None, reason="needs the py-spy binary (pip install py-spy)")
