@@ -78,6 +78,27 @@ def test_the_hosts_doings_while_the_compute_stream_idles(tmp_path):
     assert host["cuda_calls"] == {"INVALID": dict(count=1, ms=0.5), "cudaLaunchKernel": dict(count=1, ms=0.5)}
 
 
+def test_a_steps_input_copies_are_timed_apart_beside_a_loads_dma(tmp_path):
+    """Stream 7 computes (the most ops); stream 13 runs a 100 MB host->device DMA from 10 to 14 ms.
+    The input copy at 2 ms waits 0.5 ms after the kernel before it; the one at 13 ms waits 2 ms
+    (queued behind the DMA); a large copy on the compute stream is no step input."""
+    def ev(name, ts_ms, dur_ms, cat="kernel", stream=7, nbytes=None):
+        args = {"stream": stream} | ({"bytes": nbytes} if nbytes is not None else {})
+        return {"ph": "X", "name": name, "cat": cat, "ts": ts_ms * 1e3, "dur": dur_ms * 1e3, "args": args}
+
+    copy = "Memcpy HtoD (Pinned -> Device)"
+    events = [ev("gemm", 0, 1.5), ev(copy, 2, 0.01, "gpu_memcpy", nbytes=40), ev("gemm", 3, 8),
+              ev(copy, 13, 0.01, "gpu_memcpy", nbytes=40), ev("gemm", 13.5, 1),
+              ev(copy, 15, 1, "gpu_memcpy", nbytes=2 << 20), ev("gemm", 16.5, 1), ev(copy, 10, 4, "gpu_memcpy", stream=13, nbytes=100 << 20)]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    waits = summarize_trace(path)["step_inputs_waits"]
+    assert waits.keys() == {"alone", "beside DMA"}
+    assert waits["alone"]["count"] == 1 and waits["alone"]["median_us"] == pytest.approx(500)
+    assert waits["beside DMA"]["count"] == 1 and waits["beside DMA"]["mean_us"] == pytest.approx(2000)
+    assert waits["beside DMA"]["total_ms"] == pytest.approx(2.0)
+
+
 def test_step_spans_split_decode_from_mixed_and_alone_from_beside_copies(tmp_path):
     def ev(name, ts_ms, dur_ms, cat="gpu_user_annotation", stream=7):
         return {"ph": "X", "name": name, "cat": cat, "ts": ts_ms * 1e3, "dur": dur_ms * 1e3,

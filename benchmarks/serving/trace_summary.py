@@ -9,7 +9,9 @@ busiest CPU thread (the engine's) the share of the window it spent inside ops an
 took longest (inclusive: an op's time counts in its callers too), and what it did while the
 compute stream idled: the CUDA calls it made then (torch's profiler names calls it does not
 know "INVALID": cudaMemcpyBatchAsync on torch 2.11) and the time it spent in no traced op or
-call (Python: the scheduler, the cache, ctypes). It reads a
+call (Python: the scheduler, the cache, ctypes); and how long the compute stream's small host->device
+copies (a step's inputs) waited to start, apart for those that came while a bulk host->device copy
+(an L2 load's DMA) ran on another stream: the copy engines serve them in turn. It reads a
 trace file (`keep_trace` copies one out of the server's folder first) and never talks to a server.
 """
 
@@ -27,6 +29,7 @@ GAP_MS = 5.0  # a compute-stream idle stretch worth listing: most of a decode st
 GAP_BUCKETS_MS = (0.1, 1.0, GAP_MS)  # idle stretches summed by length: launch gaps .. waits for the host
 BESIDE = 0.25  # a step ran beside copies when other streams were busy for this share of its GPU span
 HOST_GAP_MS = 1.0  # compute-stream idle stretches this long or longer: the host's doings in them
+BULK_BYTES = 1 << 20  # a host->device copy this large or larger is a load's DMA, not a step's input
 CUDA_CALLS = ("cuda_runtime", "cuda_driver")
 
 
@@ -77,6 +80,7 @@ def summarize_trace(path: Path) -> dict:
         compute_idle_gaps=idle_gaps(compute, others, steps, start) if compute else [],
         step_spans=step_spans(others, steps) if compute else {},
         host_in_compute_gaps=host_in_gaps(compute, engine_calls) if compute else {},
+        step_inputs_waits=input_waits(gpu, streams),
         gpu_busy_fraction=busy_us([(e["ts"], e["ts"] + e["dur"]) for e in gpu]) / window,
         stream_busy_fraction={s: busy_us(iv) / window for s, iv in sorted(streams.items())},
         top_gpu_ms={n: d / 1e3 for n, d in by_name.most_common(TOP)},
@@ -176,6 +180,29 @@ def host_in_gaps(compute: list[list[float]], engine: list[dict]) -> dict:
     return dict(gaps_ms=gap_us / 1e3,
                 untraced_ms=(gap_us - sum(busy_within(traced, a, b) for a, b in gaps)) / 1e3,
                 cuda_calls={n: dict(count=c, ms=ms) for n, (c, ms) in longest})
+
+
+def input_waits(gpu: list[dict], streams: dict[str, list]) -> dict:
+    """The compute stream's small host->device copies (a step's inputs, under BULK_BYTES): how long
+    each waited after the op before it on that stream ended, for those that started while a bulk
+    one (a load's DMA) ran on another stream ("beside DMA") and for the rest ("alone"). A copy
+    queued behind a DMA on the copy engines starts late, and the step waits with it."""
+    if not streams:
+        return {}
+    compute = max(streams, key=lambda s: len(streams[s]))
+    def h2d(e):
+        return e.get("cat") == "gpu_memcpy" and "HtoD" in e["name"]
+    bulk = union((e["ts"], e["ts"] + e["dur"]) for e in gpu if h2d(e) and str(e["args"].get("stream")) != compute
+                 and e["args"].get("bytes", 0) >= BULK_BYTES)
+    ops = sorted((e for e in gpu if str(e.get("args", {}).get("stream", e.get("tid"))) == compute),
+                 key=lambda e: e["ts"])
+    waits: dict[str, list[float]] = {"beside DMA": [], "alone": []}
+    for before, e in zip(ops, ops[1:]):
+        if h2d(e) and e["args"].get("bytes", 0) < BULK_BYTES:
+            beside = any(a <= e["ts"] < b for a, b in bulk)
+            waits["beside DMA" if beside else "alone"].append(max(0.0, e["ts"] - before["ts"] - before["dur"]))
+    return {k: dict(count=len(v), median_us=sorted(v)[len(v) // 2], mean_us=sum(v) / len(v), total_ms=sum(v) / 1e3)
+            for k, v in waits.items() if v}
 
 
 def keep_trace(trace: Path | str, trace_to: Path) -> dict:
