@@ -91,12 +91,16 @@ def summarize_trace(path: Path) -> dict:
 
 
 def split_streams(streams: dict[str, list]) -> tuple[list[list[float]], list[list[float]]]:
-    """(the compute stream's busy runs, the other streams' together), each disjoint and in order.
-    The compute stream is the one with the most kernels (copies launch few, large ones)."""
+    """(the compute stream's busy runs, the other streams' together), each disjoint and in order."""
     if not streams:
         return [], []
-    compute = max(streams, key=lambda s: len(streams[s]))
+    compute = compute_stream(streams)
     return union(streams[compute]), union(iv for s, ivs in streams.items() if s != compute for iv in ivs)
+
+
+def compute_stream(streams: dict[str, list]) -> str:
+    """The compute stream: the one with the most kernels (copies launch few, large ones)."""
+    return max(streams, key=lambda s: len(streams[s]))
 
 
 def busy_within(runs: list[list[float]], a: float, b: float) -> float:
@@ -189,7 +193,8 @@ def input_waits(gpu: list[dict], streams: dict[str, list]) -> dict:
     queued behind a DMA on the copy engines starts late, and the step waits with it."""
     if not streams:
         return {}
-    compute = max(streams, key=lambda s: len(streams[s]))
+    compute = compute_stream(streams)
+
     def h2d(e):
         return e.get("cat") == "gpu_memcpy" and "HtoD" in e["name"]
     bulk = union((e["ts"], e["ts"] + e["dur"]) for e in gpu if h2d(e) and str(e["args"].get("stream")) != compute
