@@ -241,7 +241,8 @@ async def spied_round(h: Http, prompts: list[list[int]], a, pid: int, summary_to
 
 def seat_turnovers(first_token_s: list[float], done_s: list[float], seats: int, wall_s: float) -> dict | None:
     """How the round kept its `seats` (C) decoding, from the client's clock: when the C-th first
-    token came (`full_s`: the round's start), and for each request's end, the first token of the
+    token came (`full_s`, from the round's start: how long it took to fill the seats), and for each
+    request's end, the first token of the
     request that took its seat: with the ends and the first tokens each in order, end k frees the
     seat that first token k + C fills (`turnover_s`: that gap, each; ends the round's last C
     requests leave no seat to fill). `decoding_share`: the seconds requests spent between their
