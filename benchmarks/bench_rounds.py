@@ -242,11 +242,11 @@ async def spied_round(h: Http, prompts: list[list[int]], a, pid: int, summary_to
 def seat_turnovers(first_token_s: list[float], done_s: list[float], seats: int, wall_s: float) -> dict | None:
     """How the round kept its `seats` (C) decoding, from the client's clock: when the C-th first
     token came (`full_s`, from the round's start: how long it took to fill the seats), and for each
-    request's end, the first token of the
-    request that took its seat: with the ends and the first tokens each in order, end k frees the
-    seat that first token k + C fills (`turnover_s`: that gap, each; ends the round's last C
-    requests leave no seat to fill). `decoding_share`: the seconds requests spent between their
-    first token and their end, over C x the round's wall time. None with C or fewer requests."""
+    request's end, the first token of the request that took its seat: with the ends and the first
+    tokens each in order, end k frees the seat that first token k + C fills (the turnover: that
+    gap, as p50 and mean; the round's last C ends leave no seat to fill). `decoding_share`: the
+    seconds requests spent between their first token and their end, over C x the round's wall
+    time. None with C or fewer requests."""
     starts, ends = sorted(first_token_s), sorted(done_s)
     if len(starts) <= seats or len(ends) != len(starts):
         return None
