@@ -6,7 +6,8 @@
 #          at fcee72c "-n 8" failed 9 tests that passed alone: the LLMs sizing L1 by default (80% of the free memory) and the 128K tests ran out of GPU memory beside each other, so use -n 4; TESTS_LIMIT s allowed, 480), kernels, throughput, latency,
 #          gemv (bench_gemv --sweep: batch-1 linears vs cuBLAS, ~2 min), steps (bench_step_graphs: a step's launch, eager and as a graph),
 #          planes (bench_planes: copy_planes vs memcpy, and a move over PCIe on 4..all programs beside a decode step's linears),
-#          long_context, serving, rounds (bench_rounds: hit rounds against their bound), tiers (bench_tiers: disk, and Redis/S3 when .devsvc/ is carried),
+#          long_context, serving, rounds (bench_rounds: hit rounds against their bound), rounds_ab (bench_rounds with,
+#          without and again with the change in AB_PATCH, ~3 x 130 s), tiers (bench_tiers: disk, and Redis/S3 when .devsvc/ is carried),
 #          families (bench_families: MoE / sliding-window shapes, decode and a 100K L2 hit), moe, mla,
 #          fleet (bench_routers --gpu: replicas on one GPU behind vllm-router; carry .fleet from
 #          scripts/device_fleet.sh, which holds redis and every wheel it needs; FLEET_LIMIT s, 540)
@@ -83,6 +84,21 @@ part() {  # part NAME SECONDS COMMAND...
       long_context) part long_context 420 python3 benchmarks/bench_long_context.py --out "$OUT" ${LONG_ARGS:-} ;;
       serving) part serving 540 python3 benchmarks/bench_serving.py --out "$OUT" ${SERVING_ARGS:-} ;;
       rounds) part rounds 540 python3 benchmarks/bench_rounds.py --out "$OUT" ${ROUNDS_ARGS:---profile-seconds 2} ;;
+      # the same bench_rounds with the change in AB_PATCH (a `git diff base branch` file, carried: the
+      # tree sent is the branch), without it (reverted here), and with it again, one after the other on
+      # one machine, so its drift falls on both sides; each run in OUT/ab-<n>-<with|without>
+      rounds_ab) if [ -f "${AB_PATCH:-}" ]; then
+                   n=0
+                   for side in with without with; do
+                     n=$((n + 1))
+                     if [ $n -gt 1 ]; then
+                       if [ $side = without ]; then patch -s -R -p1 < "$AB_PATCH"; else patch -s -p1 < "$AB_PATCH"; fi || break
+                     fi
+                     mkdir -p "$OUT/ab-$n-$side"
+                     part "rounds_ab $n ($side)" ${AB_LIMIT:-200} python3 benchmarks/bench_rounds.py --out "$OUT/ab-$n-$side" \
+                       --configs l1+l2 ${ROUNDS_ARGS:-}
+                   done
+                 else echo "rounds_ab: AB_PATCH names no file (git diff main BRANCH > ab.patch here, then AB_PATCH=ab.patch)"; fi ;;
       families) part families 540 python3 benchmarks/bench_families.py --out "$OUT" ${FAMILIES_ARGS:---hit} ;;
       moe) part moe 240 python3 benchmarks/bench_moe.py --out "$OUT" ${MOE_ARGS:-} ;;
       mla) part mla 240 python3 benchmarks/bench_mla_decode.py --out "$OUT" ${MLA_ARGS:-} ;;
