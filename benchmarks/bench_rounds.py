@@ -349,10 +349,10 @@ async def session(a, url: str, vocab: int, rounds, probes, tier: dict, h2d: floa
             out.append(rnd)
     # the profiler (and py-spy, less) slows the server: those rounds stay apart
     hit = [x for x in out[1:] if "profile" not in x and "py_spy" not in x]
-    wall, whole = sum(x["wall_s"] for x in hit), sum(x["bound"]["whole_requests_s"] for x in hit)
+    wall, bound = sum(x["wall_s"] for x in hit), sum(x["bound"]["bound_s"] for x in hit)
+    whole = sum(x["bound"]["whole_requests_s"] for x in hit)
     return dict(cold_probe=cold, batch_probe=batch, rounds=out,
-                hit_rounds=dict(wall_s=wall, bound_s=sum(x["bound"]["bound_s"] for x in hit),
-                                bound_over_wall=sum(x["bound"]["bound_s"] for x in hit) / wall,
+                hit_rounds=dict(wall_s=wall, bound_s=bound, bound_over_wall=bound / wall,
                                 whole_requests_s=whole, whole_requests_over_wall=whole / wall,
                                 errors=sum(len(x["errors"]) for x in out)))
 

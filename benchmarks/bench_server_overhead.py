@@ -63,7 +63,7 @@ import pyspy  # noqa: E402
 from common import RESULTS, environment, machine_tag, write_results  # noqa: E402
 from serving.client import stats_delta  # noqa: E402
 from serving.model import given_or_made, take_positions  # noqa: E402
-from serving.ttft_clients import CLIENTS, AiohttpClient, HttpxClient, OpenAIClient  # noqa: E402
+from serving.ttft_clients import CLIENTS, HttpxClient  # noqa: E402
 from server_helpers import ServerProcess, metric  # noqa: E402
 
 TARGET = 1.15  # issues 29 and 40: TTFT through HTTP <= 1.15x LLM.generate's on a 12K-token L2 hit
@@ -191,9 +191,8 @@ class HttpPath:
             print(f"http: server up in {self.start_s:.1f} s", flush=True)
             self.opened.append(control := httpx.Client(timeout=a.timeout))  # stats and metrics, outside the timers
             self.control = control
-            kinds = {"httpx": HttpxClient, "openai": OpenAIClient, "aiohttp": AiohttpClient}
             for name in a.clients.split(","):
-                self.opened.append(self.clients.setdefault(name, kinds[name](self.srv.url, a)))
+                self.opened.append(self.clients.setdefault(name, CLIENTS[name](self.srv.url, a)))
             if "httpx" not in self.clients:
                 self.opened.append(HttpxClient(self.srv.url, a))
             self.old = self.clients.get("httpx") or self.opened[-1]  # the warm-up and the cold round: the old method

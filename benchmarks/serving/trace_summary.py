@@ -61,7 +61,7 @@ def summarize_trace(path: Path) -> dict:
     window = max(e["ts"] + e["dur"] for e in events) - start
     streams: dict[str, list] = defaultdict(list)
     for e in gpu:
-        streams[str(e.get("args", {}).get("stream", e.get("tid")))].append((e["ts"], e["ts"] + e["dur"]))
+        streams[stream_of(e)].append((e["ts"], e["ts"] + e["dur"]))
     by_name: Counter = Counter()
     for e in gpu:
         by_name[e["name"][:100]] += e["dur"]
@@ -96,6 +96,11 @@ def split_streams(streams: dict[str, list]) -> tuple[list[list[float]], list[lis
         return [], []
     compute = compute_stream(streams)
     return union(streams[compute]), union(iv for s, ivs in streams.items() if s != compute for iv in ivs)
+
+
+def stream_of(event: dict) -> str:
+    """The CUDA stream a GPU event ran on, as the trace names it (its thread where it names none)."""
+    return str(event.get("args", {}).get("stream", event.get("tid")))
 
 
 def compute_stream(streams: dict[str, list]) -> str:
@@ -197,10 +202,9 @@ def input_waits(gpu: list[dict], streams: dict[str, list]) -> dict:
 
     def h2d(e):
         return e.get("cat") == "gpu_memcpy" and "HtoD" in e["name"]
-    bulk = union((e["ts"], e["ts"] + e["dur"]) for e in gpu if h2d(e) and str(e["args"].get("stream")) != compute
+    bulk = union((e["ts"], e["ts"] + e["dur"]) for e in gpu if h2d(e) and stream_of(e) != compute
                  and e["args"].get("bytes", 0) >= BULK_BYTES)
-    ops = sorted((e for e in gpu if str(e.get("args", {}).get("stream", e.get("tid"))) == compute),
-                 key=lambda e: e["ts"])
+    ops = sorted((e for e in gpu if stream_of(e) == compute), key=lambda e: e["ts"])
     waits: dict[str, list[float]] = {"beside DMA": [], "alone": []}
     for before, e in zip(ops, ops[1:]):
         if h2d(e) and e["args"].get("bytes", 0) < BULK_BYTES:

@@ -13,21 +13,20 @@ import time
 
 import httpx
 
-CLIENTS = ("httpx", "openai", "aiohttp")
-
-
 class _Tokens:
     """Counts a stream's token chunks and times the first (seconds from `start`)."""
 
     def __init__(self, start: float) -> None:
         self.start, self.first, self.count = start, None, 0
 
-    def event(self, event: dict) -> None:
+    def event(self, event: dict, tokens: int = 1) -> None:
+        """One parsed SSE event carrying `tokens` sampled tokens when it has choices (one chunk a
+        token: the server's promise; the usage chunk has none)."""
         if "error" in event:
             raise RuntimeError(f"the stream ended in an error after {self.count} tokens: {event['error']}")
-        if event.get("choices"):  # one chunk a sampled token (the server's promise; the usage chunk has none)
+        if event.get("choices") and tokens:
             self.first = self.first if self.first is not None else time.perf_counter() - self.start
-            self.count += 1
+            self.count += tokens
 
     def done(self, max_tokens: int) -> float:
         if self.count != max_tokens:
@@ -46,24 +45,17 @@ class HttpxClient:
     def ttft(self, prompt: list[int]) -> dict:
         body = json.dumps({"model": "bench", "prompt": prompt, "max_tokens": self.a.max_tokens, "temperature": 0,
                            "ignore_eos": True, "logprobs": 1, "stream": True}).encode()
-        start, first, tokens = time.perf_counter(), None, 0
+        tokens = _Tokens(time.perf_counter())
         with self.http.stream("POST", self.url + "/v1/completions", content=body,
                               headers={"Content-Type": "application/json"}) as r:
             if r.status_code != 200:
                 raise RuntimeError(f"HTTP {r.status_code}: {r.read()[:300]!r}")
             for line in r.iter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                event = json.loads(line[6:])
-                if "error" in event:
-                    raise RuntimeError(f"the stream ended in an error after {tokens} tokens: {event['error']}")
-                choices = event.get("choices") or ()
-                if choices and choices[0].get("logprobs"):
-                    first = first if first is not None else time.perf_counter() - start
-                    tokens += len(choices[0]["logprobs"]["tokens"])
-        if tokens != self.a.max_tokens:
-            raise RuntimeError(f"{tokens} of {self.a.max_tokens} tokens came back")
-        return dict(ttft_s=first)
+                if line.startswith("data: {"):  # tokens counted from the log-probabilities
+                    event = json.loads(line[6:])
+                    choice = (event.get("choices") or [{}])[0]
+                    tokens.event(event, len((choice.get("logprobs") or {}).get("tokens") or ()))
+        return dict(ttft_s=tokens.done(self.a.max_tokens))
 
     def close(self) -> None:
         self.http.close()
@@ -125,3 +117,6 @@ class AiohttpClient:
 
     def close(self) -> None:
         self.loop.close()
+
+
+CLIENTS = {"httpx": HttpxClient, "openai": OpenAIClient, "aiohttp": AiohttpClient}  # by --clients name
