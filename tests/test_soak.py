@@ -1,13 +1,13 @@
 """Soak under load: a real tierkv-serve process, a real redis-server as L3, httpx clients.
 
 Closed-loop clients send a steady mix (shared prefixes that hit L1/L2/L3, unique prompts that
-miss, streaming and not) for a warm-up and three measured quarters; every answer must be
-complete, the server's RSS and open files must not grow and no KV block may stay held once idle.
-Then a fresh server starts beside the soaked one, on the same Redis, and gets clients of its own
-sending the same mix: over the same seconds, the soaked server's median latency may be at most
-10% above the fresh one's. A soak looks for a server that slows down as it ages; measuring the
-aged one beside a new one, rather than against its own first minute, leaves the machine's drift
-out (see FRESH_CONTROL).
+miss, streaming and not) for a warm-up and two measured windows. Then a fresh server starts
+beside the soaked one, on the same Redis, and gets clients of its own sending the same mix;
+after its warm-up both are measured over the same window, in which the soaked server's median
+latency may be at most 10% above the fresh one's. All along, every answer must be complete, the
+soaked server's RSS and open files must not grow and no KV block may stay held once idle.
+A soak looks for a server that slows down as it ages; measuring the aged one beside a new one,
+rather than against its own first minute, leaves the machine's drift out (see FRESH_CONTROL).
 """
 
 from __future__ import annotations
@@ -29,15 +29,18 @@ from load_helpers import (  # noqa: E402
 )
 from services import RedisServer, unavailable  # noqa: E402
 
-pytestmark = pytest.mark.slow  # ~110 s (2-core CPU)
+pytestmark = pytest.mark.slow  # ~95 s (2-core CPU)
 _ = tiny_model  # a fixture: imported so that pytest finds it here
 
 # ---------------------------------------------------------------------------- soak
 
 SOAK_CLIENTS = 4  # per server
 SOAK_WARMUP_S = 12.0  # first requests, allocator growth, Redis filling up: not measured
-SOAK_QUARTER_S = 18.0  # a measured window: ~500-900 requests on a 2-core CPU
-SOAK_QUARTERS = 3  # the soaked server alone; then the fourth window, beside the fresh one
+SOAK_WINDOW_S = 18.0  # a measured window: ~500-900 requests on a 2-core CPU
+# windows of the soaked server alone; then one beside the fresh server. By then the soaked server
+# has run ~70 s (two windows, the fresh one's start and warm-up), the fresh one 12 s: the ages of
+# the first and last quarters that the check compared before (see FRESH_CONTROL)
+SOAK_WINDOWS = 2
 SOAK_PREFIXES = 16  # 64 blocks: L1 and L2 together hold 64, unique prompts push them down to L3
 SOAK_L1, SOAK_L2 = 32 * BLOCK_BYTES, 32 * BLOCK_BYTES  # 4 clients need 24 L1 blocks at most
 # Write-through sends every new block to Redis (~2.5 MB/s here): a small LRU Redis is full within
@@ -51,9 +54,9 @@ P50_BOUND = 0.10  # the issue's bound: the soaked server's median latency at mos
 # to 121 ms); in CI, with that probe steady to 4%, the p50 went 85, 101, 100, 94 ms by quarter.
 # Two servers running the same load in the same seconds see the same machine, so the ratio of
 # their medians is the server's age alone.
-# RSS growth allowed from the end of the first quarter to the end. Without a leak the server's RSS
+# RSS growth allowed from the end of the first window to the end. Without a leak the server's RSS
 # moves by less than 1 MiB there (allocator and interpreter noise: 0.1-0.5 MiB in every run so
-# far, 1,600-2,400 requests in those three quarters). 8 MiB is far above that noise and still
+# far, 1,600-2,400 requests from there to the end). 8 MiB is far above that noise and still
 # catches a leak of ~5 KiB a request: less than one KV block (8 KiB here), or one request's
 # prompt, outputs and bookkeeping objects left behind.
 RSS_GROWTH_BOUND = 8 << 20
@@ -72,7 +75,7 @@ KINDS = [(hit, stream) for hit in (True, False) for stream in (True, False)]
 
 def soak_request(i: int, rng: random.Random, prefixes: list[list[int]]) -> tuple[list[int], bool]:
     """The i-th request of a client: the four kinds (a shared prefix that hits or a unique prompt
-    that misses, streamed or not) in turn, so every quarter holds the same mix."""
+    that misses, streamed or not) in turn, so every window holds the same mix."""
     hit, stream = KINDS[i % len(KINDS)]
     tail = PROMPT_TOKENS - PREFIX_TOKENS if hit else PROMPT_TOKENS
     head = prefixes[rng.randrange(len(prefixes))] if hit else []
@@ -91,9 +94,9 @@ def soak_redis(tmp_path_factory):
 
 
 def windows_p50(answers: list[Answer], starts: list[float]) -> tuple[list[list[Answer]], list[float]]:
-    """The answers whose request started in each window [start, start + SOAK_QUARTER_S), and each
+    """The answers whose request started in each window [start, start + SOAK_WINDOW_S), and each
     window's median latency (warm-up requests and those between windows are in none)."""
-    windows: list[list[Answer]] = [[a for a in answers if s <= a.start < s + SOAK_QUARTER_S] for s in starts]
+    windows: list[list[Answer]] = [[a for a in answers if s <= a.start < s + SOAK_WINDOW_S] for s in starts]
     return windows, [statistics.median(a.latency for a in w) if w else float("nan") for w in windows]
 
 
@@ -114,7 +117,7 @@ def soak(tiny_model, soak_redis, tmp_path_factory) -> dict:
         answers: dict[str, list[Answer]] = {"soaked": [], "fresh": []}
         status: dict[str, tuple[int, int]] = {}
         measure_from = time.monotonic() + SOAK_WARMUP_S
-        starts = [measure_from + q * SOAK_QUARTER_S for q in range(SOAK_QUARTERS)]
+        starts = [measure_from + q * SOAK_WINDOW_S for q in range(SOAK_WINDOWS)]
         stop_at = [float("inf")]  # known once the fresh server is up
 
         async def client(c: httpx.AsyncClient, url: str, name: str, seed: int, n: int) -> None:
@@ -128,15 +131,15 @@ def soak(tiny_model, soak_redis, tmp_path_factory) -> dict:
             limits = httpx.Limits(max_connections=4 * SOAK_CLIENTS)
             async with httpx.AsyncClient(timeout=60, limits=limits) as c:
                 tasks = [asyncio.create_task(client(c, soaked.url, "soaked", 1000 + i, i)) for i in range(SOAK_CLIENTS)]
-                await asyncio.sleep(starts[0] + SOAK_QUARTER_S - time.monotonic())
+                await asyncio.sleep(starts[0] + SOAK_WINDOW_S - time.monotonic())
                 status["first"] = proc_status(soaked.proc.pid)
-                await asyncio.sleep(starts[-1] + SOAK_QUARTER_S - time.monotonic())
+                await asyncio.sleep(starts[-1] + SOAK_WINDOW_S - time.monotonic())
                 # the fresh server loads its model while the soaked one keeps serving
                 fresh = await asyncio.to_thread(start_server, tiny_model, tmp_path / "fresh.log", SOAK_L1, SOAK_L2,
                                                 redis_server.url)
                 out["servers"].append(fresh)
                 starts.append(time.monotonic() + SOAK_WARMUP_S)
-                stop_at[0] = starts[-1] + SOAK_QUARTER_S
+                stop_at[0] = starts[-1] + SOAK_WINDOW_S
                 tasks += [asyncio.create_task(client(c, fresh.url, "fresh", 2000 + i, i)) for i in range(SOAK_CLIENTS)]
                 await asyncio.gather(*tasks)
             status["end"] = proc_status(soaked.proc.pid)
