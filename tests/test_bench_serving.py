@@ -89,7 +89,8 @@ def test_a_steps_input_copies_are_timed_apart_beside_a_loads_dma(tmp_path):
     copy = "Memcpy HtoD (Pinned -> Device)"
     events = [ev("gemm", 0, 1.5), ev(copy, 2, 0.01, "gpu_memcpy", nbytes=40), ev("gemm", 3, 8),
               ev(copy, 13, 0.01, "gpu_memcpy", nbytes=40), ev("gemm", 13.5, 1),
-              ev(copy, 15, 1, "gpu_memcpy", nbytes=2 << 20), ev("gemm", 16.5, 1), ev(copy, 10, 4, "gpu_memcpy", stream=13, nbytes=100 << 20)]
+              ev(copy, 15, 1, "gpu_memcpy", nbytes=2 << 20), ev("gemm", 16.5, 1),
+              ev(copy, 10, 4, "gpu_memcpy", stream=13, nbytes=100 << 20)]
     path = tmp_path / "trace.json"
     path.write_text(json.dumps({"traceEvents": events}))
     waits = summarize_trace(path)["step_inputs_waits"]

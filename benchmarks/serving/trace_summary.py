@@ -72,7 +72,8 @@ def summarize_trace(path: Path) -> dict:
     for e in engine:
         ops[e["name"][:100]] += e["dur"]
     steps = [e for e in events if e.get("name", "").startswith("step: ")]
-    compute, others = split_streams(streams)
+    compute_name = compute_stream(streams) if streams else None
+    compute, others = split_streams(streams, compute_name)
     engine_calls = [e for e in events if e.get("tid") == engine_tid and e.get("cat") in ("cpu_op", *CUDA_CALLS)]
     return dict(
         window_ms=window / 1e3,
@@ -80,7 +81,7 @@ def summarize_trace(path: Path) -> dict:
         compute_idle_gaps=idle_gaps(compute, others, steps, start) if compute else [],
         step_spans=step_spans(others, steps) if compute else {},
         host_in_compute_gaps=host_in_gaps(compute, engine_calls) if compute else {},
-        step_inputs_waits=input_waits(gpu, streams),
+        step_inputs_waits=input_waits(gpu, compute_name) if streams else {},
         gpu_busy_fraction=busy_us([(e["ts"], e["ts"] + e["dur"]) for e in gpu]) / window,
         stream_busy_fraction={s: busy_us(iv) / window for s, iv in sorted(streams.items())},
         top_gpu_ms={n: d / 1e3 for n, d in by_name.most_common(TOP)},
@@ -90,11 +91,10 @@ def summarize_trace(path: Path) -> dict:
     )
 
 
-def split_streams(streams: dict[str, list]) -> tuple[list[list[float]], list[list[float]]]:
-    """(the compute stream's busy runs, the other streams' together), each disjoint and in order."""
+def split_streams(streams: dict[str, list], compute: str | None) -> tuple[list[list[float]], list[list[float]]]:
+    """(the `compute` stream's busy runs, the other streams' together), each disjoint and in order."""
     if not streams:
         return [], []
-    compute = compute_stream(streams)
     return union(streams[compute]), union(iv for s, ivs in streams.items() if s != compute for iv in ivs)
 
 
@@ -191,23 +191,22 @@ def host_in_gaps(compute: list[list[float]], engine: list[dict]) -> dict:
                 cuda_calls={n: dict(count=c, ms=ms) for n, (c, ms) in longest})
 
 
-def input_waits(gpu: list[dict], streams: dict[str, list]) -> dict:
-    """The compute stream's small host->device copies (a step's inputs, under BULK_BYTES): how long
+def input_waits(gpu: list[dict], compute: str) -> dict:
+    """The `compute` stream's small host->device copies (a step's inputs, under BULK_BYTES): how long
     each waited after the op before it on that stream ended, for those that started while a bulk
     one (a load's DMA) ran on another stream ("beside DMA") and for the rest ("alone"). A copy
     queued behind a DMA on the copy engines starts late, and the step waits with it."""
-    if not streams:
-        return {}
-    compute = compute_stream(streams)
-
     def h2d(e):
         return e.get("cat") == "gpu_memcpy" and "HtoD" in e["name"]
+
+    def nbytes(e):
+        return e.get("args", {}).get("bytes", 0)
     bulk = union((e["ts"], e["ts"] + e["dur"]) for e in gpu if h2d(e) and stream_of(e) != compute
-                 and e["args"].get("bytes", 0) >= BULK_BYTES)
+                 and nbytes(e) >= BULK_BYTES)
     ops = sorted((e for e in gpu if stream_of(e) == compute), key=lambda e: e["ts"])
     waits: dict[str, list[float]] = {"beside DMA": [], "alone": []}
     for before, e in zip(ops, ops[1:]):
-        if h2d(e) and e["args"].get("bytes", 0) < BULK_BYTES:
+        if h2d(e) and nbytes(e) < BULK_BYTES:
             beside = any(a <= e["ts"] < b for a, b in bulk)
             waits["beside DMA" if beside else "alone"].append(max(0.0, e["ts"] - before["ts"] - before["dur"]))
     return {k: dict(count=len(v), median_us=sorted(v)[len(v) // 2], mean_us=sum(v) / len(v), total_ms=sum(v) / 1e3)
