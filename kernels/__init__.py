@@ -34,6 +34,8 @@ __all__ = [
     "copy_blocks",
     "PlaneTable",
     "copy_planes",
+    "UploadTable",
+    "upload",
     "quantize_fp8",
     "dequantize_fp8",
     "gather_quantize_fp8",
@@ -60,6 +62,7 @@ _TRITON_HOME: dict[str, str] = {
     "scatter_blocks": "block_copy",
     "copy_blocks": "block_copy",
     "copy_planes": "plane_copy",
+    "upload": "array_upload",
     "quantize_fp8": "fp8",
     "dequantize_fp8": "fp8",
     "gather_quantize_fp8": "fp8",
@@ -91,6 +94,8 @@ def __getattr__(name: str):
         return _reference()
     if name == "PlaneTable":
         return importlib.import_module(".planes", __name__).PlaneTable
+    if name == "UploadTable":
+        return importlib.import_module(".upload_table", __name__).UploadTable
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -183,6 +188,14 @@ def copy_planes(src, src_slots: torch.Tensor, dst, dst_slots: torch.Tensor, plan
     if at is None:  # neither is a PlaneTable: the reference's checks say so
         return _reference().copy_planes(src, src_slots, dst, dst_slots, planes)
     return _impl("copy_planes", at)(src, src_slots, dst, dst_slots, planes)
+
+
+def upload(table, counts) -> None:
+    """Copy the first counts[i] elements of each host array of `table` (an UploadTable) into its
+    device buffer, ordered on the current stream. On a GPU, one kernel reads the pinned arrays
+    through unified addressing, so a step's inputs never queue behind DMAs on the copy engines;
+    elsewhere, torch's copies (see reference.upload)."""
+    return _impl("upload", table.targets[0])(table, counts)
 
 
 def quantize_fp8(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> None:

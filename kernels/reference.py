@@ -177,6 +177,14 @@ def copy_blocks(src: torch.Tensor, src_slots: torch.Tensor, dst: torch.Tensor, d
 
 
 
+def upload(table, counts) -> None:
+    """targets[i][:counts[i]] = sources[i][:counts[i]] for each pair of `table` (an UploadTable:
+    kernels/upload_table.py), by torch's copies (non-blocking from pinned memory)."""
+    for n, s, t in zip(table.set_counts(counts), table.sources, table.targets):
+        if n:
+            t[:n].copy_(s[:n], non_blocking=True)
+
+
 def copy_planes(src, src_slots: torch.Tensor, dst, dst_slots: torch.Tensor,
                 planes: tuple[int, int] | None = None):
     """dst.planes[p][dst_slots[i]] = src.planes[p][src_slots[i]] for p in `planes` (default all).

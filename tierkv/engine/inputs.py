@@ -2,10 +2,12 @@
 
 The batch is the new tokens of every sequence laid end to end: token ids, positions, pool slots,
 block tables, lengths and the rows that sample. Everything is filled with numpy into host
-buffers allocated once (pinned on a GPU) and copied with non_blocking=True into device buffers
-allocated once, so building a step allocates nothing in proportion to batch x tokens and never
-waits for the GPU. Two host sets are used in turn: the engine waits for step N before it
-builds step N+2, so a set is never refilled while its copy may still be in flight.
+buffers allocated once (pinned on a GPU) and sent, all of a step in one `kernels.upload` call,
+into device buffers allocated once, so building a step allocates nothing in proportion to batch x
+tokens and never waits for the GPU. On a GPU that call is one kernel reading the pinned arrays
+itself: copies by the copy engines would wait behind an L2 load's DMAs, and the step with them
+(kernels/array_upload.py). Two host sets are used in turn: the engine waits for step N before it
+builds step N+2, so a set is never refilled while its upload may still be in flight.
 
 A token sampled by the previous step but not yet back on the host ("pending", with overlap)
 is read on the device from that step's sampled tokens. This file never schedules, never runs
@@ -19,6 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from tierkv import kernels
 
 from ..sequence import fill_block_table
 from .attention import AttentionMetadata
@@ -39,7 +43,8 @@ class BuiltStep:
 
 
 class _HostSet:
-    """Host-side arrays of one step (pinned on a GPU), with numpy views to fill them."""
+    """Host-side arrays of one step (pinned on a GPU), with numpy views to fill them, and the
+    UploadTable that pairs them with the device buffers (`pair`)."""
 
     def __init__(self, sizes: dict[str, int], pin: bool) -> None:
         self.tensors = {
@@ -47,6 +52,12 @@ class _HostSet:
             for name, n in sizes.items()
         }
         self.np = {name: t.numpy() for name, t in self.tensors.items()}
+        self.names = list(self.tensors)
+        self.table = None
+
+    def pair(self, device_buffers: dict[str, torch.Tensor]) -> None:
+        self.table = kernels.UploadTable([self.tensors[n] for n in self.names],
+                                         [device_buffers[n] for n in self.names])
 
 
 # int32 on the device (the kernels' index type); everything else int64. With layer groups, group
@@ -77,6 +88,8 @@ class StepInputs:
         self._hosts = [_HostSet(self._sizes, self._pin) for _ in range(2)]
         self._turn = 0
         self._dev = {name: torch.zeros_like(t, device=self.device) for name, t in self._hosts[0].tensors.items()}
+        for host in self._hosts:
+            host.pair(self._dev)
 
     def _fit(self, **needed: int) -> None:
         """Grow every buffer that is too small for this step (rare: a first long table, say)."""
@@ -134,14 +147,14 @@ class StepInputs:
         sample_rows = [b for b, r in enumerate(requests) if int(ends[b]) == r.num_tokens]
         h["logits_indices"][: len(sample_rows)] = cu[1:][sample_rows] - 1
 
-        input_ids, positions, meta = self._to_device(host, total, b_count, width, len(sample_rows),
-                                                     bool((new == 1).all()), int(starts[0]) if b_count == 1 else None)
-        if pending_at:
-            n = len(pending_at)
-            h["pending_at"][:n], h["pending_from"][:n] = pending_at, pending_from
-            input_ids.index_copy_(0, self._copy(host, "pending_at", n),
-                                  previous[1].index_select(0, self._copy(host, "pending_from", n)))
-        return BuiltStep(input_ids, positions, meta, [requests[b] for b in sample_rows], cu.tolist(),
+        n = len(pending_at)
+        h["pending_at"][:n], h["pending_from"][:n] = pending_at, pending_from
+        dev, meta = self._to_device(host, total, b_count, width, len(sample_rows), bool((new == 1).all()),
+                                    int(starts[0]) if b_count == 1 else None, pending=n)
+        input_ids = dev["input_ids"]
+        if n:
+            input_ids.index_copy_(0, dev["pending_at"], previous[1].index_select(0, dev["pending_from"]))
+        return BuiltStep(input_ids, dev["positions"], meta, [requests[b] for b in sample_rows], cu.tolist(),
                          self._views(host, total, b_count, width, len(sample_rows)), width)
 
     def load(self, arrays: dict[str, np.ndarray], width: int, is_decode: bool, context: int | None) -> BuiltStep:
@@ -154,8 +167,8 @@ class StepInputs:
         self._turn ^= 1
         for name, values in arrays.items():
             host.np[name][: len(values)] = values
-        input_ids, positions, meta = self._to_device(host, total, b_count, width, n_sample, is_decode, context)
-        return BuiltStep(input_ids, positions, meta, [], arrays["cu_seqlens_q"].tolist(),
+        dev, meta = self._to_device(host, total, b_count, width, n_sample, is_decode, context)
+        return BuiltStep(dev["input_ids"], dev["positions"], meta, [], arrays["cu_seqlens_q"].tolist(),
                          self._views(host, total, b_count, width, n_sample), width)
 
     def _step_sizes(self, total: int, b_count: int, width: int) -> dict[str, int]:
@@ -167,30 +180,25 @@ class StepInputs:
             sizes |= {f"slot_mapping:{g}": total, f"block_tables:{g}": b_count * width}
         return sizes
 
-    def _copy(self, host: _HostSet, name: str, n: int) -> torch.Tensor:
-        """The first `n` values of host array `name`, copied into its device buffer (no wait)."""
-        out = self._dev[name][:n]
-        out.copy_(host.tensors[name][:n], non_blocking=True)
-        return out
-
     def _to_device(self, host: _HostSet, total: int, b_count: int, width: int, n_sample: int, is_decode: bool,
-                   context: int | None) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+                   context: int | None, pending: int = 0) -> tuple[dict[str, torch.Tensor], AttentionMetadata]:
+        """The step's arrays sent to the device in one upload (no wait): their device views by
+        name, and the attention metadata built on them. `pending`: tokens read on the device."""
+        counts = self._step_sizes(total, b_count, width) | {"input_ids": total, "logits_indices": n_sample,
+                                                            "pending_at": pending, "pending_from": pending}
+        kernels.upload(host.table, [counts.get(name, 0) for name in host.names])
+        dev = {name: self._dev[name][:n] for name, n in counts.items()}
         meta = AttentionMetadata(
-            slot_mapping=self._copy(host, "slot_mapping", total),
-            block_tables=self._copy(host, "block_tables", b_count * width).view(b_count, width),
-            seq_lens=self._copy(host, "seq_lens", b_count),
-            cu_seqlens_q=self._copy(host, "cu_seqlens_q", b_count + 1),
-            logits_indices=self._copy(host, "logits_indices", n_sample),
-            is_decode=is_decode,
-            context=context,
+            slot_mapping=dev["slot_mapping"], block_tables=dev["block_tables"].view(b_count, width),
+            seq_lens=dev["seq_lens"], cu_seqlens_q=dev["cu_seqlens_q"], logits_indices=dev["logits_indices"],
+            is_decode=is_decode, context=context,
         )
         if self.layer_group is not None:
             meta.groups = [meta] + [dataclasses.replace(
-                meta, slot_mapping=self._copy(host, f"slot_mapping:{g}", total),
-                block_tables=self._copy(host, f"block_tables:{g}", b_count * width).view(b_count, width))
-                for g in range(1, self.num_groups)]
+                meta, slot_mapping=dev[f"slot_mapping:{g}"],
+                block_tables=dev[f"block_tables:{g}"].view(b_count, width)) for g in range(1, self.num_groups)]
             meta.layer_group = self.layer_group
-        return self._copy(host, "input_ids", total), self._copy(host, "positions", total), meta
+        return dev, meta
 
     def _views(self, host: _HostSet, total: int, b_count: int, width: int, n_sample: int) -> dict[str, np.ndarray]:
         """The step's host arrays that another tensor-parallel rank needs (step_plan.ARRAYS and
