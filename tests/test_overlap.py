@@ -114,6 +114,31 @@ def test_no_token_is_computed_past_max_tokens(tiny_llama):
     assert sum(computed) == sum(len(p) + p_.max_tokens - 1 for p, p_ in zip(ps, params))
 
 
+def test_each_step_sends_its_inputs_in_one_upload_pending_rows_included(tiny_llama, monkeypatch):
+    """A step's arrays go to the device in one kernels.upload call (on a GPU one kernel, which no
+    DMA on the copy engines can hold up), the rows of tokens still on their way included."""
+    from tierkv import kernels
+
+    llm = LLM(tiny_llama, device="cpu")
+    names = {id(h.table): h.names for h in llm.engine.runner.inputs._hosts}
+    real, calls = kernels.upload, []
+
+    def upload(table, counts):
+        calls.append(dict(zip(names[id(table)], counts)))
+        return real(table, counts)
+
+    monkeypatch.setattr(kernels, "upload", upload)
+    ps = prompts((12, 30, 7), seed=3)
+    outs = llm.generate(ps, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    steps = sum(sum(h.counts) for h in llm.engine.stats.batch.values())
+    llm.close()
+    assert all(len(o.token_ids) == 6 for o in outs)
+    assert len(calls) == steps > 0
+    # the prompts' steps send their tokens; decode steps read the pending token on the device
+    assert sum(c["input_ids"] for c in calls) == sum(map(len, ps)) + 3 * 5
+    assert any(c["pending_at"] > 0 for c in calls) and all(c["pending_at"] == c["pending_from"] for c in calls)
+
+
 def test_penalties_run_each_step_to_completion(tiny_llama):
     ps = prompts((9, 25), seed=4)
     params = SamplingParams(temperature=0.8, seed=11, repetition_penalty=1.3, frequency_penalty=0.5, max_tokens=12)
