@@ -121,6 +121,9 @@ def test_on_a_gpu_pinned_arrays_arrive_beside_a_dma_and_pageable_ones_are_refuse
     dev = torch.empty_like(big, device="cuda")
     side = torch.cuda.Stream()
     for counts in COUNTS:
+        for s, t in zip(sources, targets):  # new values each time, and a target as it was before any upload
+            s.mul_(-1)
+            t.fill_(-1)
         with torch.cuda.stream(side):
             dev.copy_(big, non_blocking=True)  # a load's DMA on another stream meanwhile
         kernels.upload(table, counts)
