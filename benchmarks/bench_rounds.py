@@ -36,12 +36,12 @@ host's phases of a step; and from the client's clock how the round kept its C se
 (`seat_turnovers`: when all C had a first token, how long a freed seat waited for its next first
 token, and the share of C x wall spent decoding).
 With --profile-seconds, the server's torch profiler runs that long from the start of the second
-hit round: its trace goes to --out, a summary (GPU and per-stream busy shares, the top kernels and
-the engine thread's top ops) to the JSON. The profiler slows the server (a hit round took 2.6-2.8x
-as long on the H200): that round is left out of the hit rounds' sums. With --py-spy threads|gil,
-py-spy samples the server through the last round (every thread's stacks, or only the thread
-holding the GIL: whether the HTTP thread keeps the engine thread waiting for it), summarised in
-OUT/profiles/; that round is left out of the sums too.
+hit round (or --profile-round's): its trace goes to --out, a summary (GPU and per-stream busy
+shares, the top kernels and the engine thread's top ops) to the JSON. The profiler slows the
+server (a hit round took 2.6-2.8x as long on the H200): that round is left out of the hit rounds'
+sums. With --py-spy threads|gil, py-spy samples the server through the last round (every thread's
+stacks, or only the thread holding the GIL: whether the HTTP thread keeps the engine thread waiting
+for it), summarised in OUT/profiles/; that round is left out of the sums too.
 
     python benchmarks/bench_rounds.py                       # H200: random-weight Llama-3.1-8B, ~6 min
     python benchmarks/bench_rounds.py --profile-seconds 2   # and a trace of a saturated hit round
@@ -104,7 +104,9 @@ def parse(argv) -> argparse.Namespace:
     add("--l2-gib", type=float, help="L2 in GiB for l1+l2 (default: every history 1.25 times over)")
     add("--configs", default=",".join(CONFIGS), help=f"comma list of {', '.join(CONFIGS)} (default both)")
     add("--profile-seconds", type=float, default=0.0, help="trace the server this long from the start of the "
-        "second hit round (default 0: off)")
+        "profiled round (default 0: off)")
+    add("--profile-round", type=int, default=2, help="the round --profile-seconds traces (default 2: the second hit "
+        "round; 1 is the first, which follows the cold round)")
     add("--py-spy", choices=("off", "threads", "gil"), default="off", help="sample the server with py-spy during "
         "the last round (left out of the hit rounds' sums): every thread's stacks, or with gil only the thread "
         "holding the GIL; a summary goes to OUT/profiles/ (needs py-spy)")
@@ -124,12 +126,14 @@ def parse(argv) -> argparse.Namespace:
         a.l1_gib = 6.0
     if a.py_spy != "off" and not pyspy.available():
         p.error("--py-spy needs the py-spy binary on PATH: pip install py-spy")
-    if a.py_spy != "off" and a.profile_seconds and a.rounds < 4:
-        p.error("--py-spy with --profile-seconds needs --rounds >= 4: the profiled round is the second hit round, "
-                "the sampled one the last")
+    if a.py_spy != "off" and a.profile_seconds and a.profile_round == a.rounds - 1:
+        p.error(f"--py-spy samples the last round, so --profile-seconds needs another: --profile-round below "
+                f"{a.rounds - 1} or --rounds above {a.rounds}")
     bad = set(a.configs.split(",")) - set(CONFIGS)
     if bad:
         p.error(f"unknown configs {sorted(bad)}: give some of {', '.join(CONFIGS)}")
+    if a.profile_seconds and not 1 <= a.profile_round < a.rounds:
+        p.error(f"--profile-round must name a hit round, 1 to {a.rounds - 1} (round 0 is cold)")
     if a.rounds < (3 if a.profile_seconds else 2) or a.users < 1 or a.concurrency < 1 or a.max_tokens < 2:
         p.error("--rounds must be >= 2 (round 0 is cold; >= 3 with --profile-seconds, whose round is not timed with "
                 "the others), --users and --concurrency >= 1, --max-tokens >= 2")
@@ -288,7 +292,7 @@ async def session(a, url: str, vocab: int, rounds, probes, tier: dict, h2d: floa
                 raise RuntimeError(f"a probe failed: {probe}")
         print(f"  cold prefill {cold['s_per_token'] * 1e6:.0f} us a token; decode step at batch {batch['batch']} "
               f"{batch['step_ms']:.1f} ms", flush=True)
-        out, profiled = [], min(2, len(rounds) - 1)
+        out, profiled = [], a.profile_round
         for r, prompts in enumerate(rounds):
             tracing = asyncio.create_task(profile_server(h, a.profile_seconds)) if trace_to and r == profiled else None
             if spy and r == len(rounds) - 1:

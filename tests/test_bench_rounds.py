@@ -104,3 +104,15 @@ def test_the_last_round_sampled_by_py_spy_is_summarised_and_left_out(tmp_path):
     assert "step (" in text  # the engine's step() held the GIL in some samples
     # the sampled round is left out of the hit rounds' sums: only round 1 is in them
     assert config["hit_rounds"]["wall_s"] == config["rounds"][1]["wall_s"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--profile-round", "0"], "must name a hit round, 1 to 2"),
+    (["--profile-round", "3"], "must name a hit round, 1 to 2"),
+])
+def test_the_profiled_round_must_be_a_hit_round(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        bench_rounds.parse(["--smoke", "--rounds", "3", "--profile-seconds", "1", *argv])
+    assert message in capsys.readouterr().err
+    a = bench_rounds.parse(["--smoke", "--rounds", "3", "--profile-seconds", "1", "--profile-round", "1"])
+    assert a.profile_round == 1
