@@ -63,6 +63,7 @@ from common import write_results
 from limits import disk_read_bandwidth, drop_page_cache, h2d_bandwidth
 
 import tierkv
+from tierkv.tiers.disk import THREADS as DISK_THREADS
 
 
 @torch.inference_mode()
@@ -300,7 +301,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-long-") as tmp:
         model_dir, disk = Path(tmp) / "model", a.disk or Path(tmp) / "disk"
         disk.mkdir(parents=True, exist_ok=True)
-        disk_bps, how = disk_read_bandwidth(disk, 2**31 if device.type == "cuda" else 2**26)
+        disk_bps, how = disk_read_bandwidth(disk, 2**31 if device.type == "cuda" else 2**26,
+                                             threads=DISK_THREADS)  # as the disk tier reads
         figures["disk_raw_read_gbps"], figures["disk_raw_read_kind"] = disk_bps / 1e9, how
         t = time.perf_counter()
         model, sizes = save_random_model(config, model_dir, device, dtype)

@@ -1,7 +1,7 @@
 """Physical limits that benchmarks divide by, measured in the same run: pinned host -> device
-bandwidth (PCIe, the floor of an L2 hit) and a disk's raw sequential read and write speeds (the
-floor of a disk hit, and what writing to the disk tier takes from it). Each function measures one
-thing and returns bytes/second; none touches tierkv.
+bandwidth (PCIe, the floor of an L2 hit) and a disk's raw read and write speeds, sequential or by
+several threads (the floor of a disk hit, and what writing to the disk tier takes from it). Each
+function measures one thing and returns bytes/second; none touches tierkv.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import mmap
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -38,47 +39,60 @@ def drop_page_cache() -> bool:
         return False
 
 
-def disk_read_bandwidth(directory: Path, nbytes: int = 2**31, chunk: int = 8 << 20) -> tuple[float, str]:
-    """(bytes/s, how) of one sequential read of an `nbytes` file in `directory`: disk_bandwidth's read."""
-    read_bps, _, how = disk_bandwidth(directory, nbytes, chunk)
+def disk_read_bandwidth(directory: Path, nbytes: int = 2**31, chunk: int = 8 << 20,
+                        threads: int = 1) -> tuple[float, str]:
+    """(bytes/s, how) of reading an `nbytes` file in `directory`: disk_bandwidth's read."""
+    read_bps, _, how = disk_bandwidth(directory, nbytes, chunk, threads)
     return read_bps, how
 
 
-def disk_bandwidth(directory: Path, nbytes: int = 2**31, chunk: int = 8 << 20) -> tuple[float, float, str]:
-    """(read bytes/s, write bytes/s, how) of an `nbytes` file in `directory`: written sequentially
-    and fsynced (the write's speed, until the data is on the disk), then read sequentially with
-    O_DIRECT into page-aligned memory (the disk itself, as the disk tier's ?direct=1 reads it), or
-    where the filesystem refuses O_DIRECT, buffered after evicting the file from the page cache
-    (fadvise DONTNEED)."""
+def disk_bandwidth(directory: Path, nbytes: int = 2**31, chunk: int = 8 << 20,
+                   threads: int = 1) -> tuple[float, float, str]:
+    """(read bytes/s, write bytes/s, how) of an `nbytes` file in `directory`, by `threads` threads
+    side by side, each on every threads-th `chunk` (an SSD serves several requests at once: a
+    store that reads with 8 threads gets several times what one sequential reader gets): written
+    and fsynced (the write's speed, until the data is on the disk), then read with O_DIRECT into
+    page-aligned memory (the disk itself, as the disk tier's ?direct=1 reads it), or where the
+    filesystem refuses O_DIRECT, buffered after evicting the file from the page cache (fadvise
+    DONTNEED)."""
     path = Path(directory) / "tierkv-raw-read.bin"
+    chunks, threads = max(1, nbytes // chunk), max(1, threads)
     block = os.urandom(chunk)
+
+    def each(work) -> None:  # work(i) for every chunk i, `threads` at a time; a failed one raises here
+        with ThreadPoolExecutor(threads) as pool:
+            for done in [pool.submit(lambda part=part: [work(i) for i in range(part, chunks, threads)])
+                         for part in range(threads)]:
+                done.result()
+
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         t = time.perf_counter()
-        for _ in range(max(1, nbytes // chunk)):
-            os.write(fd, block)
+        each(lambda i: os.pwrite(fd, block, i * chunk))
         os.fsync(fd)
-        write_bps = max(1, nbytes // chunk) * chunk / (time.perf_counter() - t)
+        write_bps = chunks * chunk / (time.perf_counter() - t)
     finally:
         os.close(fd)
-    buf = mmap.mmap(-1, chunk)  # page-aligned, as O_DIRECT needs
+    bufs = [mmap.mmap(-1, chunk) for _ in range(threads)]  # page-aligned, as O_DIRECT needs; one a thread
     try:
         try:
             fd, how = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0)), "O_DIRECT"
-            os.readv(fd, [buf])  # a filesystem that refuses O_DIRECT says so here (EINVAL)
-            os.lseek(fd, 0, os.SEEK_SET)
+            os.preadv(fd, [bufs[0]], 0)  # a filesystem that refuses O_DIRECT says so here (EINVAL)
         except OSError:
             fd, how = os.open(path, os.O_RDONLY), "buffered after fadvise(DONTNEED)"
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            read = [0] * chunks
             t = time.perf_counter()
-            total = 0
-            while n := os.readv(fd, [buf]):
-                total += n
+            each(lambda i: read.__setitem__(i, os.preadv(fd, [bufs[i % threads]], i * chunk)))
             seconds = time.perf_counter() - t
+            total = sum(read)
         finally:
             os.close(fd)
     finally:
-        buf.close()
+        for buf in bufs:
+            buf.close()
         path.unlink()
-    return total / seconds, write_bps, f"{how} read of {total >> 20} MiB, after its fsynced write"
+    if total != chunks * chunk:
+        raise OSError(f"the disk probe read {total} of the {chunks * chunk} bytes it wrote to {path}")
+    return total / seconds, write_bps, f"{how} read of {total >> 20} MiB by {threads} thread(s) after its fsynced write"

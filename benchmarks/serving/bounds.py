@@ -24,7 +24,7 @@ from pathlib import Path
 from limits import disk_bandwidth as raw_disk_bandwidth
 from limits import h2d_bandwidth as pinned_h2d_bandwidth
 
-from .presets import GiB
+from .presets import DISK_THREADS, GiB
 
 DISK_CHUNK = 8 << 20  # the raw read's request size; the probe reads whole chunks only
 
@@ -48,8 +48,8 @@ def h2d_bandwidth(nbytes: int) -> tuple[float, str]:
 def disk_bandwidth(directory: Path, nbytes: int) -> tuple[float, float, str]:
     """The disk tier's bound: (read bytes/s, write bytes/s, how) of an nbytes file in `directory`
     (where the L3 lives), written and fsynced, then read from the disk itself (O_DIRECT, or
-    buffered after evicting it from the page cache)."""
-    return raw_disk_bandwidth(directory, nbytes, chunk=DISK_CHUNK)
+    buffered after evicting it from the page cache), by as many threads as the tier uses."""
+    return raw_disk_bandwidth(directory, nbytes, chunk=DISK_CHUNK, threads=DISK_THREADS)
 
 
 def point_bound(p: dict, cold: dict, limits: dict) -> dict | None:

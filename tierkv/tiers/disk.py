@@ -39,6 +39,7 @@ from .service import UrlOptions, describe
 log = logging.getLogger(__name__)
 
 ALIGN = 4096  # records start on page boundaries in a file, which O_DIRECT needs
+THREADS = 8  # reads and writes side by side (?threads=): an SSD serves several at once
 _OBJECT_RE = re.compile(r"^([0-9a-f]{32}\.c(\d+))\.kv$")
 _LEGACY_RE = re.compile(r"^([0-9a-f]{32})\.kv$")  # format 1: one block per file
 _TMP_RE = re.compile(r"^\.[0-9a-f]{32}(?:\.c\d+)?\.(\d+)\.[0-9a-f]+\.tmp$")
@@ -87,7 +88,8 @@ class DiskStore(L3Store):
         self.capacity = opts.get("size", free // 2, UrlOptions.size)
         self.direct = opts.get("direct", False, UrlOptions.boolean) and _O_DIRECT != 0
         self.fsync = opts.get("fsync", True, UrlOptions.boolean)
-        super().__init__(layout, url, opts.get("threads", 8, int), opts.get("chunk", DEFAULT_CHUNK_TOKENS, int), opts)
+        super().__init__(layout, url, opts.get("threads", THREADS, int), opts.get("chunk", DEFAULT_CHUNK_TOKENS, int),
+                         opts)
         self._lru: OrderedDict[str, int] = OrderedDict()  # object name -> file size, oldest access first
         self._used = 0  # bytes of the files in _lru
         self._reserved = 0  # bytes of writes in flight
