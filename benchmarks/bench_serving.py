@@ -5,7 +5,7 @@ How: for each workload, one `tierkv-serve` per configuration (l1: `--l2 0` | l1+
 file L3 with direct=1, O_DIRECT | off: prefix caching disabled), started once; against it a warm-up,
 one isolated cold request, the priming of the cache with the workload's prefixes, then a sweep.
 Each sweep point sends requests at Poisson arrival times (seeded) at one offered rate for
---point-seconds, then waits up to --drain-seconds for them to finish (what is left is cut and
+--point-seconds (or long enough to expect --min-point-requests arrivals), then waits up to --drain-seconds for them to finish (what is left is cut and
 misses the SLO). Rates double from a start (the rate at which all-miss requests, one at a time,
 keep the server busy; --start-rate) while p99 TTFT, over every arrival and measured from its
 arrival, holds the SLO (--slo, 2 s), halve while it does not, then --bisections midpoints between
@@ -110,6 +110,8 @@ def parse(argv) -> argparse.Namespace:
     add("--smoke", action="store_true", help="tiny sizes for a CPU (checks that everything runs)")
     add("--slo", type=float, default=2.0, help="p99 TTFT SLO in seconds (default 2)")
     add("--point-seconds", type=float, help="arrivals per sweep point last this long (H200 20)")
+    add("--min-point-requests", type=int, help="or longer, until this many are expected at the point's rate: a p99 "
+        "of 6 arrivals is their slowest one (H200 30)")
     add("--drain-seconds", type=float, help="after a point's arrivals, wait this long for them, then cut (H200 10)")
     add("--max-points", type=int, help="sweep points per config at most (H200 6)")
     add("--bisections", type=int, default=1, help="midpoints tried between the highest pass and the lowest fail")
@@ -152,8 +154,8 @@ def parse(argv) -> argparse.Namespace:
     bad += [w for w in a.workloads.split(",") if w not in WORKLOADS]
     if bad:
         p.error(f"unknown config or workload: {bad}; configs are {', '.join(CONFIGS)}, workloads {', '.join(WORKLOADS)}")
-    if a.slo <= 0 or a.point_seconds <= 0 or a.max_points < 1:
-        p.error("--slo and --point-seconds must be > 0 and --max-points >= 1")
+    if a.slo <= 0 or a.point_seconds <= 0 or a.max_points < 1 or a.min_point_requests < 0:
+        p.error("--slo and --point-seconds must be > 0, --max-points >= 1 and --min-point-requests >= 0")
     return a
 
 
@@ -197,7 +199,8 @@ def run(a, tmp: Path, device: str) -> list[Path]:
             model=dict(source=model.source, **model.shape, vocab_size=vocab, kv_bytes_per_token=kvb,
                        build_and_save_s=build_s),
             limits=limits, slo_ms=a.slo * 1e3,
-            sweep=dict(point_seconds=a.point_seconds, drain_seconds=a.drain_seconds, max_points=a.max_points,
+            sweep=dict(point_seconds=a.point_seconds, min_point_requests=a.min_point_requests,
+                       drain_seconds=a.drain_seconds, max_points=a.max_points,
                        bisections=a.bisections, start_rate=a.start_rate or "from the cold probe", budget_s=a.budget_s),
             workload=dict(name=name, shape=shape.shape, kv_tokens=shape.kv_tokens, largest_request=shape.largest_request),
             sizes=sizes, max_model_len=max_len,

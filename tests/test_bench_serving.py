@@ -181,3 +181,14 @@ def test_recompute_cost_fits_two_cold_probes():
     assert recompute_cost(probe(8000), {"tokens": 2000, "s_per_token": 30e-6, "error": None}) == \
         pytest.approx((probe(8000)["s_per_token"], 0.0))
     assert recompute_cost(probe(8000), {"tokens": 2000, "error": "HTTP 500"}) is None
+
+
+def test_a_point_lasts_until_its_minimum_of_arrivals_is_expected():
+    from serving.session import point_seconds
+
+    a = bench_serving.parse(["--point-seconds", "15", "--min-point-requests", "30"])
+    assert point_seconds(a, 0.5) == 60.0  # 30 arrivals at 0.5/s, not the 6 of 15 s
+    assert point_seconds(a, 4.0) == 15.0  # 60 arrivals in 15 s already
+    assert bench_serving.parse([]).min_point_requests == 30 and bench_serving.parse(["--smoke"]).min_point_requests == 0
+    with pytest.raises(SystemExit):
+        bench_serving.parse(["--min-point-requests", "-1"])

@@ -24,7 +24,7 @@ H200 = dict(
     ld_docs=16, ld_doc_tokens=8000, ld_question_tokens=100, ld_answer_tokens=32, ld_l2_over_kv=0.25,
     sp_groups=16, sp_system_tokens=8000, sp_question_tokens=128, sp_answer_tokens=32, sp_l2_over_kv=1.25,
     uq_prompt_tokens=4000, uq_answer_tokens=32, uq_l2_over_kv=1.0,
-    point_seconds=20.0, drain_seconds=10.0, max_points=6, settle_seconds=20.0,
+    point_seconds=20.0, min_point_requests=30, drain_seconds=10.0, max_points=6, settle_seconds=20.0,
     warm_tokens=9000, disk_probe_bytes=2 * GiB, h2d_bytes=4 * GiB,
 )
 # A tiny Llama on a CPU: every figure is meaningless, the point is that every path runs (the
@@ -36,6 +36,6 @@ SMOKE = dict(
     ld_docs=8, ld_doc_tokens=160, ld_question_tokens=16, ld_answer_tokens=4, ld_l2_over_kv=0.25,
     sp_groups=8, sp_system_tokens=160, sp_question_tokens=16, sp_answer_tokens=4, sp_l2_over_kv=1.25,
     uq_prompt_tokens=64, uq_answer_tokens=4, uq_l2_over_kv=1.0,
-    point_seconds=1.5, drain_seconds=1.5, max_points=2, settle_seconds=2.0,
+    point_seconds=1.5, min_point_requests=0, drain_seconds=1.5, max_points=2, settle_seconds=2.0,
     warm_tokens=128, disk_probe_bytes=32 * 2**20, h2d_bytes=64 * 2**20,
 )

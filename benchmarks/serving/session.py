@@ -55,6 +55,12 @@ def point_line(p: dict) -> str:
             f"{fmt(b.get('served_over_bound'), '.2f')}")
 
 
+def point_seconds(a, rate: float) -> float:
+    """How long a point's arrivals last: --point-seconds, or long enough to expect
+    --min-point-requests of them at `rate` (a p99 over a handful of arrivals is their slowest)."""
+    return max(a.point_seconds, a.min_point_requests / rate)
+
+
 async def profiled_point(a, h: Http, src: Source, rate: float, trace_to: Path) -> dict:
     """One more point at `rate`, with the server's torch profiler on for --profile-seconds from a
     third of the way in: the point's figures (the profiler slows the server: they stay apart from
@@ -96,13 +102,14 @@ async def session(a, h: Http, src: Source, limits: dict, max_len: int, deadline:
         if len(points) == a.max_points:
             stopped = f"--max-points {a.max_points}"
             break
+        seconds = point_seconds(a, rate)
         # writing and reading an 8B server's trace takes tens of seconds beyond the point itself
-        if time.perf_counter() + a.point_seconds + a.drain_seconds + PROFILE_SLACK_S > deadline:
+        if time.perf_counter() + seconds + a.drain_seconds + PROFILE_SLACK_S > deadline:
             stopped = "time budget"
             break
         clock = rng_for(a.seed, src.name, 7, len(points))  # arrival gaps: the same draws in every config
-        results, delta, span, late = await run_point(h, src, rate, a.point_seconds, a.drain_seconds, clock)
-        p = summarize(rate, a.point_seconds, results, span, late, delta, a.slo)
+        results, delta, span, late = await run_point(h, src, rate, seconds, a.drain_seconds, clock)
+        p = summarize(rate, seconds, results, span, late, delta, a.slo)
         p["bound"] = point_bound(p, cold, limits)
         points.append(p)
         print(point_line(p), flush=True)
