@@ -77,7 +77,11 @@ def disk_bandwidth(directory: Path, nbytes: int = 2**31, chunk: int = 8 << 20,
     try:
         try:
             fd, how = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0)), "O_DIRECT"
-            os.preadv(fd, [bufs[0]], 0)  # a filesystem that refuses O_DIRECT says so here (EINVAL)
+            try:
+                os.preadv(fd, [bufs[0]], 0)  # a filesystem that refuses O_DIRECT says so here (EINVAL)
+            except OSError:
+                os.close(fd)
+                raise
         except OSError:
             fd, how = os.open(path, os.O_RDONLY), "buffered after fadvise(DONTNEED)"
         try:

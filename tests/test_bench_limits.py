@@ -37,5 +37,21 @@ def test_a_short_read_is_an_error(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_filesystem_refusing_o_direct_is_read_buffered_and_no_descriptor_is_left_open(tmp_path, monkeypatch):
+    preadv, refused = os.preadv, []
+
+    def first_refused(fd, bufs, at):
+        if not refused:
+            refused.append(fd)
+            raise OSError(22, "Invalid argument")  # what the O_DIRECT check meets on such a filesystem
+        return preadv(fd, bufs, at)
+
+    monkeypatch.setattr(os, "preadv", first_refused)
+    open_before = len(os.listdir("/proc/self/fd"))
+    how = limits.disk_bandwidth(tmp_path, 4 * CHUNK, CHUNK, 2)[2]
+    assert how.startswith("buffered after fadvise(DONTNEED) read of 4 MiB")
+    assert len(os.listdir("/proc/self/fd")) == open_before
+
+
 def test_the_serving_bound_reads_with_the_disk_tiers_threads(tmp_path):
     assert f"by {DISK_THREADS} thread(s)" in disk_bandwidth(tmp_path, 64 << 20)[2]
