@@ -5,11 +5,12 @@ How: for each workload, one `tierkv-serve` per configuration (l1: `--l2 0` | l1+
 file L3 with direct=1, O_DIRECT | off: prefix caching disabled), started once; against it a warm-up,
 one isolated cold request, the priming of the cache with the workload's prefixes, then a sweep.
 Each sweep point sends requests at Poisson arrival times (seeded) at one offered rate for
---point-seconds (or long enough to expect --min-point-requests arrivals), then waits up to --drain-seconds for them to finish (what is left is cut and
-misses the SLO). Rates double from a start (the rate at which all-miss requests, one at a time,
-keep the server busy; --start-rate) while p99 TTFT, over every arrival and measured from its
-arrival, holds the SLO (--slo, 2 s), halve while it does not, then --bisections midpoints between
-the highest pass and the lowest fail. Goodput = the highest offered rate that held the SLO.
+--point-seconds (or long enough to expect --min-point-requests arrivals), then waits up to
+--drain-seconds for them to finish (what is left is cut and misses the SLO). Rates double from a
+start (the rate at which all-miss requests, one at a time, keep the server busy; --start-rate)
+while p99 TTFT, over every arrival and measured from its arrival, holds the SLO (--slo, 2 s),
+halve while it does not, then --bisections midpoints between the highest pass and the lowest
+fail. Goodput = the highest offered rate that held the SLO.
 State between points is carried over (the cache, the live conversations), as in a server whose
 load changes; there is no reset. Requests are token-id prompts on /v1/completions, streamed,
 greedy, ignore_eos, logprobs=0 (every token its own event, as its id on a server without a

@@ -75,15 +75,7 @@ def disk_bandwidth(directory: Path, nbytes: int = 2**31, chunk: int = 8 << 20,
         os.close(fd)
     bufs = [mmap.mmap(-1, chunk) for _ in range(threads)]  # page-aligned, as O_DIRECT needs; one a thread
     try:
-        try:
-            fd, how = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0)), "O_DIRECT"
-            try:
-                os.preadv(fd, [bufs[0]], 0)  # a filesystem that refuses O_DIRECT says so here (EINVAL)
-            except OSError:
-                os.close(fd)
-                raise
-        except OSError:
-            fd, how = os.open(path, os.O_RDONLY), "buffered after fadvise(DONTNEED)"
+        fd, how = _open_uncached(path, bufs[0])
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             read = [0] * chunks
@@ -100,3 +92,18 @@ def disk_bandwidth(directory: Path, nbytes: int = 2**31, chunk: int = 8 << 20,
     if total != chunks * chunk:
         raise OSError(f"the disk probe read {total} of the {chunks * chunk} bytes it wrote to {path}")
     return total / seconds, write_bps, f"{how} read of {total >> 20} MiB by {threads} thread(s) after its fsynced write"
+
+
+def _open_uncached(path: Path, buf: mmap.mmap) -> tuple[int, str]:
+    """(fd, how) to read `path` from the disk itself: with O_DIRECT, or where the filesystem refuses
+    it (EINVAL at the open or at the first read into the page-aligned `buf`), buffered."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+        try:
+            os.preadv(fd, [buf], 0)
+            return fd, "O_DIRECT"
+        except OSError:
+            os.close(fd)
+    except OSError:
+        pass
+    return os.open(path, os.O_RDONLY), "buffered after fadvise(DONTNEED)"

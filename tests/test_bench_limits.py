@@ -11,7 +11,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import limits  # noqa: E402
 from serving.bounds import disk_bandwidth  # noqa: E402
-from serving.presets import DISK_THREADS  # noqa: E402
+
+from tierkv.tiers.disk import THREADS as DISK_THREADS  # noqa: E402
 
 CHUNK = 1 << 20
 

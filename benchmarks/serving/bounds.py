@@ -24,7 +24,9 @@ from pathlib import Path
 from limits import disk_bandwidth as raw_disk_bandwidth
 from limits import h2d_bandwidth as pinned_h2d_bandwidth
 
-from .presets import DISK_THREADS, GiB
+from tierkv.tiers.disk import THREADS as DISK_THREADS
+
+from .presets import GiB
 
 DISK_CHUNK = 8 << 20  # the raw read's request size; the probe reads whole chunks only
 

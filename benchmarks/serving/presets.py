@@ -6,9 +6,6 @@ builds a workload or starts anything.
 from __future__ import annotations
 
 GiB = 2**30
-# The disk tier's reader and writer threads (file://...&threads=), and so the threads the disk's
-# bound reads and writes with: one sequential reader gets a fraction of what an SSD serves to 8
-DISK_THREADS = 8
 
 # Llama-3.1-8B on one H200 (128 KiB of KV a token, cold prefill ~37 us a token). Each workload's
 # KV is --kv-over-l1 (4) x L1; l2_over_kv sets L2 against that KV: 1.25 holds the whole working

@@ -20,7 +20,6 @@ from tierkv.config import parse_size
 from tierkv.engine.config import EngineConfig
 
 from .model import ModelInfo
-from .presets import DISK_THREADS
 from .workloads import Source
 
 CONFIGS = ("off", "l1", "l1+l2", "l1+l2+disk")
@@ -68,7 +67,7 @@ def server_args(a, config: str, model: ModelInfo, sizes: dict, max_len: int, l3_
         args.append("--no-enable-prefix-caching")
     args += ["--l2", str(sizes["l2_bytes"]) if "l2" in config else "0"]
     if "disk" in config:
-        args += ["--l3", f"file://{l3_dir}?size={sizes['l3_bytes']}&direct=1&threads={DISK_THREADS}"]
+        args += ["--l3", f"file://{l3_dir}?size={sizes['l3_bytes']}&direct=1"]
     if a.enforce_eager:
         args.append("--enforce-eager")
     if a.profile_seconds:  # /start_profile and /stop_profile, for the profiled point (session.py)
