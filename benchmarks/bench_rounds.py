@@ -343,7 +343,9 @@ async def session(a, url: str, vocab: int, rounds, probes, tier: dict, h2d: floa
                       f"(no step on it: {rnd['wall_s'] - sum(e['gpu_s'].values()):.2f} s), "
                       f"{e['load_wait_gpu_s']:.2f} s of it on {e['load_wait_steps']} steps launched with loads in "
                       f"flight; idle {e['idle_s']:.2f} s; "
-                      "host " + ", ".join(f"{k} {v:.2f} s" for k, v in e["host_s"].items()), flush=True)
+                      "host " + ", ".join(f"{k} {v:.2f} s" for k, v in e["host_s"].items())
+                      + (f"; {e['kernel_compiles']} Triton compiles, {e['kernel_compile_s']:.2f} s"
+                         if e["kernel_compiles"] else ""), flush=True)
                 if rnd.get("warmed"):
                     print(f"    warmed {rnd['warmed']['warmed_blocks']} blocks into L1 for waiting requests, "
                           f"{rnd['warmed']['warmed_unused']} of them evicted unused", flush=True)

@@ -392,3 +392,36 @@ def test_the_gpu_seconds_of_the_steps_are_counted(tiny_llama):
     assert all(v > 0 for v in gpu.values()) and sum(gpu.values()) <= wall, (gpu, wall)
     assert after["load_wait_steps"] == 0 and after["load_wait_gpu_seconds"] == 0  # no L2: nothing ever loads
     llm.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run through the device tool)")
+def test_serving_cold_prompts_l1_and_l2_hits_compiles_no_kernel_after_start(tiny_llama):
+    # The engine compiles every kernel variant its steps may pick before it serves: one met later
+    # (Triton specialises on an int being 1 or a multiple of 16, a dtype, a constexpr) compiles
+    # mid-step and stalls every request in it for 0.1-1 s. Cold prompts of odd and round lengths,
+    # batched, then L1 hits, then L2 hits of several lengths loaded beside decodes, greedy and
+    # sampled: the engine's CompileWatch must count no compile.
+    probe = LLM(tiny_llama, device="cuda", l1=1 << 20)
+    llm = LLM(tiny_llama, device="cuda", l1=256 * block_bytes(probe), l2=1024 * block_bytes(probe),
+              max_num_batched_tokens=512, max_num_seqs=8)
+    prompts = random_prompts(512, (1, 15, 16, 17, 100, 200, 300, 450), seed=11)  # max 512 positions
+    greedy = SamplingParams(temperature=0, max_tokens=20)
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, top_k=40, max_tokens=20, seed=1)
+    llm.generate(prompts, greedy, use_tqdm=False)
+    llm.generate([p + [5, 6, 7] for p in prompts], sampled, use_tqdm=False)  # L1 hits
+    llm.cache.evict("l1")
+    llm.engine.scheduler.recompute_seconds_per_token = None  # load what L2 holds (a tiny model would recompute)
+    llm.generate([p + [5, 6, 7, 8] for p in prompts[4:]], greedy, use_tqdm=False)  # L2 hits, batched
+    llm.cache.evict("l1")
+    engine = llm.engine
+    runner = engine.add_request(prompts[6] + [9], SamplingParams(temperature=0, max_tokens=40))
+    while runner.num_computed < len(prompts[6]) + 1:
+        engine.step()  # a decode is running now
+    for p in prompts[4:6] + prompts[7:]:  # L2 hits admitted beside it
+        engine.add_request(p + [5, 6, 7, 8, 9], greedy)
+    while engine.has_unfinished():
+        engine.step()
+    compiles = engine.engine_stats()["kernel_compiles"]
+    assert engine.compiles.armed
+    assert compiles["compiles"] == 0, f"kernels compiled after start-up: {compiles['recent']}"

@@ -121,7 +121,8 @@ ENGINE_TIME = {"tierkv_engine_step_batch_size_count": ("kind",), "tierkv_engine_
                "tierkv_engine_step_batch_size_bucket": ("kind", "le"),
                "tierkv_engine_host_seconds_total": ("phase",), "tierkv_engine_idle_seconds_total": (),
                "tierkv_engine_gpu_seconds_total": ("kind",), "tierkv_engine_load_wait_steps_total": (),
-               "tierkv_engine_load_wait_gpu_seconds_total": ()}
+               "tierkv_engine_load_wait_gpu_seconds_total": (), "tierkv_engine_kernel_compiles_total": (),
+               "tierkv_engine_kernel_compile_seconds_total": ()}
 
 
 async def engine_time(h: Http) -> dict | None:
@@ -147,8 +148,8 @@ def engine_time_delta(before: dict | None, after: dict | None) -> dict | None:
     """Between two engine_time() readings: steps by kind, their mean batch, how many steps of each
     kind ran each batch size ({kind: {size: steps}}; past 8 a size stands for the sizes up to it
     from the one before), the seconds of steps that launched nothing (idle), the GPU's seconds on
-    the steps by kind, the steps launched with loads in flight and their GPU seconds, and the engine
-    thread's seconds by phase."""
+    the steps by kind, the steps launched with loads in flight and their GPU seconds, the Triton
+    compiles after start-up and their seconds, and the engine thread's seconds by phase."""
     if not before or not after:
         return None
     d = {k: after[k] - before.get(k, 0.0) for k in after}
@@ -173,6 +174,8 @@ def engine_time_delta(before: dict | None, after: dict | None) -> dict | None:
                 idle_s=d["tierkv_engine_idle_seconds_total"], gpu_s=by("tierkv_engine_gpu_seconds_total:"),
                 load_wait_steps=int(d.get("tierkv_engine_load_wait_steps_total", 0)),
                 load_wait_gpu_s=d.get("tierkv_engine_load_wait_gpu_seconds_total", 0.0),
+                kernel_compiles=int(d.get("tierkv_engine_kernel_compiles_total", 0)),
+                kernel_compile_s=d.get("tierkv_engine_kernel_compile_seconds_total", 0.0),
                 host_s=by("tierkv_engine_host_seconds_total:"))
 
 

@@ -24,6 +24,7 @@ import numpy as np
 from ..config import redact_url
 from ..errors import ConfigError
 from ..groups import caches_of, l1_split, make_cache
+from ..kernels.compile_watch import CompileWatch
 from ..layout import stored_layout
 from .config import L2_DEFAULT_RULE, EngineConfig
 from .loader import LoadedModel, check_parallel_model, load_model, resolve_device_dtype
@@ -133,6 +134,11 @@ class Engine:
             self.workers.ready()
             for cache in caches_of(self.cache):  # from now on every L1/L2 move is repeated by the other ranks
                 cache.tiers.moves = []
+        # every kernel variant a step may pick is compiled by now (the runner's and the tiers'
+        # warm-ups): a later compile stalls steps, so it is logged and counted
+        self.compiles = CompileWatch()
+        if dev.type == "cuda":
+            self.compiles.arm()
         self.requests: dict[str, Request] = {}
         self.in_flight: LaunchedStep | None = None  # launched, its tokens not yet taken back
         self.num_computed_tokens = 0  # tokens the model has run, prompts and decodes together
@@ -423,7 +429,7 @@ class Engine:
 
     def engine_stats(self) -> dict:
         """A copy of the engine's own counters (EngineStats) with the scheduler's preemptions."""
-        return self.stats.snapshot(self.scheduler.num_preemptions)
+        return {**self.stats.snapshot(self.scheduler.num_preemptions), "kernel_compiles": self.compiles.stats()}
 
     def cache_stats(self) -> dict:
         """The cache's stats. Under tensor parallelism these are rank 0's decisions, with each
@@ -452,6 +458,7 @@ class Engine:
         return out
 
     def close(self) -> None:
+        self.compiles.disarm()
         try:
             if self.in_flight is not None:
                 self._postprocess(self._take_in_flight())

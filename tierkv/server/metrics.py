@@ -254,6 +254,12 @@ def _engine_time(e: dict):
                               value=e.get("load_wait_steps", 0))
     yield CounterMetricFamily("tierkv_engine_load_wait_gpu_seconds", "the GPU's seconds on those steps, their "
                               "waits for the loads included", value=e.get("load_wait_gpu_seconds", 0.0))
+    compiles = e.get("kernel_compiles", {})
+    yield CounterMetricFamily("tierkv_engine_kernel_compiles", "Triton compilations after start-up: kernel variants "
+                              "the warm-up missed, each stalling the steps behind it (0 is healthy)",
+                              value=compiles.get("compiles", 0))
+    yield CounterMetricFamily("tierkv_engine_kernel_compile_seconds", "seconds those compilations took",
+                              value=compiles.get("compile_seconds", 0.0))
 
 
 def _labelled(name: str, doc: str, label: str, values: dict) -> CounterMetricFamily:
