@@ -91,6 +91,13 @@ class StepInputs:
         for host in self._hosts:
             host.pair(self._dev)
 
+    def compile(self) -> None:
+        """Upload one word now, so that Triton compiles `kernels.upload` before the first step
+        (it would stall that step for ~0.1 s). The word is input_ids[0], which every step rewrites."""
+        if self.device.type == "cuda":
+            host = self._hosts[self._turn]
+            kernels.upload(host.table, [1 if name == "input_ids" else 0 for name in host.names])
+
     def _fit(self, **needed: int) -> None:
         """Grow every buffer that is too small for this step (rare: a first long table, say)."""
         grow = {name: max(n, 2 * self._sizes[name]) for name, n in needed.items() if n > self._sizes[name]}

@@ -110,6 +110,9 @@ class ModelRunner:
         self.inputs = StepInputs(block_size=cache.block_size, max_tokens=config.max_num_batched_tokens,
                                  max_seqs=config.max_num_seqs, max_blocks=cache.blocks_needed(config.max_model_len + 1),
                                  device=self.device, layer_group=self.layer_group)
+        # and the kernels a step runs outside the model: its inputs' upload, the sampler's filters
+        self.inputs.compile()
+        Sampler.compile(self.vocab_size, self.device)
 
     def prepare(self, step: ScheduledStep, previous: LaunchedStep | None = None) -> BuiltStep:
         """The step's device inputs; pending tokens are read from `previous`'s sampled tokens."""

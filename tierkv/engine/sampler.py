@@ -318,6 +318,19 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 class Sampler:
     """logits [B, V] -> next token per row, per its SamplingParams."""
 
+    @staticmethod
+    def compile(vocab_size: int, device: torch.device) -> None:
+        """Run each top-k / top-p filter variant once (top-k, top-p, both), so that Triton
+        compiles them before serving: the first request asking for one would otherwise stall
+        its whole step for ~0.5 s (H100). Nothing to do off CUDA (the reference has no compile)."""
+        if device.type != "cuda":
+            return
+        logits = torch.zeros(1, vocab_size, device=device)  # [1, V] fp32, as __call__ filters them
+        top_k = torch.ones(1, dtype=torch.int64, device=device)
+        top_p = torch.ones(1, dtype=torch.float32, device=device)
+        for k, p in ((top_k, None), (None, top_p), (top_k, top_p)):
+            kernels.top_k_top_p_filter(logits, k, p)
+
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         logits = logits.float()
         # log-probabilities of the model's own distribution, before any penalty or filter
