@@ -85,3 +85,46 @@ def test_tensor_parallel_ranks_are_told_to_fence_where_the_compute_stream_waited
     assert FENCE not in [kind for kind, _, _ in cache.tiers.moves]
     cache.tiers.take_l1(1)
     assert [kind for kind, _, _ in cache.tiers.moves] == [FENCE] and save.waits == 1
+
+
+def test_the_saves_of_the_slots_the_compute_stream_writes_go_first_in_a_move_of_their_own():
+    # An admission that evicts blocks L2 lacks saves them (write_back), then loads into most of
+    # the freed slots and computes into the rest. The compute stream waits for the save at the
+    # slots it writes: those saves go first, alone, so it waits for them rather than for the
+    # whole eviction, and the loads take the slots of the later move.
+    cache = TieredKVCache(LAYOUT, CacheConfig(l1=8 * BPB, l2=64 * BPB, write_policy="write_back"), device="cpu",
+                          model="evicted-slots")
+    tokens = list(range(8 * LAYOUT.block_size))
+    cache.store(tokens, prefix_kv(LAYOUT, tokens))
+    assert not cache.l1.free and all(e.l2 < 0 for e in cache.index.entries.values())
+    moves: list[tuple[list[int], InFlight]] = []  # (L1 slots saved, the move) in issue order
+    apply = cache.tiers._apply
+
+    def in_flight(kind, src, dst):
+        apply(kind, src, dst)
+        moves.append((list(src), InFlight()))
+        return moves[-1][1]
+
+    cache.tiers._apply = in_flight
+    taken = cache.tiers.take_l1(5, loads=3)
+    loads, computed = taken[:3], taken[3:]
+    assert [len(src) for src, _ in moves] == [2, 3]  # the compute stream's two first, then the loads' three
+    (first_src, first), (_, rest) = moves
+    assert sorted(first_src) == sorted(computed) and first.waits == 1 and rest.waits == 0
+    assert not cache.tiers._busy  # every slot freed was taken: the loads queue behind the later move
+    victims = [e for e in cache.index.entries.values() if e.l1 < 0]
+    assert len(victims) == 5 and all(e.l2 >= 0 for e in victims)  # all five saved, none dropped
+    assert sorted(loads + computed) == sorted(first_src + moves[1][0])
+
+
+def test_an_eviction_with_no_slot_to_compute_into_saves_in_one_move():
+    cache = TieredKVCache(LAYOUT, CacheConfig(l1=8 * BPB, l2=64 * BPB, write_policy="write_back"), device="cpu",
+                          model="evicted-slots")
+    tokens = list(range(8 * LAYOUT.block_size))
+    cache.store(tokens, prefix_kv(LAYOUT, tokens))
+    sizes = []
+    apply = cache.tiers._apply
+    cache.tiers._apply = lambda kind, src, dst: sizes.append(len(src)) or apply(kind, src, dst)
+    cache.tiers.take_l1(4, loads=4)
+    cache.evict("l1")
+    assert sizes == [4, 4]
