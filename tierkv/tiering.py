@@ -184,28 +184,24 @@ class Tiering(TieringL3):
         `partial`. The first `loads` of them are for L2 -> L1 loads, the rest for the compute
         stream to write, which is ordered after any copy still at one of its slots."""
         short = n - len(self.l1.free)
-        first_saved: set[int] = set()
         if short > 0:
             if short > self.index.evictable("l1") and not partial:
                 raise CacheFullError(f"L1 needs {short} more blocks than can be evicted")
             victims = []
             while len(victims) < short and (e := self.index.victim("l1")) is not None:
                 victims.append(e)
-            first_saved = self._evict_l1(victims, compute=n - loads)
+            self._evict_l1(victims)
         slots = self.l1.free.take(min(n, len(self.l1.free)))
-        return self._sort_busy(slots, loads, first_saved) if self._busy else slots
+        return self._sort_busy(slots, loads) if self._busy else slots
 
-    def _sort_busy(self, slots: list[int], loads: int, first_saved: set[int] = frozenset()) -> list[int]:
+    def _sort_busy(self, slots: list[int], loads: int) -> list[int]:
         """`slots` with those a copy is still at among the first `loads` where they fit (a load
         queues behind that copy on the copy stream), each part in ascending order (runs of
-        neighbours for the DMAs); the compute stream waits for the copies at the others, which
-        are those of `first_saved` (saved in a move of their own, ahead of the rest) where it can."""
+        neighbours for the DMAs); the compute stream waits for the copies at the others."""
         busy = [s for s in slots if s in self._busy]
         if not busy:
             return slots
         idle = [s for s in slots if s not in self._busy]
-        if first_saved:
-            busy.sort(key=first_saved.__contains__)  # (stable) those last: the compute stream's share
         k = min(loads, len(busy))
         waits = in_flight(t for s in busy[k:] for t in self._busy.pop(s))
         for t in waits:
@@ -230,24 +226,11 @@ class Tiering(TieringL3):
             e.loading = load if load is not DONE else None
         return load
 
-    def _evict_l1(self, victims: list[BlockEntry], compute: int = 0) -> set[int]:
-        """Free the L1 slots of `victims`, saving to L2 those the write policy sends there.
-        `compute`: how many of the slots taken next the compute stream writes at once (take_l1),
-        waiting for any save still reading them. That many saves go first, in a move of their
-        own, so that it waits for those few blocks rather than the whole eviction: one save of an
-        8K-token Llama-8B sequence (1 GB, ~20 ms on an H100) held every decode step queued behind
-        an admission's tail blocks (bench_rounds' first hit round). Returns those slots."""
+    def _evict_l1(self, victims: list[BlockEntry]) -> None:
         self.index.leaving_l1(victims)
         for e in victims:  # written down now if L2 has room, else dropped: owed no more
             self.owed.pop(e.hash, None)
-        saves = [e for e in victims if e.l2 < 0 and self._admits(e)]
-        first = saves[len(saves) - compute:] if 0 < compute < len(saves) else []
-        self.write_down(first)
-        placed = [e for e in first if e.l2 >= 0]
-        self.index.hold_l2(placed)  # the next move's room in L2 must not come from them
-        self.write_down(saves[: len(saves) - len(first)])
-        self.index.release_l2(placed)
-        first_saved = {e.l1 for e in placed}
+        self.write_down([e for e in victims if e.l2 < 0 and self._admits(e)])
         freed = []
         for e in victims:
             if e.l2 < 0:
@@ -263,7 +246,6 @@ class Tiering(TieringL3):
             freed.append(slot)
         self.l1.free.give(freed[::-1])  # (stacked in eviction order, as one give() a slot would)
         self.counters.tiers["l1"].evictions += len(victims)
-        return first_saved
 
     def _admits(self, entry: BlockEntry) -> bool:
         """Whether the write policy lets `entry` into the next tier down when it is evicted."""
