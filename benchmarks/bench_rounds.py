@@ -211,8 +211,11 @@ async def run_round(h: Http, prompts: list[list[int]], a) -> dict:
     await asyncio.sleep(STATS_SETTLE_S)  # the server refreshes its counters' snapshot every 0.25 s
     after = await cache_stats(h)
     delta = stats_delta(before, after)
-    # L2 blocks loaded into L1 for requests waiting for room, and those evicted again unused
+    # L2 blocks loaded into L1 for requests waiting for room, and those evicted again unused; L1
+    # slots the compute stream took while a save or a load was still at them (it waited for it)
     warmed = {k: after.get(k, 0) - before.get(k, 0) for k in ("warmed_blocks", "warmed_unused")} if delta else None
+    slot_waits = ({copy: after.get(f"slot_waits_on_{copy}s", 0) - before.get(f"slot_waits_on_{copy}s", 0)
+                   for copy in ("save", "load")} if delta else None)
     engine = engine_time_delta(engine_before, await engine_time(h))
     ttft = pct([r.ttft for r in results if r.ttft is not None], scale=1.0)
     served = [r for r in results if r.ttft is not None and r.error is None]
@@ -222,7 +225,8 @@ async def run_round(h: Http, prompts: list[list[int]], a) -> dict:
                 prompt_tokens=sum(len(p) for p in prompts), cached_tokens=sum(r.cached_tokens for r in results),
                 output_tokens=sum(r.completion_tokens for r in results),
                 ttft_p50_s=ttft["p50"], ttft_p99_s=ttft["p99"],
-                l2_bytes_out=delta["l2"]["bytes_out"] if delta else None, tiers=delta, warmed=warmed, engine=engine)
+                l2_bytes_out=delta["l2"]["bytes_out"] if delta else None, tiers=delta, warmed=warmed,
+                slot_waits=slot_waits, engine=engine)
 
 
 async def spied_round(h: Http, prompts: list[list[int]], a, pid: int, summary_to: Path) -> dict:
@@ -349,6 +353,10 @@ async def session(a, url: str, vocab: int, rounds, probes, tier: dict, h2d: floa
                 if rnd.get("warmed"):
                     print(f"    warmed {rnd['warmed']['warmed_blocks']} blocks into L1 for waiting requests, "
                           f"{rnd['warmed']['warmed_unused']} of them evicted unused", flush=True)
+                if rnd.get("slot_waits"):
+                    print(f"    the compute stream waited for a copy at {rnd['slot_waits']['save']} L1 slots it took "
+                          f"(a save still reading them) and {rnd['slot_waits']['load']} (a load still writing them)",
+                          flush=True)
                 print("    steps by batch size: " + "; ".join(
                     f"{kind} " + ", ".join(f"{size}: {n}" for size, n in sizes.items())
                     for kind, sizes in e["batches"].items() if sizes), flush=True)

@@ -85,3 +85,19 @@ def test_tensor_parallel_ranks_are_told_to_fence_where_the_compute_stream_waited
     assert FENCE not in [kind for kind, _, _ in cache.tiers.moves]
     cache.tiers.take_l1(1)
     assert [kind for kind, _, _ in cache.tiers.moves] == [FENCE] and save.waits == 1
+
+
+def test_the_compute_streams_waits_are_counted_by_the_copy_they_wait_for():
+    # a save still reading an evicted block, or a load still writing one (a warmed block evicted
+    # before it landed): /metrics tells them apart (tierkv_l1_slot_waits{copy})
+    cache, save, slots = cache_with_saves_in_flight()
+    load = InFlight()
+    loading = next(e for e in cache.index.entries.values() if e.l1 == slots[-1])
+    loading.loading = load
+    cache.evict("l1")
+    cache.tiers.take_l1(len(slots))  # the compute stream writes all of them
+    stats = cache.stats()
+    assert stats["slot_waits_on_saves"] == len(slots) - 1 and stats["slot_waits_on_loads"] == 1
+    assert save.waits == 1 and load.waits == 1
+    cache.tiers.take_l1(0)
+    assert cache.stats()["slot_waits_on_saves"] == len(slots) - 1  # nothing more waited

@@ -443,7 +443,8 @@ class KVGroups:
         for s in each[1:]:
             out["blocks"] += s["blocks"]
             out["collisions"] += s["collisions"]
-            for key in ("stored_blocks", "warmed_blocks", "warmed_unused"):
+            for key in ("stored_blocks", "warmed_blocks", "warmed_unused", "slot_waits_on_saves",
+                        "slot_waits_on_loads"):
                 out[key] += s[key]
             for tier, counters in out["tiers"].items():
                 for key, value in s["tiers"][tier].items():

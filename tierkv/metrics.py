@@ -43,6 +43,10 @@ class CacheCounters:
     stored_blocks: int = 0  # new blocks entered into the index (store or commit)
     warmed_blocks: int = 0  # L2 blocks loaded into L1 ahead of their request (Admission.warm)
     warmed_unused: int = 0  # of those, evicted from L1 before a sequence took them: loads for nothing
+    # L1 slots the compute stream took while a copy was still at them, so that it waited for the
+    # copy (take_l1): a save still reading the evicted block, or a load still writing it
+    slot_waits_on_saves: int = 0
+    slot_waits_on_loads: int = 0
     tiers: dict[str, TierCounters] = field(default_factory=lambda: {t: TierCounters() for t in ("l1", "l2", "l3")})
 
     def as_dict(self) -> dict:

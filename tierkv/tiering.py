@@ -122,7 +122,8 @@ class Tiering(TieringL3):
         # runs it after them. The compute stream waits for them first (take_l1). Waiting at
         # eviction instead made the next step wait for every load queued ahead of the save: ~22 ms
         # a load of 8K Llama-8B tokens on an H100.
-        self._busy: dict[int, list[Transfer]] = {}
+        # (with whether one of those copies is a load: counted apart when the compute stream waits)
+        self._busy: dict[int, tuple[list[Transfer], bool]] = {}
         # Tensor parallelism, rank 0: every L1/L2 move since the last step, for the other ranks
         # to replay (see `_move`); None (the default) records nothing.
         self.moves: list[tuple[int, list[int], list[int]]] | None = None
@@ -203,7 +204,16 @@ class Tiering(TieringL3):
             return slots
         idle = [s for s in slots if s not in self._busy]
         k = min(loads, len(busy))
-        waits = in_flight(t for s in busy[k:] for t in self._busy.pop(s))
+        taken = [self._busy.pop(s) for s in busy[k:]]
+        waits = in_flight(t for copies, _ in taken for t in copies)  # (each transfer queried once)
+        if waits:
+            pending = set(waits)
+            for copies, loading in taken:
+                if not pending.isdisjoint(copies):
+                    if loading:
+                        self.counters.slot_waits_on_loads += 1
+                    else:
+                        self.counters.slot_waits_on_saves += 1
         for t in waits:
             t.wait()
         if waits and self.moves is not None:  # the other ranks replay no such wait: they fence here
@@ -240,9 +250,10 @@ class Tiering(TieringL3):
             # a copy still reading the block (its save to L2) or writing it (a load for a request
             # that let go of it) keeps the slot from the compute stream until it ends (take_l1)
             busy = in_flight((e.reading, e.loading)) if e.reading is not None or e.loading is not None else None
+            loading = busy is not None and e.loading in busy
             slot = self.index.unplace(e, "l1")  # (forgets both)
             if busy:
-                self._busy[slot] = busy
+                self._busy[slot] = (busy, loading)
             freed.append(slot)
         self.l1.free.give(freed[::-1])  # (stacked in eviction order, as one give() a slot would)
         self.counters.tiers["l1"].evictions += len(victims)

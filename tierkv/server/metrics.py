@@ -182,6 +182,12 @@ class _EngineCollector:
                                   "before it was admitted", value=s.get("warmed_blocks", 0))
         yield CounterMetricFamily("tierkv_warmed_unused_blocks", "of those, blocks evicted from L1 again before the "
                                   "request took them (their loads were for nothing)", value=s.get("warmed_unused", 0))
+        fam = CounterMetricFamily("tierkv_l1_slot_waits", "L1 slots the compute stream took while a copy was still "
+                                  "at them, so that it waited for that copy: a save of the block evicted from it, or "
+                                  "a load into it", labels=["copy"])
+        fam.add_metric(["save"], s.get("slot_waits_on_saves", 0))
+        fam.add_metric(["load"], s.get("slot_waits_on_loads", 0))
+        yield fam
         yield CounterMetricFamily("tierkv_prefix_cache_queries", "prefix lookups used (sequences admitted)",
                                   value=s.get("queries", 0))
         yield CounterMetricFamily("tierkv_prefix_cache_query_tokens", "tokens those lookups could have hit",
