@@ -206,14 +206,11 @@ class Tiering(TieringL3):
         k = min(loads, len(busy))
         taken = [self._busy.pop(s) for s in busy[k:]]
         waits = in_flight(t for copies, _ in taken for t in copies)  # (each transfer queried once)
-        if waits:
+        if waits:  # counted by slot, as a load where one of its copies is (stats, /metrics)
             pending = set(waits)
-            for copies, loading in taken:
-                if not pending.isdisjoint(copies):
-                    if loading:
-                        self.counters.slot_waits_on_loads += 1
-                    else:
-                        self.counters.slot_waits_on_saves += 1
+            by_load = [loading for copies, loading in taken if not pending.isdisjoint(copies)]
+            self.counters.slot_waits_on_loads += sum(by_load)
+            self.counters.slot_waits_on_saves += len(by_load) - sum(by_load)
         for t in waits:
             t.wait()
         if waits and self.moves is not None:  # the other ranks replay no such wait: they fence here
