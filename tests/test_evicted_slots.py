@@ -18,14 +18,15 @@ BPB = LAYOUT.bytes_per_block
 
 
 class InFlight(Transfer):
-    """A copy that has not ended; counts the streams ordered after it."""
+    """A copy in flight until the test ends it; counts the streams ordered after it."""
 
     def __init__(self) -> None:
         super().__init__()
         self.waits = 0
+        self.ended = False
 
     def done(self) -> bool:
-        return False
+        return self.ended
 
     def wait(self) -> None:
         self.waits += 1
@@ -33,7 +34,8 @@ class InFlight(Transfer):
 
 def cache_with_saves_in_flight(l1_blocks: int = 8):
     """A cache whose L1 is full of one stored prompt's blocks, each still being saved to L2."""
-    cache = TieredKVCache(LAYOUT, CacheConfig(l1=l1_blocks * BPB, l2=64 * BPB), device="cpu", model="evicted-slots")
+    cache = TieredKVCache(LAYOUT, CacheConfig(l1=l1_blocks * BPB, l2=4 * l1_blocks * BPB), device="cpu",
+                          model="evicted-slots")
     tokens = list(range(l1_blocks * LAYOUT.block_size))
     cache.store(tokens, prefix_kv(LAYOUT, tokens))
     save = InFlight()
@@ -101,3 +103,40 @@ def test_the_compute_streams_waits_are_counted_by_the_copy_they_wait_for():
     assert save.waits == 1 and load.waits == 1
     cache.tiers.take_l1(0)
     assert cache.stats()["slot_waits_on_saves"] == len(slots) - 1  # nothing more waited
+
+
+def test_l1_keeps_spare_slots_free_and_the_compute_stream_takes_one_whose_save_ended():
+    # 128 slots: 2 spare. The first take evicts them ahead of need (their saves start); once those
+    # end, a slot the compute stream takes comes from them, not from the eviction it causes (whose
+    # save queues behind every load on the copy stream)
+    cache, first, slots = cache_with_saves_in_flight(128)
+    assert cache.tiers.spare == 128 // 64 == 2
+    assert cache.tiers.take_l1(0) == [] and len(cache.l1.free) == 2
+    spares = sorted(cache.tiers._busy)
+    assert len(spares) == 2 and first.waits == 0
+    later = InFlight()
+    for e in cache.index.entries.values():
+        if e.l1 >= 0:
+            e.reading = later
+    first.ended = True
+    taken = cache.tiers.take_l1(1)  # evicts one more (its save: `later`), takes a spare instead
+    assert taken[0] in spares and later.waits == first.waits == 0
+    evicted = set(cache.tiers._busy) - set(spares)  # free again, its save still running
+    assert len(cache.l1.free) == 2 and len(evicted) == 1 and taken[0] not in cache.tiers._busy
+    assert cache.stats()["slot_waits_on_saves"] == 0
+    # a load takes a slot whose save is running (the one it evicts) without a wait
+    loaded = cache.tiers.take_l1(1, loads=1)
+    assert later.waits == 0 and loaded[0] not in evicted | set(spares) and loaded[0] not in cache.tiers._busy
+
+
+def test_with_no_spare_whose_save_ended_the_compute_stream_waits_for_its_own_slots():
+    cache, first, slots = cache_with_saves_in_flight(128)
+    cache.tiers.take_l1(0)
+    taken = cache.tiers.take_l1(3)  # every free slot's save is still running
+    assert first.waits == 1 and cache.stats()["slot_waits_on_saves"] == 3
+    assert not set(taken) & set(cache.tiers._busy) and len(cache.l1.free) == 2
+
+
+def test_no_spare_without_an_l2_to_save_evictions_to():
+    cache = TieredKVCache(LAYOUT, CacheConfig(l1=128 * BPB, l2=0), device="cpu", model="evicted-slots")
+    assert cache.tiers.spare == 0

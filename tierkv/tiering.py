@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 DEFAULT_CPU_L1 = 2**30  # on CPU: 1 GiB
 GPU_L1_FRACTION = 0.8  # on a GPU: this share of the memory free when the cache is made, after
 ACTIVATION_RESERVE = 4 * 2**30  # leaving this much for activations and the allocator
+SPARE_SHARE = 64  # L1 keeps 1/SPARE_SHARE of its slots free ahead of need (Tiering.spare)
 
 
 def default_l1_bytes(device: torch.device) -> int:
@@ -124,6 +125,12 @@ class Tiering(TieringL3):
         # a load of 8K Llama-8B tokens on an H100.
         # (with whether one of those copies is a load: counted apart when the compute stream waits)
         self._busy: dict[int, tuple[list[Transfer], bool]] = {}
+        # L1 keeps this many slots free beyond what a take needs, evicting early, so that the
+        # compute stream's slots come from evictions whose saves have ended (`_sort_busy`): a
+        # save queues behind every load on the copy stream, so waiting for the newest one made
+        # decode steps idle ~20-35 ms a loading admission (bench_rounds' round 1, H100). Only
+        # where evictions are saved (an L2 of tierkv's own), and 0 in an L1 of under 64 blocks.
+        self.spare = self.l1.num_blocks // SPARE_SHARE if self.l2 is not None and not self.engine_owned else 0
         # Tensor parallelism, rank 0: every L1/L2 move since the last step, for the other ranks
         # to replay (see `_move`); None (the default) records nothing.
         self.moves: list[tuple[int, list[int], list[int]]] | None = None
@@ -183,13 +190,14 @@ class Tiering(TieringL3):
     def take_l1(self, n: int, partial: bool = False, loads: int = 0) -> list[int]:
         """`n` free L1 slots, evicting (and demoting) unpinned blocks as needed. Fewer only if
         `partial`. The first `loads` of them are for L2 -> L1 loads, the rest for the compute
-        stream to write, which is ordered after any copy still at one of its slots."""
+        stream to write, which is ordered after any copy still at one of its slots. Evicts
+        until `spare` slots stay free beside them."""
         short = n - len(self.l1.free)
-        if short > 0:
-            if short > self.index.evictable("l1") and not partial:
-                raise CacheFullError(f"L1 needs {short} more blocks than can be evicted")
+        if short > 0 and short > self.index.evictable("l1") and not partial:
+            raise CacheFullError(f"L1 needs {short} more blocks than can be evicted")
+        if short + self.spare > 0:
             victims = []
-            while len(victims) < short and (e := self.index.victim("l1")) is not None:
+            while len(victims) < short + self.spare and (e := self.index.victim("l1")) is not None:
                 victims.append(e)
             self._evict_l1(victims)
         slots = self.l1.free.take(min(n, len(self.l1.free)))
@@ -198,12 +206,17 @@ class Tiering(TieringL3):
     def _sort_busy(self, slots: list[int], loads: int) -> list[int]:
         """`slots` with those a copy is still at among the first `loads` where they fit (a load
         queues behind that copy on the copy stream), each part in ascending order (runs of
-        neighbours for the DMAs); the compute stream waits for the copies at the others."""
+        neighbours for the DMAs). Busy slots left for the compute stream are traded for free ones
+        whose copies have ended, the longest free first; it waits for the copies at the rest."""
         busy = [s for s in slots if s in self._busy]
         if not busy:
             return slots
         idle = [s for s in slots if s not in self._busy]
         k = min(loads, len(busy))
+        if len(busy) > k:
+            settled = self.l1.free.take_oldest(len(busy) - k, self._settled())
+            self.l1.free.give(busy[len(busy) - len(settled):])  # (still busy: loads take them first)
+            busy, idle = busy[: len(busy) - len(settled)], idle + settled
         taken = [self._busy.pop(s) for s in busy[k:]]
         waits = in_flight(t for copies, _ in taken for t in copies)  # (each transfer queried once)
         if waits:  # counted by slot, as a load where one of its copies is (stats, /metrics)
@@ -218,6 +231,23 @@ class Tiering(TieringL3):
         for s in busy[:k]:
             del self._busy[s]
         return sorted(busy[:k] + idle[: loads - k]) + sorted(busy[k:] + idle[loads - k :])
+
+    def _settled(self):
+        """A test of whether no copy is at a free L1 slot any more (forgetting the copies of one
+        where they have ended), asking each transfer once."""
+        ended: dict[int, bool] = {}
+
+        def settled(slot: int) -> bool:
+            if slot not in self._busy:
+                return True
+            for t in self._busy[slot][0]:
+                if id(t) not in ended:
+                    ended[id(t)] = t.done()
+                if not ended[id(t)]:
+                    return False
+            del self._busy[slot]
+            return True
+        return settled
 
     def give_l1(self, slots: list[int]) -> None:
         """Private L1 slots (no index entry) go back to the free list."""

@@ -43,6 +43,23 @@ class FreeSlots:
         # Pushed in reverse so that the next take() hands them out in their original order.
         self._stack.extend(reversed(slots))
 
+    def take_oldest(self, n: int, accept) -> list[int]:
+        """Up to `n` slots for which `accept(slot)` holds, the longest free first (the bottom of
+        the stack); the scan stops once it has them."""
+        taken, keep = [], 0
+        for i, slot in enumerate(self._stack):
+            if len(taken) == n:
+                keep = i
+                break
+            if accept(slot):
+                taken.append(slot)
+        else:
+            keep = len(self._stack)
+        if taken:
+            chosen = set(taken)
+            self._stack[:keep] = [s for s in self._stack[:keep] if s not in chosen]
+        return taken
+
 
 def blocks_for(nbytes: int, bytes_per_block: int, field_name: str) -> int:
     """How many whole blocks fit in `nbytes`; a non-zero size too small for one block is an error."""
