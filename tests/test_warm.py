@@ -189,3 +189,17 @@ def test_while_others_run_one_request_whose_blocks_load_is_admitted_a_step(monke
     assert step.requests == [runner] and second in sched.running and not sched.waiting
     assert first.seq.cached_by_tier["l2"] == second.seq.cached_by_tier["l2"] == 32
     cache.close()
+
+
+def test_warm_leaves_l1s_spare_slots_free_and_a_running_sequences_next_block_evicts_none_of_it():
+    # 128 slots keep 2 spare (Tiering.spare): warming into them, the running sequence's next
+    # block would evict two of the blocks just warmed to free them again
+    cache = cache_with_doc_in_l2(128)
+    assert cache.tiers.spare == 2
+    other = running(cache, 5000, 120)
+    assert cache.l1_room() == 8
+    assert cache.warm(cache.match(DOC), keep=1) == 8 - 2 - 1
+    cache.append(other, LAYOUT.block_size)  # the block `keep` left room for
+    assert in_l1(cache, DOC) == [True] * 5 + [False] * 3
+    assert cache.stats()["warmed_unused"] == 0 and len(cache.l1.free) == 2
+    cache.close()

@@ -396,7 +396,9 @@ class Admission(Lookups):
             self.index.pin(e)
         self.index.hold_l2(in_l2)
         try:
-            todo = in_l2[: max(0, self.tiers.l1_room() - keep)]
+            # (L1's spare slots stay free: warming into them, the next take would evict to free
+            # them again, the blocks just warmed first among the victims where little else is)
+            todo = in_l2[: max(0, self.tiers.l1_room() - self.tiers.spare - keep)]
             if not todo:
                 return 0
             slots = self.tiers.take_l1(len(todo), partial=True, loads=len(todo))
