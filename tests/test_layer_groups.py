@@ -148,6 +148,18 @@ def test_groups_of_the_same_shape_keep_their_l2_and_l3_blocks_apart(alternating,
     # reads (the window's 16 tokens and the block it starts inside), which is all a window hit needs
     read = [g["tiers"]["l3"]["blocks_out"] for g in groups]
     assert read[0] == len(prompt) // BLOCK and 0 < read[1] <= WINDOW // BLOCK + 1, read
+    # the model's stats: the lookups once (every group answers the same ones), each group's own
+    # work (blocks stored, moved, evicted; at the top and per tier) added up
+    stats = again.cache.stats()
+    assert stats["queries"] == groups[0]["queries"] > 0 and stats["hit_tokens"] == groups[0]["hit_tokens"]
+    assert stats["tiers"]["l3"]["hit_tokens"] == groups[0]["tiers"]["l3"]["hit_tokens"] > 0
+    for key in ("stored_blocks", "blocks", "slot_waits_on_saves"):
+        assert stats[key] == sum(g[key] for g in groups)
+    assert stats["stored_blocks"] > groups[0]["stored_blocks"] > 0
+    for key in ("blocks_out", "bytes_in"):
+        assert stats["tiers"]["l3"][key] == sum(g["tiers"]["l3"][key] for g in groups)
+    assert stats["tiers"]["l2"]["capacity_blocks"] == sum(g["tiers"]["l2"]["capacity_blocks"] for g in groups)
+    assert stats["tiers"]["l3"]["blocks_out"] == sum(read)
     again.close()
 
 

@@ -441,18 +441,24 @@ class KVGroups:
         each = [c.stats() for c in self.caches]
         out = copy.deepcopy(each[0])
         for s in each[1:]:
-            out["blocks"] += s["blocks"]
-            out["collisions"] += s["collisions"]
-            for key in ("stored_blocks", "warmed_blocks", "warmed_unused", "slot_waits_on_saves",
-                        "slot_waits_on_loads"):
-                out[key] += s[key]
+            _add_work(out, s)
             for tier, counters in out["tiers"].items():
-                for key, value in s["tiers"][tier].items():
-                    if key != "hit_tokens" and isinstance(value, int):
-                        counters[key] += value
+                _add_work(counters, s["tiers"][tier])
         out["groups"] = [{"group": group_tag(i, g.window), "layers": list(g.layers), **s}
                          for i, (g, s) in enumerate(zip(self.groups, each))]
         return out
+
+
+# Every group answers the same lookups, so these counters are the first group's; every other
+# counter (blocks, bytes, evictions, waits, at the top and per tier) is a group's own work
+SHARED_COUNTERS = ("queries", "query_tokens", "hit_tokens")
+
+
+def _add_work(total: dict, group: dict) -> None:
+    """Add a group's counters of its own work (its ints but SHARED_COUNTERS) into `total`."""
+    for key, value in group.items():
+        if key not in SHARED_COUNTERS and isinstance(value, int) and not isinstance(value, bool):
+            total[key] += value
 
 
 def l1_split(layout: KVLayout, config: CacheConfig, *, device: torch.device, max_num_seqs: int,
