@@ -279,7 +279,7 @@ def test_a_second_process_hits_what_the_first_stored(service, request, tmp_path)
 
 
 def test_a_block_l3_reported_but_cannot_read_is_recomputed_from_there(tmp_path):
-    # An S3 lookup answers by prefix (l3.probe_prefix), so it may report a block that a read then
+    # An S3 lookup answers by prefix (chunks.probe_prefix), so it may report a block that a read then
     # misses (evicted, deleted, never landed). The plan must then load what it can up to that
     # block and recompute the rest, with the bytes of every loaded block right.
     from tierkv.hashing import hash_blocks, namespace, token_bytes

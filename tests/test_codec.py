@@ -1,4 +1,5 @@
-"""tierkv/tiers/codec.py and the shared parts of tierkv/tiers/l3.py: a wrong object is a miss, never data."""
+"""tierkv/tiers/codec.py and the shared parts of tierkv/tiers/l3.py and chunks.py: a wrong object is a miss,
+never data."""
 
 from __future__ import annotations
 
@@ -163,5 +164,5 @@ def test_open_store_rejects_unknown_options_and_schemes(tmp_path):
 
 def test_no_pickle_in_the_l3_code():
     tiers = pathlib.Path(__file__).parent.parent / "tierkv" / "tiers"
-    for name in ("codec.py", "l3.py", "disk.py", "s3.py", "redis.py"):
+    for name in ("codec.py", "l3.py", "chunks.py", "disk.py", "s3.py", "redis.py"):
         assert "pickle" not in (tiers / name).read_text(), name

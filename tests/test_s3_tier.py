@@ -247,8 +247,8 @@ class _Requests:
 
 
 def test_probing_finds_every_run_end_within_its_bounds():
-    """l3.probe_prefix, which S3 lookups use, for every chain length up to 70 and every run end."""
-    from tierkv.tiers.l3 import probe_prefix
+    """chunks.probe_prefix, which S3 lookups use, for every chain length up to 70 and every run end."""
+    from tierkv.tiers.chunks import probe_prefix
 
     for n in range(71):
         for stored in range(n + 1):
@@ -278,7 +278,7 @@ def test_a_64_block_lookup_is_one_round_of_two_heads_for_a_hit_or_a_miss(seaweed
     assert sent.take() == ["HeadObject"] * 2  # the first and the last block
     assert s.contains_many([b.hash for b in cold]) == [False] * 64
     assert sent.take() == ["HeadObject"] * 2
-    # a run that ends inside: found exactly, in at most 11 HEADs (not 64; l3.probe_prefix)
+    # a run that ends inside: found exactly, in at most 11 HEADs (not 64; chunks.probe_prefix)
     for stored in (1, 2, 37, 63):
         part = open_store(seaweed.url(f"lookup-part{stored}"), LAYOUT)
         assert part.put_many(ids[:stored], pays[:stored]) == [True] * stored

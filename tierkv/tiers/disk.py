@@ -33,7 +33,8 @@ import numpy as np
 from ..errors import ConfigError
 from ..layout import KVLayout
 from .codec import payload_offset
-from .l3 import COMMON_OPTIONS, DEFAULT_CHUNK_TOKENS, L3Store
+from .chunks import DEFAULT_CHUNK_TOKENS
+from .l3 import COMMON_OPTIONS, L3Store
 from .service import UrlOptions, describe
 
 log = logging.getLogger(__name__)

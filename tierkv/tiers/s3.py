@@ -1,7 +1,7 @@
 """s3: the S3 L3 store (`s3://bucket/prefix?endpoint=http://127.0.0.1:8333&region=us-east-1`).
 
-One object per chunk (l3.py), `<prefix>/<32 hex>.c<K>`, body = its codec records. A lookup
-probes (l3.probe_prefix): HEADs of the first and the last chunk in parallel, so a whole hit or
+One object per chunk (chunks.py), `<prefix>/<32 hex>.c<K>`, body = its codec records. A lookup
+probes (chunks.probe_prefix): HEADs of the first and the last chunk in parallel, so a whole hit or
 miss is one round trip, and a run that ends inside takes up to three more; a read is one ranged
 GET per chunk, a write one PUT; they run in parallel on a thread pool. Connect/read timeouts bound
 every call, a failed call is retried (`retries` attempts in all) and a short back-off skips calls
@@ -52,7 +52,8 @@ from urllib3.exceptions import TimeoutError as Urllib3Timeout
 
 from ..errors import ConfigError
 from ..layout import KVLayout
-from .l3 import COMMON_OPTIONS, DEFAULT_CHUNK_TOKENS, L3Store
+from .chunks import DEFAULT_CHUNK_TOKENS
+from .l3 import COMMON_OPTIONS, L3Store
 from .service import Breaker, UrlOptions
 
 log = logging.getLogger(__name__)
@@ -142,7 +143,7 @@ class _Heads:
 class S3Store(L3Store):
     name = "s3"
     shared = True
-    probe_lookup = True  # a HEAD costs a round trip: probe for the end of the run (l3.probe_prefix)
+    probe_lookup = True  # a HEAD costs a round trip: probe for the end of the run (chunks.probe_prefix)
 
     def __init__(self, url: str, layout: KVLayout) -> None:
         opts = UrlOptions(url, ("endpoint", "region", "create_bucket", "threads", "timeout",
