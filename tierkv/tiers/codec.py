@@ -6,7 +6,7 @@
              + zero padding up to a multiple of the store's alignment
 
 An L3 object is one record (Redis) or a run of records of consecutive blocks of one chain (a
-chunk, see l3.py); every record has the same size in a store, so record j sits at j * record_size.
+chunk, see chunks.py); every record has the same size in a store, so record j sits at j * record_size.
 The header holds the format version, the layout fingerprint, the block's hash, parent hash,
 namespace, chain position and token ids, the payload length and the xxh3-64 checksum of the
 payload. A reader checks every one of them against what it asked for; anything else raises

@@ -1,6 +1,6 @@
 """disk: the local-directory L3 store (`file:///path?size=100GiB&threads=8&direct=0&fsync=1&chunk=256`).
 
-One file per chunk object (l3.py), `<dir>/<2 hex>/<32 hex>.c<K>.kv`, its records page-aligned,
+One file per chunk object (chunks.py), `<dir>/<2 hex>/<32 hex>.c<K>.kv`, its records page-aligned,
 written atomically (temp file in the same directory, one writev that O_DSYNC makes durable,
 rename) so that a crash never leaves a half object under a real name. A read of a chunk is one
 preadv: headers into scratch pages, payloads straight into the caller's buffers. The size budget

@@ -25,7 +25,7 @@ with its addressing style, the signing region), and each HEAD is then signed wit
 SigV4 signer and the session's credentials (refreshed as botocore refreshes them) and sent on a
 keep-alive urllib3 pool with the same timeouts and attempts: a third of the CPU. 64-block lookups
 on loopback SeaweedFS, 2-vCPU VM, median of bench_tiers runs: all stored 3.6 -> 2.1 ms, none
-2.9 -> 1.8 ms, the first 37 (with 3 probes a round, l3.py) 21.8 -> 9.0 ms. Where the copy could
+2.9 -> 1.8 ms, the first 37 (with 3 probes a round, chunks.py) 21.8 -> 9.0 ms. Where the copy could
 differ from botocore (a proxy, a client certificate, no credentials, a signer other than SigV4 for
 s3, a bucket answering from another region) HEADs stay on botocore. GET/PUT/DELETE stay on boto3:
 their bytes dominate, and it handles streaming, payload signing and error parsing.
