@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Callable
 
 import torch
 
@@ -232,7 +233,7 @@ class Tiering(TieringL3):
             del self._busy[s]
         return sorted(busy[:k] + idle[: loads - k]) + sorted(busy[k:] + idle[loads - k :])
 
-    def _settled(self):
+    def _settled(self) -> Callable[[int], bool]:
         """A test of whether no copy is at a free L1 slot any more (forgetting the copies of one
         where they have ended), asking each transfer once."""
         ended: dict[int, bool] = {}

@@ -6,6 +6,7 @@ to be neighbours (long contiguous copies). Nothing here allocates on the hot pat
 
 from __future__ import annotations
 
+from collections.abc import Callable
 
 import torch
 
@@ -43,21 +44,19 @@ class FreeSlots:
         # Pushed in reverse so that the next take() hands them out in their original order.
         self._stack.extend(reversed(slots))
 
-    def take_oldest(self, n: int, accept) -> list[int]:
+    def take_oldest(self, n: int, accept: Callable[[int], bool]) -> list[int]:
         """Up to `n` slots for which `accept(slot)` holds, the longest free first (the bottom of
         the stack); the scan stops once it has them."""
-        taken, keep = [], 0
-        for i, slot in enumerate(self._stack):
+        taken, scanned = [], 0
+        for slot in self._stack:
             if len(taken) == n:
-                keep = i
                 break
+            scanned += 1
             if accept(slot):
                 taken.append(slot)
-        else:
-            keep = len(self._stack)
         if taken:
             chosen = set(taken)
-            self._stack[:keep] = [s for s in self._stack[:keep] if s not in chosen]
+            self._stack[:scanned] = [s for s in self._stack[:scanned] if s not in chosen]
         return taken
 
 
