@@ -144,6 +144,9 @@ def test_long_doc_sweep_on_l1_l2_disk(tmp_path):
         l3, n = p["cache"]["l3"], p["completed"]
         assert p["bound"]["seconds"]["disk"] == pytest.approx(
             l3["bytes_out"] / n / lim["disk_read_bytes_per_s"] + l3["bytes_in"] / n / lim["disk_write_bytes_per_s"])
+        # and beside it the rate the tier's reads reached over the point (the probe may be no ceiling)
+        assert p["bound"]["disk_read_Bps_seen"] == pytest.approx(l3["bytes_out"] / p["span_s"])
+    assert any(p["bound"]["disk_read_Bps_seen"] > 0 for p in points)
     assert any(p["cache"]["l3"]["bytes_in"] > 0 for p in points)
     assert all(p["bound"]["seconds"]["pcie"] == p["cache"]["l2"]["bytes_out"] / p["completed"]
                / out["limits"]["h2d_bytes_per_s"] for p in points)

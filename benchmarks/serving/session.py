@@ -48,11 +48,13 @@ def point_line(p: dict) -> str:
     total = sum(hits.values())
     split = "/".join(f"{hits[t] / total:.0%}" for t in ("l1", "l2", "l3")) if total else "-"
     b = p["bound"] or {}
+    seen = b.get("disk_read_Bps_seen")
     return (f"  {p['offered_rate']:7.2f}/s: {p['completed']:4d}/{p['arrivals']} done, p99 TTFT "
             f"{fmt(p['p99_ttft_ms'])} ms ({'held' if p['slo_held'] else 'MISSED'}), served "
             f"{p['throughput']['requests_per_s']:.2f}/s, hits l1/l2/l3 {split}, bound "
             f"{fmt(b.get('requests_per_s'), '.2f')}/s ({b.get('binding', '-')}), served/bound "
-            f"{fmt(b.get('served_over_bound'), '.2f')}")
+            f"{fmt(b.get('served_over_bound'), '.2f')}"
+            + (f", disk read {seen / 1e9:.2f} GB/s over the point" if seen else ""))
 
 
 def point_seconds(a, rate: float) -> float:
