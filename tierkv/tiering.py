@@ -194,7 +194,7 @@ class Tiering(TieringL3):
         stream to write, which is ordered after any copy still at one of its slots. Evicts
         until `spare` slots stay free beside them."""
         short = n - len(self.l1.free)
-        if short > 0 and short > self.index.evictable("l1") and not partial:
+        if short > self.index.evictable("l1") and not partial:
             raise CacheFullError(f"L1 needs {short} more blocks than can be evicted")
         if short + self.spare > 0:
             victims = []
@@ -236,17 +236,18 @@ class Tiering(TieringL3):
     def _settled(self) -> Callable[[int], bool]:
         """A test of whether no copy is at a free L1 slot any more (forgetting the copies of one
         where they have ended), asking each transfer once."""
-        ended: dict[int, bool] = {}
+        ended: dict[Transfer, bool] = {}
+
+        def done(t: Transfer) -> bool:
+            if t not in ended:
+                ended[t] = t.done()
+            return ended[t]
 
         def settled(slot: int) -> bool:
-            if slot not in self._busy:
-                return True
-            for t in self._busy[slot][0]:
-                if id(t) not in ended:
-                    ended[id(t)] = t.done()
-                if not ended[id(t)]:
+            if slot in self._busy:
+                if not all(done(t) for t in self._busy[slot][0]):
                     return False
-            del self._busy[slot]
+                del self._busy[slot]
             return True
         return settled
 
