@@ -17,6 +17,7 @@ from models import bundled_cache_dir, save_tiny_checkpoint, truncate_at_eos
 
 from tierkv import LLM, SamplingParams, transfer
 from tierkv.engine.scheduler import ScheduledStep
+from tierkv.engine.stats import EngineStats
 from tierkv.errors import ConfigError
 
 transformers = pytest.importorskip("transformers")
@@ -274,7 +275,9 @@ def test_engine_time_counts_its_steps_batch_and_host_phases(tiny_llama):
     assert decode["counts"][decode["bounds"].index(2)] == 5 and sum(decode["counts"]) == 5
     assert e["idle_steps"] == 0 and e["idle_seconds"] == 0.0
     host = e["host_seconds"]
-    assert set(host) == {"schedule", "launch", "postprocess"} and all(v > 0 for v in host.values())
+    assert set(host) == {"schedule", "launch", "wait", "postprocess"}
+    assert all(host[p] > 0 for p in ("schedule", "launch", "postprocess"))
+    assert host["wait"] == 0.0  # on a CPU a launched step is done when run returns: nothing to wait for
     assert host["launch"] > host["schedule"]  # on a CPU launching computes the model
     assert sum(host.values()) <= wall
 
@@ -391,7 +394,21 @@ def test_the_gpu_seconds_of_the_steps_are_counted(tiny_llama):
     gpu = {k: after["gpu_seconds"][k] - before["gpu_seconds"][k] for k in ("decode", "mixed")}
     assert all(v > 0 for v in gpu.values()) and sum(gpu.values()) <= wall, (gpu, wall)
     assert after["load_wait_steps"] == 0 and after["load_wait_gpu_seconds"] == 0  # no L2: nothing ever loads
+    # generate takes every step's tokens back, blocking until the GPU has them: the engine
+    # thread's `wait`, apart from its work, and all of it within the wall time
+    host = {k: after["host_seconds"][k] - before["host_seconds"][k] for k in after["host_seconds"]}
+    assert host["wait"] > 0 and all(v >= 0 for v in host.values()) and sum(host.values()) <= wall, (host, wall)
     llm.close()
+
+
+def test_a_steps_wait_for_the_gpu_is_a_phase_of_its_own():
+    """The seconds the engine thread blocked on a launched step are `wait`, not postprocess: time
+    the host had to spare, where postprocess is host work (tokens back and handed over)."""
+    stats = EngineStats(1024)
+    stats.stepped(ScheduledStep([object()], [1]), 1.0, 0.1, 0.2, 0.6, 0.5)
+    stats.stepped(None, 0.3, 0.05, 0.0, 0.25, 0.2)  # launched nothing: idle but for taking one back
+    assert stats.host_s == pytest.approx({"schedule": 0.15, "launch": 0.2, "wait": 0.7, "postprocess": 0.25})
+    assert stats.idle_steps == 1 and stats.idle_s == pytest.approx(0.05)
 
 
 @pytest.mark.gpu

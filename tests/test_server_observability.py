@@ -175,8 +175,12 @@ def test_engine_time_series_count_the_steps_of_a_request(server, client):
     assert sum(delta(after, batch + "_sum", kind=k) for k in steps) == 8  # one request in each step
     assert delta(after, batch + "_bucket", kind="decode", le="1.0") == 7  # (buckets are cumulative)
     assert delta(after, batch + "_bucket", kind="decode", le="+Inf") == 7
-    host = {p: delta(after, "tierkv_engine_host_seconds_total", phase=p) for p in ("schedule", "launch", "postprocess")}
-    assert all(v > 0 for v in host.values()) and sum(host.values()) <= wall, (host, wall)
+    phases = ("schedule", "launch", "wait", "postprocess")
+    assert sorted(s.labels["phase"] for s in after["tierkv_engine_host_seconds"][1]
+                  if s.name.endswith("_total")) == sorted(phases)
+    host = {p: delta(after, "tierkv_engine_host_seconds_total", phase=p) for p in phases}
+    assert host["wait"] == 0.0  # on a CPU a launched step is done when run returns
+    assert all(host[p] > 0 for p in ("schedule", "launch", "postprocess")) and sum(host.values()) <= wall, (host, wall)
     # the GPU's seconds, by kind: a counter for each (0 on a CPU, where no step is timed), and no
     # step of this cold request waited for a load
     kind, samples = after["tierkv_engine_gpu_seconds"]

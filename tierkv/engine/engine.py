@@ -270,9 +270,10 @@ class Engine:
         outputs: list[RequestOutput] = []
         streaming = emit is not None
         emit = emit or outputs.extend
-        t0, taken = time.perf_counter(), 0.0  # taken: seconds taking a launched step's tokens back
+        # taken: seconds taking a launched step's tokens back; waited: of them, blocked on the GPU
+        t0, taken, waited = time.perf_counter(), 0.0, 0.0
         if self.in_flight is not None and ((streaming and self.in_flight.ready()) or not self._may_overlap()):
-            taken += self._take_back(emit)
+            taken, waited = self._take_back(emit, taken, waited)
         t1 = time.perf_counter()
         step = self.scheduler.schedule()
         t2 = time.perf_counter()
@@ -290,22 +291,25 @@ class Engine:
                 req.pending += 1
         t3 = time.perf_counter()
         if self.in_flight is not None:
-            taken += self._take_back(emit)  # the device runs `launched` meanwhile
+            taken, waited = self._take_back(emit, taken, waited)  # the device runs `launched` meanwhile
         self.in_flight = launched
         if launched is not None and (not self.config.async_scheduling or (streaming and launched.ready())):
-            taken += self._take_back(emit)
+            taken, waited = self._take_back(emit, taken, waited)
         if launched is None and ((self.scheduler.waiting and not self.scheduler.running) or self.scheduler.tail_waits):
             time.sleep(0.001)  # waiting only for L3 reads to land (prefetches, or tails)
         if launched is not None or self.has_unfinished():
             self.stats.stepped(step if launched is not None else None, time.perf_counter() - t0, t2 - t1,
-                               t3 - t2, taken)
+                               t3 - t2, taken, waited)
         return outputs
 
-    def _take_back(self, emit: Callable[[list[RequestOutput]], None]) -> float:
-        """Hand over the outputs of the step in flight (waiting for its tokens); the seconds it took."""
+    def _take_back(self, emit: Callable[[list[RequestOutput]], None], taken: float,
+                   waited: float) -> tuple[float, float]:
+        """Hand over the outputs of the step in flight (waiting for its tokens); `taken` and
+        `waited` plus the seconds it took and the seconds of them it waited for the GPU."""
         t = time.perf_counter()
-        emit(self._postprocess(self._take_in_flight()))
-        return time.perf_counter() - t
+        launched = self._take_in_flight()
+        emit(self._postprocess(launched))
+        return taken + time.perf_counter() - t, waited + launched.waited_s
 
     def _labelled(self, step):
         """A profiler range named after the step (only while `label_steps`): the requests it runs

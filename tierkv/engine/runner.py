@@ -11,6 +11,7 @@ stream. Knows nothing of queues, scheduling or HTTP.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
@@ -50,6 +51,7 @@ class LaunchedStep:
         # Fires when everything queued so far ran: the step, its copies to the host, and the copies
         # of its inputs (whose pinned buffers are refilled two steps later).
         self._done = None
+        self.waited_s = 0.0  # seconds `result` blocked the host for the step to end
         if device.type == "cuda":
             self._done = torch.cuda.Event(enable_timing=started is not None)
             self._done.record(torch.cuda.current_stream(device))
@@ -68,7 +70,9 @@ class LaunchedStep:
     def result(self) -> SamplerOutput | None:
         """The sampled tokens (and log-probabilities) on the host; blocks until the step is done."""
         if self._done is not None:
+            t = time.perf_counter()
             self._done.synchronize()
+            self.waited_s += time.perf_counter() - t
         return self._host
 
 

@@ -79,19 +79,21 @@ class EngineStats:
         # requests in each launched step, by kind: decode (every request one token) or mixed (some
         # compute prompt tokens); their counts are the steps, their sums the requests in them
         self.batch = {"decode": Histogram(STEP_BATCH), "mixed": Histogram(STEP_BATCH)}
-        # engine-thread seconds: scheduling, launching (runner.run), and the rest of a step (taking
-        # the previous step's tokens back, which waits for the GPU, and handing them over)
-        self.host_s = {"schedule": 0.0, "launch": 0.0, "postprocess": 0.0}
+        # engine-thread seconds: scheduling, launching (runner.run), waiting for a launched step's
+        # tokens (blocked on the GPU: a host with time to spare), and the rest of a step (taking
+        # those tokens back and handing them over)
+        self.host_s = {"schedule": 0.0, "launch": 0.0, "wait": 0.0, "postprocess": 0.0}
         self.idle_steps, self.idle_s = 0, 0.0  # step() calls that launched nothing, with requests unfinished
         # each step's first kernel to its last copy on the GPU, waits for loads included (CUDA), by kind
         self.gpu_s = {"decode": 0.0, "mixed": 0.0}
         self.load_wait_steps, self.load_wait_gpu_s = 0, 0.0  # steps launched with loads in flight, their GPU seconds
 
     def stepped(self, launched: ScheduledStep | None, total_s: float, schedule_s: float, launch_s: float,
-                taken_s: float) -> None:
+                taken_s: float, wait_s: float) -> None:
         """One step() call of `total_s` seconds that launched `launched` (None: nothing); `taken_s`
-        of it taking a launched step's tokens back. A call that launched nothing was idle but for
-        that (the GPU ran the step taken back meanwhile)."""
+        of it taking a launched step's tokens back, `wait_s` of that blocked until the GPU had
+        finished the step. A call that launched nothing was idle but for that (the GPU ran the
+        step taken back meanwhile)."""
         if launched is not None:
             self.batch["decode" if launched.is_decode else "mixed"].observe(len(launched))
         else:
@@ -99,7 +101,8 @@ class EngineStats:
             self.idle_s += total_s - taken_s
         self.host_s["schedule"] += schedule_s
         self.host_s["launch"] += launch_s
-        self.host_s["postprocess"] += total_s - schedule_s - launch_s
+        self.host_s["wait"] += wait_s
+        self.host_s["postprocess"] += total_s - schedule_s - launch_s - wait_s
 
     def ran(self, decode: bool, gpu_s: float, loaded: bool) -> None:
         """A launched step's GPU seconds, once it is done: `decode` whether every request in it

@@ -247,8 +247,9 @@ def _engine_time(e: dict):
                      "request one token) or mixed (some computing prompt tokens); _count is the steps, _sum over "
                      "_count the mean batch", e.get("step_batch", {}), label="kind")
     yield _labelled("tierkv_engine_host_seconds", "engine-thread seconds by phase of a step: schedule, launch (the "
-                    "model's kernels) and postprocess (taking the previous step's tokens back, which waits for the "
-                    "GPU, and handing them over)", "phase", e.get("host_seconds", {}))
+                    "model's kernels), wait (blocked until the GPU finished the previous step: time the host had to "
+                    "spare) and postprocess (taking that step's tokens back and handing them over)", "phase",
+                    e.get("host_seconds", {}))
     yield CounterMetricFamily("tierkv_engine_idle_seconds", "seconds of steps that launched nothing while requests "
                               "were unfinished (waiting for loads into L1, for L1 room or for L3 reads): the GPU "
                               "had no work of this engine", value=e.get("idle_seconds", 0.0))
