@@ -3,7 +3,8 @@
 Two ways in. The simple one, for engines that keep their own KV: `store` a prefix's KV, `match`
 a prompt against every tier, `retrieve` the cached prefix back. The block-level one, for paged
 engines, is PagedCache's: `admit` or `allocate` a sequence (admission.py), `append` room,
-`commit` blocks as they fill, `free` at the end (paged.py).
+`commit` blocks as they fill, `free` at the end (paged.py), with LayerMoves' per-layer hooks
+and offloads on top (layer_moves.py).
 
 This file builds the cache (the Tiering under it, the guard that serialises calls), copies the
 simple API's own tensors (store/retrieve), and runs the lifecycle: flush, evict, close, stats.
@@ -29,7 +30,7 @@ from .hashing import hash_blocks, token_bytes
 from .index import BlockEntry
 from .layout import KVLayout
 from .admission import DEFAULT_L3_DEADLINE_S, max_sequence_tokens, stream_window_blocks
-from .paged import PagedCache
+from .layer_moves import LayerMoves
 from .plan import Match
 from .sequence import SequenceBlocks
 from .streaming import LayerStreamer
@@ -55,7 +56,7 @@ def _put_blocks(out: torch.Tensor, positions: list[int], blocks: torch.Tensor) -
         out[:, :, torch.tensor(positions, device=out.device)] = blocks
 
 
-class TieredKVCache(PagedCache):
+class TieredKVCache(LayerMoves):
     def __init__(
         self,
         layout: KVLayout,
