@@ -313,8 +313,9 @@ def test_several_l2_hits_are_admitted_in_one_step_beside_a_decode(tiny_llama, de
     # Three prompts cached, then pushed out of L1 into L2; while a fourth request decodes, all
     # three come back extended: the next step admits them together, each starting after its L2
     # part (loaded, not recomputed), and the tokens equal a run without caching. On a GPU the
-    # loads are asynchronous: a hit computes once its blocks landed (beside the decode) or at
-    # once, layer by layer, when nothing else runs; the tokens must not change.
+    # loads are asynchronous: a hit computes once its blocks landed (beside the decode, or when
+    # nothing else runs and its load is short) or at once, layer by layer (a long load with nothing
+    # else to run); the tokens must not change.
     dma_on = device == "cuda-dma"
     if device == "cuda":  # every move by the GPU's own copies
         monkeypatch.setattr(transfer, "DMA_MOVES", False)

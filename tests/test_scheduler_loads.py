@@ -1,7 +1,9 @@
 """The scheduler and L2 -> L1 loads still in flight: requests whose blocks are on their way never
 hold up a step of others, and when nothing else can run, only the request whose blocks land first
 (loads queue on one copy stream, in admission order) starts, layer by layer as they land, so the
-GPU computes while the rest load and requests admitted together stop finishing together.
+GPU computes while the rest load and requests admitted together stop finishing together. It starts
+early only if its load is long (`Scheduler.layer_by_layer_min_s`); a short one is waited for whole,
+while every arrival that fits is admitted and its loads queued.
 
 On a CPU every load is done when issued; a load in flight is an `InFlight` the test completes by
 hand (the state a CUDA event reports while the copy stream still runs), put in the sequence's
@@ -55,6 +57,7 @@ def running_and_decoding(n: int) -> tuple[Scheduler, list[Request]]:
 
 def test_only_the_first_to_land_starts_when_every_runner_is_loading():
     sched, (a, b, c) = running_and_decoding(3)
+    sched.layer_by_layer_min_s = 0.0  # every load counts as long
     loads = {}
     for r in (a, b, c):
         loads[r.request_id] = InFlight()
@@ -80,3 +83,76 @@ def test_a_landed_runner_computes_while_the_others_load():
         r.seq.pending = [InFlight()]
     step = sched.schedule()
     assert step.requests == [b]  # nobody waits for a load while b can run
+
+
+def test_a_short_load_is_waited_for_whole_when_nothing_else_can_run():
+    sched, (a, b) = running_and_decoding(2)
+    assert sched.cache.load_seconds(a.seq) < sched.layer_by_layer_min_s  # nothing came from L2: short
+    loads = {r.request_id: InFlight() for r in (a, b)}
+    for r in (a, b):
+        r.seq.pending = [loads[r.request_id]]
+    step = sched.schedule()
+    assert step.requests == [] and sched.loading == [a, b]  # no eager step waits layer by layer
+    loads[a.request_id].land()
+    step = sched.schedule()
+    assert step.requests == [a] and sched.loading == [b]  # landed: a step that may replay a graph
+
+    sched.layer_by_layer_min_s = 0.0  # the same loads, counted long: the first to land starts early
+    loads = {r.request_id: InFlight() for r in (a, b)}
+    for r in (a, b):
+        r.seq.pending = [loads[r.request_id]]
+    assert sched.schedule().requests == [a]
+
+
+def loads_stay_in_flight(monkeypatch, cache: TieredKVCache) -> dict[str, InFlight]:
+    """Make every allocation's loads land only when the test says (as on a GPU, where they are on
+    the copy stream when allocate returns): admission order -> its load."""
+    loads = {}
+    allocate = cache.allocate
+
+    def allocate_loading(*args, **kw):
+        seq = allocate(*args, **kw)
+        seq.pending = [InFlight()]
+        loads[len(loads)] = seq.pending[0]
+        return seq
+
+    monkeypatch.setattr(cache, "allocate", allocate_loading)
+    return loads
+
+
+def test_with_nothing_running_every_arrival_that_fits_is_admitted_at_once(monkeypatch):
+    cache = TieredKVCache(LAYOUT, CacheConfig(l1=64 * LAYOUT.bytes_per_block, l2=0), device="cpu", model="sched")
+    sched = Scheduler(cache, max_num_seqs=8, max_num_batched_tokens=256)
+    loads = loads_stay_in_flight(monkeypatch, cache)
+    reqs = [Request(list(range(100 * i, 100 * i + 10)), SamplingParams(temperature=0, max_tokens=8))
+            for i in range(3)]
+    for r in reqs:
+        sched.add(r)
+    step = sched.schedule()
+    # no step runs, so no step waits for this call: all three are admitted, their loads queued
+    assert step.requests == [] and sched.running == reqs and sched.loading == reqs and not sched.waiting
+    loads[0].land()
+    step = sched.schedule()
+    assert step.requests == [reqs[0]] and step.num_new == [10]
+
+    late = Request(list(range(900, 910)), SamplingParams(temperature=0, max_tokens=8))
+    sched.add(late)
+    sched.computed(reqs[0], 10)
+    reqs[0].output_ids.append(7)
+    step = sched.schedule()
+    # beside a running step one admission a call, as before: it waits for its loads
+    assert step.requests == [reqs[0]] and late in sched.running and late in sched.loading
+
+
+def test_a_long_load_still_starts_layer_by_layer_when_nothing_else_runs(monkeypatch):
+    cache = TieredKVCache(LAYOUT, CacheConfig(l1=64 * LAYOUT.bytes_per_block, l2=0), device="cpu", model="sched")
+    sched = Scheduler(cache, max_num_seqs=8, max_num_batched_tokens=256)
+    loads_stay_in_flight(monkeypatch, cache)
+    monkeypatch.setattr(cache, "load_seconds", lambda seq: 0.25)  # a 100K-token Llama-8B history
+    reqs = [Request(list(range(100 * i, 100 * i + 10)), SamplingParams(temperature=0, max_tokens=8))
+            for i in range(2)]
+    for r in reqs:
+        sched.add(r)
+    step = sched.schedule()
+    assert step.requests == [reqs[0]] and step.num_new == [10]  # computes as its layers land
+    assert reqs[1] in sched.running and sched.loading == [reqs[1]]

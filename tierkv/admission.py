@@ -111,6 +111,13 @@ class Admission(Lookups):
         """L1 slots to be had now: the free ones and those eviction can free."""
         return self.tiers.l1_room()
 
+    @guarded
+    def load_seconds(self, seq: SequenceBlocks) -> float:
+        """Expected seconds of the loads into `seq`'s blocks, all of them, at the copy's measured pace
+        (its L3 hits come into L1 through L2 too); 0 where it loaded nothing."""
+        loaded = seq.cached_by_tier["l2"] + seq.cached_by_tier["l3"]
+        return self.tiers.load_seconds("l2", self.blocks_needed(loaded))
+
     def must_stream(self, num_tokens: int) -> bool:
         """Whether a sequence of `num_tokens` (and its next token) is larger than all of L1, so
         that it streams its older blocks from L2 (when there is an L2, and L1 is in tierkv's

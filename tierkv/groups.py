@@ -285,6 +285,10 @@ class KVGroups:
     def must_stream(self, num_tokens: int) -> bool:
         return self.lead.must_stream(num_tokens)
 
+    def load_seconds(self, seq: GroupedSequence) -> float:
+        """Every group's loads into `seq`, one after another on the copy stream."""
+        return sum(c.load_seconds(part) for c, part in zip(self.caches, seq.parts))
+
     def max_tokens(self) -> int:
         return min(c.max_tokens() for c in self.caches)
 

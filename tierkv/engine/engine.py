@@ -295,8 +295,9 @@ class Engine:
         self.in_flight = launched
         if launched is not None and (not self.config.async_scheduling or (streaming and launched.ready())):
             taken, waited = self._take_back(emit, taken, waited)
-        if launched is None and ((self.scheduler.waiting and not self.scheduler.running) or self.scheduler.tail_waits):
-            time.sleep(0.001)  # waiting only for L3 reads to land (prefetches, or tails)
+        if launched is None and ((self.scheduler.waiting and not self.scheduler.running) or self.scheduler.tail_waits
+                                 or self.scheduler.loading):
+            time.sleep(0.001)  # waiting only for reads to land: L3 prefetches or tails, or L2 -> L1 loads
         if launched is not None or self.has_unfinished():
             self.stats.stepped(step if launched is not None else None, time.perf_counter() - t0, t2 - t1,
                                t3 - t2, taken, waited)

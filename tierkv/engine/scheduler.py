@@ -3,11 +3,11 @@
 Continuous batching under a per-step token budget. Running requests go first (a decode costs
 one token), then prompts continue in chunks, then waiting requests are admitted by priority and
 arrival while L1 can hold them. Admission goes through the cache: L1 hits are shared, L2 hits
-load while other requests compute (a step waits for one request's loads at most, when nothing
-else can run), and L3 hits are prefetched into L2 first (the request waits
-for them up to a deadline, then recomputes what has not arrived; when loading all of it first
-would be slower than recomputing, the end of the L3 part is read in the background while the
-start is recomputed, and taken once the computation reaches it). When L1 runs out, the
+load while other requests compute (a step waits for one request's loads at most, layer by
+layer, when nothing else can run and that load is long), and L3 hits are prefetched into L2
+first (the request waits for them up to a deadline, then recomputes what has not arrived;
+when loading all of it first would be slower than recomputing, the end of the L3 part is read
+in the background while the start is recomputed, and taken once the computation reaches it). When L1 runs out, the
 lowest-priority, latest request is preempted: its full blocks are committed and released, so
 they demote to L2 instead of vanishing, and its next admission finds them there. A request that
 all of L1 cannot hold is streamed instead: it keeps at most half of L1, moves its oldest
@@ -47,6 +47,17 @@ class ScheduledStep:
 # rather than one per step.
 OFFLOAD_BATCH_BLOCKS = 64
 
+# Loads shorter than this are waited for whole before their request computes, even when nothing
+# else can run. A step that starts while its loads land runs eagerly (a CUDA graph cannot wait
+# for each layer's copy), and launching it eagerly keeps the engine thread busy for longer than a
+# short load takes: 37 ms for a Llama-3.1-8B step on an H100 (bench_rounds at 8e4fc74), against
+# ~20 ms to load an 8K-token history (1 GB); requests that arrive meanwhile are not admitted, so
+# their loads do not queue behind it.
+# Waiting instead, the engine admits them while the load lands, and the step replays a graph.
+# A long load (a 100K-token history: ~0.25 s) still starts layer by layer: its first layers
+# compute while the later ones are on their way.
+LAYER_BY_LAYER_MIN_S = 0.05
+
 
 class Scheduler:
     def __init__(
@@ -72,6 +83,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.tail_waits = 0
         self.loading: list[Request] = []  # running requests whose loads were in flight at the last schedule()
+        self.layer_by_layer_min_s = LAYER_BY_LAYER_MIN_S
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -110,19 +122,26 @@ class Scheduler:
         self._admit(step, budget, loading)
         if not step.requests:
             # Nothing else to compute: the one whose blocks land first (loads queue on one copy
-            # stream, in admission order) starts now, layer by layer as they land; the others join
-            # once theirs have. Were they all to start together, the step would wait for the last
-            # one's loads, so the GPU would compute nothing while all of them load, and requests
-            # admitted together would keep finishing together, each wave's loads again alone.
+            # stream, in admission order) starts now, layer by layer as they land, if its load is
+            # long (see LAYER_BY_LAYER_MIN_S); the others join once theirs have. Were they all to
+            # start together, the step would wait for the last one's loads, so the GPU would
+            # compute nothing while all of them load, and requests admitted together would keep
+            # finishing together, each wave's loads again alone.
             for req in loading:
                 if self._ends_by_length(req):
                     continue
+                if not self._layer_by_layer(req):
+                    break  # its blocks land first, soon: it joins then, as a step that may replay a graph
                 n = self._new_tokens(req, budget)
                 if n > 0 and self._make_room(req, n, step):
                     step.requests.append(req)
                     step.num_new.append(n)
                     break
         return step
+
+    def _layer_by_layer(self, req: Request) -> bool:
+        """Whether `req`, its loads in flight, may start before they landed (its load is long)."""
+        return self.cache.load_seconds(req.seq) >= self.layer_by_layer_min_s
 
     def _new_tokens(self, req: Request, budget: int) -> int:
         """Tokens a running request computes this step: what it lacks, within the budget, its
@@ -276,13 +295,16 @@ class Scheduler:
                 req.cached_by_tier = dict(req.seq.cached_by_tier)
                 req.admitted = now
             self.running.append(req)
-            if (step.requests or loading) and _loading(req):
-                # others compute (or load) meanwhile; it joins once its blocks landed. The next
-                # waiting one is looked at next step: admitting one costs the host a few ms (its
-                # lookup, its slots, launching its loads), and the step launches only after this
-                # returns (16 arrivals at once kept a running request's next step waiting ~75 ms,
-                # H200 profile of bench_rounds at b964e45). One a step still issues loads faster
-                # than PCIe lands them (an 8K-token Llama-8B history: ~20 ms, a step ~7 ms).
+            if _loading(req) and (step.requests or loading or not self._layer_by_layer(req)):
+                # others compute (or load) meanwhile; it joins once its blocks landed
+                loading.append(req)
+                if not step.requests:
+                    continue  # no step waits for this call: the next one's loads queue behind its
+                # The next waiting one is looked at next step: admitting one costs the host a few
+                # ms (its lookup, its slots, launching its loads), and the step launches only after
+                # this returns (16 arrivals at once kept a running request's next step waiting
+                # ~75 ms, H200 profile of bench_rounds at b964e45). One a step still issues loads
+                # faster than PCIe lands them (an 8K-token Llama-8B history: ~20 ms, a step ~7 ms).
                 break
             # a streamed request reserved one chunk; one with an L3 tail stops where the tail starts
             n = min(req.seq.num_tokens - req.num_computed, budget, self._until_adopt(req))
