@@ -3,7 +3,7 @@ hold up a step of others, and when nothing else can run, only the request whose 
 (loads queue on one copy stream, in admission order) starts, layer by layer as they land, so the
 GPU computes while the rest load and requests admitted together stop finishing together. It starts
 early only if its load is long (`Scheduler.layer_by_layer_min_s`); a short one is waited for whole,
-while every arrival that fits is admitted and its loads queued.
+while the arrivals that fit are admitted and their loads queued, until the first load lands.
 
 On a CPU every load is done when issued; a load in flight is an `InFlight` the test completes by
 hand (the state a CUDA event reports while the copy stream still runs), put in the sequence's
@@ -142,6 +142,29 @@ def test_with_nothing_running_every_arrival_that_fits_is_admitted_at_once(monkey
     step = sched.schedule()
     # beside a running step one admission a call, as before: it waits for its loads
     assert step.requests == [reqs[0]] and late in sched.running and late in sched.loading
+
+
+def test_admitting_at_once_stops_when_the_first_load_lands(monkeypatch):
+    cache = TieredKVCache(LAYOUT, CacheConfig(l1=64 * LAYOUT.bytes_per_block, l2=0), device="cpu", model="sched")
+    sched = Scheduler(cache, max_num_seqs=8, max_num_batched_tokens=256)
+    loads = loads_stay_in_flight(monkeypatch, cache)
+    allocate = cache.allocate
+
+    def allocate_and_land_the_first(*args, **kw):  # the first load lands while the second is issued
+        seq = allocate(*args, **kw)
+        if len(loads) == 2:
+            loads[0].land()
+        return seq
+
+    monkeypatch.setattr(cache, "allocate", allocate_and_land_the_first)
+    reqs = [Request(list(range(100 * i, 100 * i + 10)), SamplingParams(temperature=0, max_tokens=8))
+            for i in range(3)]
+    for r in reqs:
+        sched.add(r)
+    assert sched.schedule().requests == []
+    assert sched.running == reqs[:2] and sched.waiting == [reqs[2]]  # the landed one runs next call
+    step = sched.schedule()
+    assert step.requests == [reqs[0]] and reqs[2] in sched.running  # and one admission beside it
 
 
 def test_a_long_load_still_starts_layer_by_layer_when_nothing_else_runs(monkeypatch):

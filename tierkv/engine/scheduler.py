@@ -298,8 +298,10 @@ class Scheduler:
             if _loading(req) and (step.requests or loading or not self._layer_by_layer(req)):
                 # others compute (or load) meanwhile; it joins once its blocks landed
                 loading.append(req)
-                if not step.requests:
-                    continue  # no step waits for this call: the next one's loads queue behind its
+                if not step.requests and _loading(loading[0]):
+                    # no step can run before the first load lands: meanwhile the next one's loads
+                    # queue behind these (once it landed, this returns, and it runs next call)
+                    continue
                 # The next waiting one is looked at next step: admitting one costs the host a few
                 # ms (its lookup, its slots, launching its loads), and the step launches only after
                 # this returns (16 arrivals at once kept a running request's next step waiting
