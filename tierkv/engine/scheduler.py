@@ -7,13 +7,13 @@ load while other requests compute (a step waits for one request's loads at most,
 layer, when nothing else can run and that load is long), and L3 hits are prefetched into L2
 first (the request waits for them up to a deadline, then recomputes what has not arrived;
 when loading all of it first would be slower than recomputing, the end of the L3 part is read
-in the background while the start is recomputed, and taken once the computation reaches it). When L1 runs out, the
-lowest-priority, latest request is preempted: its full blocks are committed and released, so
-they demote to L2 instead of vanishing, and its next admission finds them there. A request that
-all of L1 cannot hold is streamed instead: it keeps at most half of L1, moves its oldest
-computed blocks to L2 as it grows, and attention reads them back layer by layer. With async
-scheduling a running request may have a sampled token on its way to the host ("pending"): it is
-scheduled as if that token were known, unless that token is its last.
+in the background while the start is recomputed, and taken once the computation reaches it).
+When L1 runs out, the lowest-priority, latest request is preempted: its full blocks are
+committed and released, so they demote to L2 instead of vanishing, and its next admission finds
+them there. A request that all of L1 cannot hold is streamed instead: it keeps at most half of
+L1, moves its oldest computed blocks to L2 as it grows, and attention reads them back layer by
+layer. With async scheduling a running request may have a sampled token on its way to the host
+("pending"): it is scheduled as if that token were known, unless that token is its last.
 
 Never runs the model and never touches tensors.
 """
