@@ -2,7 +2,7 @@
 hold up a step of others, and when nothing else can run, only the request whose blocks land first
 (loads queue on one copy stream, in admission order) starts, layer by layer as they land, so the
 GPU computes while the rest load and requests admitted together stop finishing together. It starts
-early only if its load is long (`Scheduler.layer_by_layer_min_s`); a short one is waited for whole,
+early only if its load is long (`scheduler.LAYER_BY_LAYER_MIN_S`); a short one is waited for whole,
 while the arrivals that fit are admitted and their loads queued, until the first load lands.
 
 On a CPU every load is done when issued; a load in flight is an `InFlight` the test completes by
@@ -14,6 +14,7 @@ import torch
 from tierkv import CacheConfig, KVLayout, TieredKVCache
 from tierkv.engine.request import Request
 from tierkv.engine.sampler import SamplingParams
+from tierkv.engine import scheduler
 from tierkv.engine.scheduler import Scheduler
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float32, block_size=4)
@@ -55,9 +56,9 @@ def running_and_decoding(n: int) -> tuple[Scheduler, list[Request]]:
     return sched, reqs
 
 
-def test_only_the_first_to_land_starts_when_every_runner_is_loading():
+def test_only_the_first_to_land_starts_when_every_runner_is_loading(monkeypatch):
     sched, (a, b, c) = running_and_decoding(3)
-    sched.layer_by_layer_min_s = 0.0  # every load counts as long
+    monkeypatch.setattr(scheduler, "LAYER_BY_LAYER_MIN_S", 0.0)  # every load counts as long
     loads = {}
     for r in (a, b, c):
         loads[r.request_id] = InFlight()
@@ -85,9 +86,9 @@ def test_a_landed_runner_computes_while_the_others_load():
     assert step.requests == [b]  # nobody waits for a load while b can run
 
 
-def test_a_short_load_is_waited_for_whole_when_nothing_else_can_run():
+def test_a_short_load_is_waited_for_whole_when_nothing_else_can_run(monkeypatch):
     sched, (a, b) = running_and_decoding(2)
-    assert sched.cache.load_seconds(a.seq) < sched.layer_by_layer_min_s  # nothing came from L2: short
+    assert sched.cache.load_seconds(a.seq) < scheduler.LAYER_BY_LAYER_MIN_S  # nothing came from L2: short
     loads = {r.request_id: InFlight() for r in (a, b)}
     for r in (a, b):
         r.seq.pending = [loads[r.request_id]]
@@ -97,11 +98,11 @@ def test_a_short_load_is_waited_for_whole_when_nothing_else_can_run():
     step = sched.schedule()
     assert step.requests == [a] and sched.loading == [b]  # landed: a step that may replay a graph
 
-    sched.layer_by_layer_min_s = 0.0  # the same loads, counted long: the first to land starts early
+    monkeypatch.setattr(scheduler, "LAYER_BY_LAYER_MIN_S", 0.0)  # the same loads, counted long
     loads = {r.request_id: InFlight() for r in (a, b)}
     for r in (a, b):
         r.seq.pending = [loads[r.request_id]]
-    assert sched.schedule().requests == [a]
+    assert sched.schedule().requests == [a]  # the first to land starts early
 
 
 def loads_stay_in_flight(monkeypatch, cache: TieredKVCache) -> dict[str, InFlight]:

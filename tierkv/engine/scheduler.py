@@ -83,7 +83,6 @@ class Scheduler:
         self.num_preemptions = 0
         self.tail_waits = 0
         self.loading: list[Request] = []  # running requests whose loads were in flight at the last schedule()
-        self.layer_by_layer_min_s = LAYER_BY_LAYER_MIN_S
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -141,7 +140,7 @@ class Scheduler:
 
     def _layer_by_layer(self, req: Request) -> bool:
         """Whether `req`, its loads in flight, may start before they landed (its load is long)."""
-        return self.cache.load_seconds(req.seq) >= self.layer_by_layer_min_s
+        return self.cache.load_seconds(req.seq) >= LAYER_BY_LAYER_MIN_S
 
     def _new_tokens(self, req: Request, budget: int) -> int:
         """Tokens a running request computes this step: what it lacks, within the budget, its
