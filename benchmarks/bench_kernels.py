@@ -2,7 +2,8 @@
 
 decode:  paged_decode vs SDPA on the same K/V made contiguous, Llama-3.1-8B layer shape; GB/s of KV
          read, ratio to SDPA and to the d2d copy bandwidth measured in this run, timed eagerly and
-         replayed in CUDA graphs (GPU time alone, as the engine's decode runs).
+         replayed in CUDA graphs (GPU time alone, as the engine's decode runs); where the launch
+         splits, its split kernel and its merge also timed apart in graphs.
 decode_mixed: a serving batch of mixed lengths against the copy bandwidth, with a grid of launches.
 prefill: paged_prefill of one sequence (cold, and long chunks over a cached prefix) as the engine
          calls it, and its Triton kernel alone, vs SDPA causal on contiguous K/V, TFLOP/s and ratio.
@@ -130,6 +131,14 @@ def bench_decode(copy_gbps: float, sweep: bool) -> list[dict]:
             g_sdpa = min(graph_ms(sdpa_fold), graph_ms(sdpa_gqa) if t_gqa != float("inf") else float("inf"))
             row.update(tierkv_graph_ms=g_ours, sdpa_graph_ms=g_sdpa, ratio_vs_sdpa_graph=g_sdpa / g_ours,
                        ratio_vs_copy_graph=kv_bytes / (g_ours * 1e-3) / GB / copy_gbps)
+            if row["splits_and_block_n"][0] > 1:
+                # the split kernel and the merge apart (the merge alone reads partials left unwritten):
+                # how much of the gap to SDPA is the merge and the step between the two kernels
+                split_ms = graph_ms(lambda: decode._paged_decode(q, kv, tables, lens, scale, kernels=("split",)))
+                row.update(split_graph_ms=split_ms, split_vs_sdpa_graph=g_sdpa / split_ms,
+                           split_vs_copy_graph=kv_bytes / (split_ms * 1e-3) / GB / copy_gbps,
+                           merge_graph_ms=graph_ms(lambda: decode._paged_decode(q, kv, tables, lens, scale,
+                                                                                kernels=("merge",))))
         except Exception as e:  # an SDPA backend that cannot be captured: keep the eager figures
             row["graph_error"] = str(e)[:200]
         if sweep:
@@ -139,7 +148,9 @@ def bench_decode(copy_gbps: float, sweep: bool) -> list[dict]:
               f"{row['sdpa_gbps']:7.0f} GB/s  x{row['ratio_vs_sdpa']:.2f} sdpa  "
               f"{100 * row['ratio_vs_copy']:.0f}% copy  (max|diff| {err:.1e})"
               + (f"  graphs: x{row['ratio_vs_sdpa_graph']:.2f} sdpa {100 * row['ratio_vs_copy_graph']:.0f}% copy"
-                 if "tierkv_graph_ms" in row else ""), flush=True)
+                 if "tierkv_graph_ms" in row else "")
+              + (f" (split kernel alone x{row['split_vs_sdpa_graph']:.2f} sdpa, "
+                 f"merge {row['merge_graph_ms'] * 1e3:.1f} us)" if "split_graph_ms" in row else ""), flush=True)
         del kv, tables, k, v
         torch.cuda.empty_cache()
     return rows

@@ -139,8 +139,13 @@ def decode_launch(batch: int, kv_heads: int, max_tokens: int, head_dim: int, dev
 
 
 def _paged_decode(q, kv, block_tables, seq_lens, scale, sliding_window=None, sinks=None, *,
-                  num_splits=None, block_n=None, num_warps=None, num_stages=None):
-    """paged_decode with its launch choices exposed (tests and benchmarks sweep them)."""
+                  num_splits=None, block_n=None, num_warps=None, num_stages=None, kernels=("split", "merge")):
+    """paged_decode with its launch choices exposed (tests and benchmarks sweep them).
+
+    `kernels`: which of the two to launch (benchmarks time them apart). Either alone leaves the
+    output unwritten where the launch splits: the merge alone reads partials never written."""
+    if not kernels or not set(kernels) <= {"split", "merge"}:
+        raise ValueError(f"kernels= takes 'split' and/or 'merge', got {kernels!r}")
     hq, hkv, d = _checks.check_decode(q, kv, block_tables, seq_lens, sliding_window, sinks)
     check_triton_device(q, kv, block_tables, seq_lens)  # sinks: checked to be on q's device
     batch, page = q.shape[0], kv.shape[2]
@@ -163,16 +168,17 @@ def _paged_decode(q, kv, block_tables, seq_lens, scale, sliding_window=None, sin
     block_d = pow2(d, 16)
     has_sinks = sinks is not None
     sinks = sinks if has_sinks else seq_lens  # an unused placeholder pointer
-    _decode_split_kernel[(hkv, splits, batch)](
-        q, kv, block_tables, seq_lens, sinks, out, part, lse,
-        *q.stride(), *kv.stride(), *block_tables.stride(), *out.stride(),
-        *part_strides, *lse_strides,
-        scale * _LOG2E, sliding_window or 0, splits,
-        GROUP=group, BLOCK_G=pow2(group, 16), HEAD_D=d, BLOCK_D=block_d, PAGE=page, BLOCK_N=block_n,
-        HAS_WINDOW=sliding_window is not None, DIRECT=direct, HAS_SINKS=has_sinks,
-        DOT_PREC=dot_precision(q.dtype), num_warps=num_warps or 4, num_stages=num_stages or 3,
-    )
-    if not direct:
+    if "split" in kernels:
+        _decode_split_kernel[(hkv, splits, batch)](
+            q, kv, block_tables, seq_lens, sinks, out, part, lse,
+            *q.stride(), *kv.stride(), *block_tables.stride(), *out.stride(),
+            *part_strides, *lse_strides,
+            scale * _LOG2E, sliding_window or 0, splits,
+            GROUP=group, BLOCK_G=pow2(group, 16), HEAD_D=d, BLOCK_D=block_d, PAGE=page, BLOCK_N=block_n,
+            HAS_WINDOW=sliding_window is not None, DIRECT=direct, HAS_SINKS=has_sinks,
+            DOT_PREC=dot_precision(q.dtype), num_warps=num_warps or 4, num_stages=num_stages or 3,
+        )
+    if not direct and "merge" in kernels:
         merge_splits_kernel[(batch, hq)](
             part, lse, out, sinks, *part.stride()[:3], *lse.stride()[:2], *out.stride(), splits,
             HEAD_D=d, BLOCK_D=block_d, BLOCK_S=pow2(splits), HAS_SINKS=has_sinks, num_warps=4,

@@ -290,6 +290,15 @@ def test_dispatch_env_forces_triton(tk, monkeypatch):
     assert K.backend_for(q) == "reference"
 
 
+def test_decode_kernels_launched_apart(tk):
+    # (bench_kernels times the split kernel and the merge apart) unsplit, the split kernel alone
+    # is the whole attention; a kernel of another name is refused before any launch
+    _decode_case(tk, [33, 9], 1, 4, 16, 16, torch.float32, num_splits=1, block_n=16, kernels=("split",))
+    _decode_case(tk, [33, 9], 1, 4, 16, 16, torch.float32, num_splits=3, block_n=16, kernels=("merge", "split"))
+    with pytest.raises(ValueError, match="'split' and/or 'merge'"):
+        _decode_case(tk, [33, 9], 1, 4, 16, 16, torch.float32, kernels=("gather",))
+
+
 def test_bad_inputs_fail_before_launch(tk):
     from tierkv.kernels import ShapeError
 
