@@ -41,7 +41,9 @@ shares, the top kernels and the engine thread's top ops) to the JSON. The profil
 server (a hit round took 2.6-2.8x as long on the H200): that round is left out of the hit rounds'
 sums. With --py-spy threads|gil, py-spy samples the server through the last round (every thread's
 stacks, or only the thread holding the GIL: whether the HTTP thread keeps the engine thread waiting
-for it), summarised in OUT/profiles/; that round is left out of the sums too.
+for it), summarised in OUT/profiles/; that round is left out of the sums too. With --step-log the
+server writes a JSON line per engine step and added request (TIERKV_STEP_LOG,
+tierkv/engine/step_log.py): read beside each round's start_clock, how its seats turn over.
 
     python benchmarks/bench_rounds.py                       # H200: random-weight Llama-3.1-8B, ~6 min
     python benchmarks/bench_rounds.py --profile-seconds 2   # and a trace of a saturated hit round
@@ -81,6 +83,8 @@ from serving.probes import cold_probe, warm_up  # noqa: E402
 from serving.trace_summary import keep_trace  # noqa: E402
 from server_helpers import ServerProcess  # noqa: E402
 
+from tierkv.engine.step_log import ENV as STEP_LOG  # noqa: E402
+
 TARGET = 0.8  # issue 40 item 3: l1+l2's hit rounds at >= 80% of their bound
 STATS_SETTLE_S = 0.6  # before and after a round, before reading counters the server snapshots every 0.25 s
 BLOCK = 16  # tokens a KV block, tierkv-serve's default (--block-size to change)
@@ -110,6 +114,9 @@ def parse(argv) -> argparse.Namespace:
     add("--py-spy", choices=("off", "threads", "gil"), default="off", help="sample the server with py-spy during "
         "the last round (left out of the hit rounds' sums): every thread's stacks, or with gil only the thread "
         "holding the GIL; a summary goes to OUT/profiles/ (needs py-spy)")
+    add("--step-log", action="store_true", help="the server writes a JSON line per engine step and added "
+        "request (tierkv/engine/step_log.py) to OUT/bench_rounds-CONFIG-MACHINE-steps.jsonl; each round's "
+        "start_clock (time.perf_counter() at its start) reads on the same clock")
     add("--block-size", type=int, default=BLOCK,
         help=f"tokens per KV block, for the server and the sizes (default {BLOCK})")
     add("--server-args", default="", help="more tierkv-serve flags, space separated")
@@ -219,7 +226,7 @@ async def run_round(h: Http, prompts: list[list[int]], a) -> dict:
     engine = engine_time_delta(engine_before, await engine_time(h))
     ttft = pct([r.ttft for r in results if r.ttft is not None], scale=1.0)
     served = [r for r in results if r.ttft is not None and r.error is None]
-    return dict(wall_s=wall, requests=len(results), errors=[r.error for r in results if r.error],
+    return dict(start_clock=t, wall_s=wall, requests=len(results), errors=[r.error for r in results if r.error],
                 # seconds from the round's start to each request's first token and to its end (seat_turnovers)
                 first_token_s=[r.arrival + r.ttft - t for r in served], done_s=[r.arrival + r.e2e - t for r in served],
                 prompt_tokens=sum(len(p) for p in prompts), cached_tokens=sum(r.cached_tokens for r in results),
@@ -411,7 +418,13 @@ def run_config(a, config: str, model, tier: dict, rounds, probes, h2d: float, tm
         args += ["--profile-dir", str(tmp / f"traces-{config.replace('+', '_')}")]
         trace_to = a.out / f"bench_rounds-{config.replace('+', '_')}-{machine_tag()}.pt.trace.json.gz"
         trace_to.parent.mkdir(parents=True, exist_ok=True)
-    srv = ServerProcess(args + a.server_args.split(), tmp / f"server-{config}.log")
+    env = None
+    if a.step_log:
+        steps_to = a.out / f"bench_rounds-{config.replace('+', '_')}-{machine_tag()}-steps.jsonl"
+        steps_to.parent.mkdir(parents=True, exist_ok=True)
+        steps_to.unlink(missing_ok=True)  # the log appends: one run's lines only
+        env = {STEP_LOG: str(steps_to)}
+    srv = ServerProcess(args + a.server_args.split(), tmp / f"server-{config}.log", env=env)
     try:
         t = time.perf_counter()
         srv.wait_ready(a.timeout)

@@ -16,7 +16,7 @@ import bench_rounds  # noqa: E402
 
 
 def test_hit_rounds_load_from_l2_and_are_read_against_their_bound(tmp_path):
-    path = bench_rounds.main(["--smoke", "--profile-seconds", "0.3", "--out", str(tmp_path)])
+    path = bench_rounds.main(["--smoke", "--profile-seconds", "0.3", "--step-log", "--out", str(tmp_path)])
     out = json.loads(path.read_text())
     assert path.with_suffix(".png").stat().st_size > 0
     l1, l2 = out["configs"]["l1"], out["configs"]["l1+l2"]
@@ -74,6 +74,15 @@ def test_hit_rounds_load_from_l2_and_are_read_against_their_bound(tmp_path):
         prof = out["configs"][name]["rounds"][2]["profile"]
         assert "error" not in prof, prof
         assert (tmp_path / prof["trace"]).stat().st_size > 0 and prof["summary"]["window_ms"] > 0
+        # each server's step log: every request it was sent (probes, warm-up, 3 rounds of 6) added and
+        # admitted once, and each round's requests added after the round's start, on the log's clock
+        [steps] = tmp_path.glob(f"bench_rounds-{name.replace('+', '_')}-*-steps.jsonl")
+        lines = [json.loads(line) for line in steps.read_text().splitlines()]
+        added = [x for x in lines if x["ev"] == "add"]
+        assert len(added) >= 18 and sorted(i for x in lines if x["ev"] == "step" for i in x["admitted"]) == \
+            sorted(x["id"] for x in added)
+        for r in out["configs"][name]["rounds"]:
+            assert sum(r["start_clock"] <= x["t"] <= r["start_clock"] + r["wall_s"] for x in added) == r["requests"]
 
 
 def test_a_freed_seat_is_timed_to_the_first_token_of_the_request_that_takes_it():

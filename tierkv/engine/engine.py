@@ -40,6 +40,7 @@ from .sampler import (
 )
 from .scheduler import Scheduler
 from .stats import EngineStats
+from .step_log import StepLog
 from .tokenizer import IncrementalDetokenizer
 from .workers import Workers, own_l1_blocks
 
@@ -125,6 +126,7 @@ class Engine:
             enable_prefix_caching=config.enable_prefix_caching,
         )
         self.stats = EngineStats(self.max_model_len)  # per step and per request, for /metrics
+        self.step_log = StepLog.from_env()  # a line per step and request, where TIERKV_STEP_LOG asks
         if dev.type == "cuda":
             params = sum(p.numel() for p in self.lm.model.parameters())
             self.scheduler.recompute_seconds_per_token = 2 * params / GPU_PREFILL_FLOPS
@@ -240,6 +242,8 @@ class Engine:
                 choice.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
         self.requests[req.request_id] = req
         self.scheduler.add(req)
+        if self.step_log is not None:
+            self.step_log.added(req)
         return req
 
     def abort(self, request_id: str) -> None:
@@ -275,6 +279,7 @@ class Engine:
         if self.in_flight is not None and ((streaming and self.in_flight.ready()) or not self._may_overlap()):
             taken, waited = self._take_back(emit, taken, waited)
         t1 = time.perf_counter()
+        before = set(map(id, self.scheduler.running)) if self.step_log is not None else None
         step = self.scheduler.schedule()
         t2 = time.perf_counter()
         if self.scheduler.given_up:
@@ -301,6 +306,10 @@ class Engine:
         if launched is not None or self.has_unfinished():
             self.stats.stepped(step if launched is not None else None, time.perf_counter() - t0, t2 - t1,
                                t3 - t2, taken, waited)
+        if self.step_log is not None:
+            admitted = [r for r in self.scheduler.running if id(r) not in before]
+            if launched is not None or admitted or taken:  # not the 1 ms polls while loads land
+                self.step_log.stepped((t0, t1, t2, t3), step, self.scheduler, admitted, taken, waited)
         return outputs
 
     def _take_back(self, emit: Callable[[list[RequestOutput]], None], taken: float,
@@ -468,6 +477,8 @@ class Engine:
             if self.in_flight is not None:
                 self._postprocess(self._take_in_flight())
             self.cache.close()
+            if self.step_log is not None:
+                self.step_log.close()
         finally:
             if self.workers is not None:
                 self.workers.close()
