@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from models import save_tiny_checkpoint
 
 from tierkv import LLM, SamplingParams
-from tierkv.engine.step_log import ENV
+from tierkv.engine.step_log import ENV, StepLog
+from tierkv.errors import ConfigError
 
 
 def test_every_request_and_step_is_logged_in_order(tmp_path, monkeypatch):
@@ -32,6 +34,11 @@ def test_every_request_and_step_is_logged_in_order(tmp_path, monkeypatch):
         new = [k for s in steps for r, k in s["run"] if r == rid]
         assert sum(new) == n + 3 and new[-3:] == [1, 1, 1]
     assert [len(o.token_ids) for o in outs] == [4, 4]
+
+
+def test_a_file_that_cannot_be_written_is_refused_saying_so(tmp_path):
+    with pytest.raises(ConfigError, match="TIERKV_STEP_LOG names .* cannot be opened"):
+        StepLog(str(tmp_path / "no-such-dir" / "steps.jsonl"))
 
 
 def test_off_unless_asked(tmp_path, monkeypatch):

@@ -17,12 +17,18 @@ import json
 import os
 import time
 
+from ..errors import ConfigError
+
 ENV = "TIERKV_STEP_LOG"
 
 
 class StepLog:
     def __init__(self, path: str) -> None:
-        self._file = open(path, "a", buffering=1 << 16)  # flushed in large writes, and at close
+        try:
+            self._file = open(path, "a", buffering=1 << 16)  # flushed in large writes, and at close
+        except OSError as err:
+            raise ConfigError(f"{ENV} names {path!r}, which cannot be opened to append to ({err.strerror}): "
+                              f"name a file in a writable directory, or unset {ENV}") from None
 
     @classmethod
     def from_env(cls) -> StepLog | None:
