@@ -87,6 +87,9 @@ def _encoder(prompt: Callable[[Any], list[int]], params: dict, max_model_len: in
 
     def encode(tokenizer) -> tuple[list[int], SamplingParams]:
         ids = prompt(tokenizer)
+        if not ids:  # a text the tokenizer drops whole (SmolLM2's drops "\x06"): ids are never empty (schema)
+            raise APIError(400, "the prompt's text gives no tokens with this model's tokenizer: send text it "
+                           "encodes, or the prompt as token ids", param=param, code="empty_prompt")
         if len(ids) >= max_model_len:
             raise APIError(400, f"the prompt has {len(ids)} tokens; this model's context is {max_model_len} "
                            "tokens (one is left for the output): shorten the prompt",
