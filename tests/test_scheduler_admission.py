@@ -49,3 +49,34 @@ def test_a_preempted_request_is_looked_up_afresh():
     r.refused_at_room = 99  # as if refused once before it got in
     sched.preempt(r)
     assert r.refused_at_room is None and r in sched.waiting
+
+
+def test_a_request_whose_token_on_its_way_is_its_last_gives_its_room_to_a_waiting_one_at_once():
+    """With async scheduling the engine learns that a request ended only when it takes the last
+    token back, after launching the next step; the scheduler knows a step earlier, by max_tokens."""
+    cache = TieredKVCache(LAYOUT, CacheConfig(l1=10 * LAYOUT.bytes_per_block, l2=0), device="cpu", model="sched")
+    sched = Scheduler(cache, max_num_seqs=8, max_num_batched_tokens=256)
+    last = Request(list(range(100, 119)), SamplingParams(temperature=0, max_tokens=2))  # 19 + 1 tokens: 5 blocks
+    other = Request(list(range(300, 320)), SamplingParams(temperature=0, max_tokens=8))  # 5 blocks
+    sched.add(last)
+    step = sched.schedule()
+    sched.computed(last, step.num_new[0])
+    last.pending += 1  # launched: its first token is on its way
+    last.output_ids.append(7)  # taken back
+    last.pending -= 1
+    step = sched.schedule()  # it decodes; its second token, its last, is on its way
+    assert step.requests == [last]
+    sched.computed(last, 1)
+    last.pending += 1
+    sched.add(other)  # L1 (10 blocks) holds it only once `last` has let go of its 5
+
+    step = sched.schedule()
+    assert step.requests == [other] and last.seq is None and last not in sched.running
+    # its full blocks were committed before they went back: its 19 + 1 tokens with KV, 5 blocks
+    match = cache.plan(last.all_ids + [0], None, budget=256, prefix_caching=True,
+                       recompute_seconds_per_token=None, deadline_s=1.0).match
+    assert match.tokens == 20
+    last.output_ids.append(8)  # the engine takes the last token back and finishes it
+    last.pending -= 1
+    sched.finish(last, "length")
+    assert last.finished and sched.running == [other]

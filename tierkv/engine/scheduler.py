@@ -13,7 +13,8 @@ committed and released, so they demote to L2 instead of vanishing, and its next 
 them there. A request that all of L1 cannot hold is streamed instead: it keeps at most half of
 L1, moves its oldest computed blocks to L2 as it grows, and attention reads them back layer by
 layer. With async scheduling a running request may have a sampled token on its way to the host
-("pending"): it is scheduled as if that token were known, unless that token is its last.
+("pending"): it is scheduled as if that token were known, unless that token is its last: then
+its seat and blocks go back at once, for a waiting request to take in the same schedule.
 
 Never runs the model and never touches tensors.
 """
@@ -109,7 +110,8 @@ class Scheduler:
                     continue  # it lands before recomputing it would end: others compute meanwhile
                 self._adopt(req)
             if self._ends_by_length(req):
-                continue  # its token on the way is its last: computing one more would be waste
+                self._release_early(req)  # computing one more would be waste, and so would its seat
+                continue
             n = self._new_tokens(req, budget)
             if n <= 0:
                 continue
@@ -137,6 +139,17 @@ class Scheduler:
                     step.num_new.append(n)
                     break
         return step
+
+    def _release_early(self, req: Request) -> None:
+        """`req`'s token on its way is its last by max_tokens: give its seat and blocks back now,
+        its full blocks committed first so that they stay cached, rather than once the engine takes
+        that token back, after launching the next step. A waiting request can then be admitted in
+        this schedule, a step earlier (at a wave's end, bench_rounds' seats stood empty 2-3 steps
+        each). `req` stays RUNNING, outside `running`, until the engine finishes it. Its blocks are
+        reused only by work queued after the step still writing them: steps on the same stream,
+        and moves on the copy stream, which waits for the compute stream (BlockMover)."""
+        self.commit(req)
+        self._release(req)
 
     def _layer_by_layer(self, req: Request) -> bool:
         """Whether `req`, its loads in flight, may start before they landed (its load is long)."""
