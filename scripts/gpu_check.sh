@@ -89,7 +89,7 @@ part() {  # part NAME SECONDS COMMAND...
       # one machine, so its drift falls on both sides; each run in OUT/ab-<n>-<with|without>
       rounds_ab) if [ -f "${AB_PATCH:-}" ]; then
                    n=0
-                   for side in with without with; do
+                   for side in ${AB_SIDES:-with without with}; do  # AB_SIDES="with without": one pair, when time is short
                      n=$((n + 1))
                      if [ $n -gt 1 ]; then
                        if [ $side = without ]; then patch -s -R -p1 < "$AB_PATCH"; else patch -s -p1 < "$AB_PATCH"; fi || break
