@@ -138,13 +138,17 @@ def decode_launch(batch: int, kv_heads: int, max_tokens: int, head_dim: int, dev
     return max(1, min(splits, triton.cdiv(max(max_tokens, 1), block_n))), block_n
 
 
+_BOTH_KERNELS = ("split", "merge")
+
+
 def _paged_decode(q, kv, block_tables, seq_lens, scale, sliding_window=None, sinks=None, *,
-                  num_splits=None, block_n=None, num_warps=None, num_stages=None, kernels=("split", "merge")):
+                  num_splits=None, block_n=None, num_warps=None, num_stages=None, kernels=_BOTH_KERNELS):
     """paged_decode with its launch choices exposed (tests and benchmarks sweep them).
 
     `kernels`: which of the two to launch (benchmarks time them apart). Either alone leaves the
     output unwritten where the launch splits: the merge alone reads partials never written."""
-    if not kernels or not set(kernels) <= {"split", "merge"}:
+    # (checked only when a caller chose: every decode launch passes here, eager ones once a layer)
+    if kernels is not _BOTH_KERNELS and (not kernels or not set(kernels) <= set(_BOTH_KERNELS)):
         raise ValueError(f"kernels= takes 'split' and/or 'merge', got {kernels!r}")
     hq, hkv, d = _checks.check_decode(q, kv, block_tables, seq_lens, sliding_window, sinks)
     check_triton_device(q, kv, block_tables, seq_lens)  # sinks: checked to be on q's device
