@@ -1,4 +1,4 @@
-"""The SmolLM2 server that test_server.py and test_server_schema.py each start one of (a module
+"""The SmolLM2 server that test_server.py and test_server_input.py each start one of (a module
 fixture, `start`): its API key, served name and context, and the helpers to post to it and to check an
 OpenAI-shaped error. Only helpers; no test here.
 """

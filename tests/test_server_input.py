@@ -1,7 +1,9 @@
-"""tierkv-serve's OpenAPI schema against the server itself: the schema refuses a body exactly when
-the server does (a list of edge cases, checked with jsonschema), and schemathesis' positive and
-negative cases for every operation get no 5xx and only answers the schema documents. One SmolLM2
-server for the module, set up as test_server.py's (smol_server.py).
+"""What tierkv-serve takes and refuses: bad input (malformed JSON, wrong fields, prompts past the
+context, a missing or wrong API key, unknown routes and methods) gets an OpenAI-shaped error that
+says what to change, and the server keeps answering; its OpenAPI schema refuses a body exactly when
+the server does (edge cases checked with jsonschema); schemathesis' positive and negative cases for
+every operation get no 5xx and only answers the schema documents. One SmolLM2 server for the
+module, set up as test_server.py's (smol_server.py).
 """
 
 from __future__ import annotations
@@ -11,12 +13,108 @@ import pytest
 
 pytest.importorskip("fastapi")
 import smol_server
-from smol_server import AUTH, MODEL, VOCAB, post, still_answers
+from smol_server import AUTH, CONTEXT, KEY, MODEL, VOCAB, assert_error, post, still_answers
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     yield from smol_server.start(tmp_path_factory)
+
+
+# ---------------------------------------------------------------------------- bad input
+
+LONG = "word " * (CONTEXT + 50)
+BAD = [
+    ("/v1/completions", b"{not json", 400, None),
+    ("/v1/completions", b"[1, 2", 400, None),
+    ("/v1/completions", b"[1, 2]", 400, None),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", {"model": MODEL, "prompt": {"a": 1}}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi"}, 400, "model"),
+    ("/v1/completions", {"model": "gpt-9", "prompt": "hi"}, 404, "model"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": -3}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 10**6}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": LONG, "max_tokens": 1}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": [10**9], "max_tokens": 1}, 400, None),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 0}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 129}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                              "top_logprobs": 3}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": "hello"}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"content": "no role"}]}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": LONG}]}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                              "max_completion_tokens": CONTEXT}, 400, "max_tokens"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param", BAD, ids=[f"{i}-{b[0].rsplit('/', 1)[1]}" for i, b in enumerate(BAD)])
+def test_bad_input_gets_an_openai_error_and_the_server_keeps_answering(server, path, body, status, param):
+    assert_error(post(server, path, body), status, param)
+    still_answers(server)
+
+
+def test_a_long_token_id_prompt_is_checked_whole(server):
+    """A token-id prompt's checks run on the event loop (no hop to the tokenizing thread), and still
+    cover every id: one past the vocabulary at the end of a context-long prompt, a negative one, and
+    one id too many for the context each get a 400 that says what to change; the same ids within
+    bounds are served."""
+    ids = [(7 * i) % VOCAB for i in range(CONTEXT - 2)]  # room for one output token
+    body = {"model": MODEL, "max_tokens": 1}
+    err = assert_error(post(server, "/v1/completions", {**body, "prompt": ids[:-1] + [VOCAB]}), 400)
+    assert f"[0, {VOCAB})" in err["message"]
+    assert_error(post(server, "/v1/completions", {**body, "prompt": ids[:-1] + [-1]}), 400, "prompt")
+    err = assert_error(post(server, "/v1/completions", {**body, "prompt": ids + [1, 2]}), 400, "prompt")
+    assert err["code"] == "context_length_exceeded" and f"has {CONTEXT} tokens" in err["message"]
+    r = post(server, "/v1/completions", {**body, "prompt": ids})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(ids)
+
+
+def test_a_text_prompt_the_tokenizer_gives_no_tokens_for_gets_a_400_that_says_so(server):
+    # SmolLM2's tokenizer drops "\x06" whole: a prompt the schema takes (not empty), yet no token;
+    # the engine's own refusal ("the prompt is empty") would blame the client for an empty prompt
+    err = assert_error(post(server, "/v1/completions", {"model": MODEL, "prompt": "\x06", "max_tokens": 1}), 400,
+                       "prompt")
+    assert err["code"] == "empty_prompt" and "gives no tokens with this model's tokenizer" in err["message"]
+    still_answers(server)
+
+
+def test_api_key_guards_every_v1_route_but_not_health(server):
+    routes = [("GET", "/v1/models"), ("GET", "/v1/cache/stats"), ("POST", "/v1/completions"),
+              ("POST", "/v1/chat/completions"), ("GET", "/v1/nowhere")]
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        for method, path in routes:
+            r = httpx.request(method, server.url + path, headers=headers, content=b"{not json", timeout=30)
+            err = assert_error(r, 401)
+            assert err["code"] == "invalid_api_key" and KEY not in r.text
+    assert httpx.get(server.url + "/health", timeout=30).json() == {"status": "ok"}
+    assert httpx.get(server.url + "/v1/models", headers=AUTH, timeout=30).status_code == 200
+
+
+def test_unknown_route_is_404_in_openai_shape(server):
+    assert_error(httpx.get(server.url + "/v1/nowhere", headers=AUTH, timeout=30), 404)
+
+
+def test_a_wrong_method_is_405_naming_the_allowed_ones(server):
+    r = httpx.get(server.url + "/v1/completions", headers=AUTH, timeout=30)
+    assert_error(r, 405)
+    assert r.headers["allow"] == "POST"
+    r = httpx.post(server.url + "/health", timeout=30)
+    assert r.status_code == 405 and sorted(r.headers["allow"].split(", ")) == ["GET", "HEAD"]
+
+
+def test_a_refused_field_names_the_value_to_send_in_json(server):
+    for field, value in (("prompt_logprobs", 1), ("echo", True), ("response_format", {"type": "json_object"})):
+        err = assert_error(post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", field: value}), 400, field)
+        assert "None" not in err["message"] and "True" not in err["message"] and "False" not in err["message"]
+    err = assert_error(post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"1": 2}}), 400)
+    assert "send null" in err["message"]
 
 
 # ---------------------------------------------------------------------------- the OpenAPI schema
