@@ -112,7 +112,8 @@ def main(argv: list[str] | None = None) -> None:
     path = write_results("bench_admission", dict(
         argv=sys.argv[1:], device=device, layout=dict(shape, block_size=a.block_size, dtype=str(dtype)),
         staging_mib=transfer.STAGING_BYTES >> 20, users=a.users, l1_histories=a.l1_histories,
-        context_tokens=a.context_tokens, question_tokens=a.question_tokens, rounds=a.rounds, median_ms=ms, l2_tokens_loaded=loaded,
+        context_tokens=a.context_tokens, question_tokens=a.question_tokens, rounds=a.rounds, median_ms=ms,
+        l2_tokens_loaded=loaded,
         seconds={name: [round(s, 6) for s in v] for name, v in phases.items()}, profile=prof_path.name), out)
     print(f"wrote {path} and {prof_path}")
 

@@ -59,7 +59,7 @@ def dma(staging: StagingBuffer, l2: HostPool, l2_slots, part, to_l2: bool, half:
     one side and L2 on the other; how many copies it took."""
     dsts, srcs, sizes = staging.copies(l2.kv, l2_slots, part, to_l2, half)
     in_staging, in_l2 = within(staging.tensor), within(l2.kv)
-    for dst, src, size in zip(dsts, srcs, sizes):
+    for dst, src, size in zip(dsts.tolist(), srcs.tolist(), sizes.tolist()):  # (int64 arrays: ctypes takes ints)
         assert (in_l2 if to_l2 else in_staging)(dst, size) and (in_staging if to_l2 else in_l2)(src, size)
         ctypes.memmove(dst, src, size)
     return len(sizes)

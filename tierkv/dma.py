@@ -21,6 +21,8 @@ import functools
 import logging
 from collections.abc import Sequence
 
+import numpy as np
+
 log = logging.getLogger(__name__)
 
 _DEFAULT = 4  # cudaMemcpyDefault: the direction follows from the addresses (unified addressing)
@@ -95,10 +97,12 @@ def copy(dst: int, src: int, width: int, rows: int = 1, *, dst_pitch: int = 0, s
            "cudaMemcpy2DAsync")
 
 
-def copy_batch(dsts: Sequence[int], srcs: Sequence[int], sizes: Sequence[int], stream: int) -> None:
+def copy_batch(dsts: Sequence[int] | np.ndarray, srcs: Sequence[int] | np.ndarray, sizes: Sequence[int] | np.ndarray,
+               stream: int) -> None:
     """Copy sizes[i] bytes from address srcs[i] to dsts[i] for every i, ordered on CUDA stream
     handle `stream` as one operation (the copies among themselves in any order: none may overlap
-    another's destination)."""
+    another's destination). Lists of ints or int64 arrays (staging.copies): an array's memory is
+    handed to the runtime as it is, where a list is converted first."""
     n = len(sizes)
     if not (len(dsts) == len(srcs) == n):
         raise ValueError(f"copy_batch needs as many destinations, sources and sizes; got {len(dsts)}, "
@@ -107,15 +111,26 @@ def copy_batch(dsts: Sequence[int], srcs: Sequence[int], sizes: Sequence[int], s
         return
     lib = _runtime()
     if not _BATCH or not stream:
-        for dst, src, size in zip(dsts, srcs, sizes):
+        for dst, src, size in zip(*(_ints(x) for x in (dsts, srcs, sizes))):
             _check(lib.cudaMemcpyAsync(dst, src, size, _DEFAULT, stream), "cudaMemcpyAsync")
         return
+    # [n] each, 64-bit: the layouts of void* and size_t (kept referenced until the call returns)
+    dsts, srcs, sizes = (np.ascontiguousarray(x, dtype=np.int64) for x in (dsts, srcs, sizes))
     attrs = _MemcpyAttributes(src_access_order=_ORDER_STREAM, flags=_PREFER_OVERLAP_WITH_COMPUTE)
     first = (ctypes.c_size_t * 1)(0)  # the attributes apply from copy 0 on: to all of them
     fail_index = [(ctypes.c_size_t * 1)(0)] if _BATCH["fail_index"] else []
-    _check(lib.cudaMemcpyBatchAsync((ctypes.c_void_p * n)(*dsts), (ctypes.c_void_p * n)(*srcs),
-                                    (ctypes.c_size_t * n)(*sizes), n, ctypes.byref(attrs), first, 1,
+    _check(lib.cudaMemcpyBatchAsync(_pointer(dsts, ctypes.c_void_p), _pointer(srcs, ctypes.c_void_p),
+                                    _pointer(sizes, ctypes.c_size_t), n, ctypes.byref(attrs), first, 1,
                                     *fail_index, stream), "cudaMemcpyBatchAsync")
+
+
+def _ints(values) -> list[int]:
+    """Python ints, which ctypes takes as addresses and sizes (a numpy integer it refuses)."""
+    return values.tolist() if isinstance(values, np.ndarray) else list(values)
+
+
+def _pointer(array: np.ndarray, ctype):
+    return array.ctypes.data_as(ctypes.POINTER(ctype))
 
 
 def _check(rc: int, call: str) -> None:

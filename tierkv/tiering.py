@@ -19,6 +19,7 @@ file never knows about sequences or requests.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import OrderedDict
 from collections.abc import Callable
@@ -236,12 +237,7 @@ class Tiering(TieringL3):
     def _settled(self) -> Callable[[int], bool]:
         """A test of whether no copy is at a free L1 slot any more (forgetting the copies of one
         where they have ended), asking each transfer once."""
-        ended: dict[Transfer, bool] = {}
-
-        def done(t: Transfer) -> bool:
-            if t not in ended:
-                ended[t] = t.done()
-            return ended[t]
+        done = functools.cache(lambda t: t.done())
 
         def settled(slot: int) -> bool:
             if slot in self._busy:
@@ -271,6 +267,7 @@ class Tiering(TieringL3):
             self.owed.pop(e.hash, None)
         self.write_down([e for e in victims if e.l2 < 0 and self._admits(e)])
         freed = []
+        done = functools.cache(lambda t: t.done())  # each transfer queried once: a load's blocks share one
         for e in victims:
             if e.l2 < 0:
                 self.counters.tiers["l1"].drops += 1
@@ -278,8 +275,9 @@ class Tiering(TieringL3):
             self.counters.warmed_unused += e.brought_from != ""
             # a copy still reading the block (its save to L2) or writing it (a load for a request
             # that let go of it) keeps the slot from the compute stream until it ends (take_l1)
-            busy = in_flight((e.reading, e.loading)) if e.reading is not None or e.loading is not None else None
-            loading = busy is not None and e.loading in busy
+            copies = (e.reading, e.loading) if e.reading is not None or e.loading is not None else ()
+            busy = [t for t in dict.fromkeys(copies) if t is not None and not done(t)]
+            loading = e.loading in busy
             slot = self.index.unplace(e, "l1")  # (forgets both)
             if busy:
                 self._busy[slot] = (busy, loading)
