@@ -355,6 +355,41 @@ def test_several_l2_hits_are_admitted_in_one_step_beside_a_decode(tiny_llama, de
     assert [h.output_ids for h in hits] == [o.token_ids for o in ref]
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=_ON_GPU)])
+def test_a_long_l2_hit_beside_a_decode_comes_in_slices_and_gives_the_same_tokens(tiny_llama, device, monkeypatch):
+    # While a request decodes, a prompt whose L2 part is more than LOAD_SLICE_BLOCKS (here 1)
+    # blocks is warmed into L1 a block a step, and admitted with the last one: its 3 cached
+    # blocks are loaded once each, none recomputed, and the tokens equal a run without caching.
+    from tierkv.engine import scheduler as scheduling
+
+    monkeypatch.setattr(scheduling, "LOAD_SLICE_BLOCKS", 1)
+    prompt = random_prompts(512, (48, 20), seed=11)
+    later = prompt[0] + [7, 8, 9]
+    params = SamplingParams(temperature=0, max_tokens=8)
+    ref = LLM(tiny_llama, device=device, enable_prefix_caching=False).generate([later], params, use_tqdm=False)
+    probe = LLM(tiny_llama, device=device, l1=1 << 20)
+    llm = LLM(tiny_llama, device=device, l1=64 * block_bytes(probe), l2=64 * block_bytes(probe),
+              write_policy="write_back", max_num_batched_tokens=256)
+    llm.generate([prompt[0]], params, use_tqdm=False)
+    llm.cache.evict("l1")
+    engine = llm.engine
+    engine.scheduler.recompute_seconds_per_token = None  # load what L2 holds (a tiny model recomputes fast)
+    runner = engine.add_request(prompt[1], SamplingParams(temperature=0, max_tokens=30))
+    while runner.num_computed < len(prompt[1]):
+        engine.step()
+    hit = engine.add_request(later, params)
+    waited = 0
+    while hit.seq is None:
+        engine.step()
+        waited += 1
+    assert waited == 3  # two steps warm a block each; the third admits it, loading the last
+    assert hit.cached_tokens == 48 and hit.cached_by_tier == {"l1": 0, "l2": 48, "l3": 0}
+    assert llm.cache.stats()["warmed_blocks"] == 2
+    while engine.has_unfinished():
+        engine.step()
+    assert hit.output_ids == ref[0].token_ids
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run through the device tool)")
 def test_the_recompute_cost_counts_the_gpu_time_of_a_step_not_each_requests_wait(tiny_llama):

@@ -12,6 +12,7 @@ import torch
 
 from prefix_kv import prefix_kv, read_slots, write_into_slots
 from tierkv import CacheConfig, KVLayout, TieredKVCache
+from tierkv.engine import scheduler as scheduling
 from tierkv.engine.request import Request
 from tierkv.engine.sampler import SamplingParams
 from tierkv.engine.scheduler import Scheduler
@@ -114,10 +115,9 @@ def test_nothing_to_warm_where_l1_has_no_room_or_every_block_is_there():
     cache.close()
 
 
-def test_the_scheduler_warms_the_waiting_request_that_does_not_fit():
-    """Two histories run, a third waits: L1 (20 blocks) has room for 6 of its 9 blocks. Its 8
-    cached blocks load into that room while the two decode, one slot left to each of them; once
-    one ends, it is admitted with all 8 cached, 2 of them loaded then."""
+def two_running_and_doc_waiting():
+    """A scheduler over L1 of 20 blocks: two 7-block prompts queued first, then DOC (its 8 cached
+    blocks in L2 alone)."""
     cache = TieredKVCache(LAYOUT, CacheConfig(l1=20 * BPB, l2=64 * BPB), device="cpu", model="warm")
     cache.store(DOC, prefix_kv(LAYOUT, DOC))
     cache.evict("l1")
@@ -127,6 +127,28 @@ def test_the_scheduler_warms_the_waiting_request_that_does_not_fit():
     waiting = Request(DOC, params)
     for r in (a, b, waiting):
         sched.add(r)
+    return cache, sched, a, b, waiting
+
+
+def doc_waiting_beside_a_runner(monkeypatch, slice_blocks: int):
+    """A scheduler over L1 of 40 blocks, loads in slices of `slice_blocks`: one prompt runs, and
+    DOC (its 8 cached blocks in L2 alone) has just arrived."""
+    monkeypatch.setattr(scheduling, "LOAD_SLICE_BLOCKS", slice_blocks)
+    cache = cache_with_doc_in_l2(40)
+    sched = Scheduler(cache, max_num_seqs=8, max_num_batched_tokens=256)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    runner, doc = Request(list(range(5000, 5028)), params), Request(DOC, params)
+    sched.add(runner)
+    assert sched.schedule().requests == [runner]
+    sched.add(doc)
+    return cache, sched, runner, doc
+
+
+def test_the_scheduler_warms_the_waiting_request_that_does_not_fit():
+    """Two histories run, a third waits: L1 (20 blocks) has room for 6 of its 9 blocks. Its 8
+    cached blocks load into that room while the two decode, one slot left to each of them; once
+    one ends, it is admitted with all 8 cached, 2 of them loaded then."""
+    cache, sched, a, b, waiting = two_running_and_doc_waiting()
     step = sched.schedule()
     assert step.requests == [a, b]  # 7 blocks each, with their answers' next block: 14 of 20
     assert waiting in sched.waiting and cache.l1_room() == 6
@@ -167,8 +189,6 @@ def test_while_others_run_one_request_whose_blocks_load_is_admitted_a_step(monke
     only after the scheduler returns: with a batch running, one request whose blocks still load
     (it cannot join the step anyway) is admitted per step, the next one a step later. On a CPU a
     load lands at once, so loads are held in flight here."""
-    from tierkv.engine import scheduler as scheduling
-
     cache = TieredKVCache(LAYOUT, CacheConfig(l1=40 * BPB, l2=64 * BPB), device="cpu", model="warm")
     docs = [DOC, list(range(2000, 2033))]
     for doc in docs:
@@ -202,4 +222,69 @@ def test_warm_leaves_l1s_spare_slots_free_and_a_running_sequences_next_block_evi
     cache.append(other, LAYOUT.block_size)  # the block `keep` left room for
     assert in_l1(cache, DOC) == [True] * 5 + [False] * 3
     assert cache.stats()["warmed_unused"] == 0 and len(cache.l1.free) == 2
+    cache.close()
+
+
+def test_while_others_run_a_long_load_is_warmed_a_slice_a_step_before_its_admission(monkeypatch):
+    """Admitting loads every L2 block of the prompt at once, and the step launches only after
+    that: the host's work per block loaded (an 8K-token Llama-8B history: ~500 blocks, ~15 ms
+    with its lookup) kept the GPU idle after each decode step of a turnover. So while others
+    compute, a prompt with more than LOAD_SLICE_BLOCKS of them to load is warmed that many a
+    step, and admitted once the rest is one slice; each block is loaded once. With nothing else
+    running it is admitted at once (the GPU has nothing to do meanwhile)."""
+    cache, sched, runner, doc = doc_waiting_beside_a_runner(monkeypatch, 3)
+    moved = cache.stats()["tiers"]["l2"]["bytes_out"]
+    for warmed in (3, 6):  # DOC's 8 cached blocks, all in L2
+        assert sched.schedule().requests == [runner] and doc in sched.waiting
+        assert in_l1(cache, DOC) == [True] * warmed + [False] * (8 - warmed)
+    sched.schedule()  # 2 left: admitted, loading them
+    assert doc in sched.running and doc.seq.num_cached_tokens == 32
+    assert doc.cached_by_tier == {"l1": 0, "l2": 32, "l3": 0}  # warmed blocks count as L2 hits
+    assert cache.stats()["tiers"]["l2"]["bytes_out"] - moved == 8 * BPB  # each block loaded once
+    doc.seq.wait()
+    assert torch.equal(read_slots(cache, doc.seq, 32), prefix_kv(LAYOUT, DOC)[:, :, :32])
+    cache.close()
+
+    alone = cache_with_doc_in_l2(40)
+    sched = Scheduler(alone, max_num_seqs=8, max_num_batched_tokens=256)
+    doc = Request(DOC, doc.params)
+    sched.add(doc)
+    sched.schedule()
+    assert doc in sched.running and doc.seq.num_cached_tokens == 32
+    alone.close()
+
+
+def test_a_slice_evicted_again_before_the_next_one_admits_the_request_at_once(monkeypatch):
+    """Room the runners need may evict warmed blocks (they are cached, not held): where a slice
+    brought the request no nearer, it is admitted and loads the rest, never warmed forever."""
+    cache, sched, runner, doc = doc_waiting_beside_a_runner(monkeypatch, 3)
+    sched.schedule()
+    assert doc in sched.waiting and in_l1(cache, DOC) == [True] * 3 + [False] * 5
+    cache.evict("l1")  # as if others' room took the slice back: all 8 blocks are in L2 again
+    sched.schedule()
+    assert doc in sched.running and doc.seq.num_cached_tokens == 32
+    doc.seq.wait()
+    assert torch.equal(read_slots(cache, doc.seq, 32), prefix_kv(LAYOUT, DOC)[:, :, :32])
+    cache.close()
+
+
+def test_a_request_that_does_not_fit_is_warmed_a_slice_a_step_while_the_room_lasts(monkeypatch):
+    """As the scheduler test above, in slices of 2: the room for 4 of its blocks fills over two
+    steps, and once it is full the request is not looked up again until the room grows."""
+    monkeypatch.setattr(scheduling, "LOAD_SLICE_BLOCKS", 2)
+    cache, sched, a, b, waiting = two_running_and_doc_waiting()
+    plans = []
+    plan = cache.plan
+    monkeypatch.setattr(cache, "plan", lambda *args, **kw: plans.append(args[0]) or plan(*args, **kw))
+    for warmed, looked_up in ((2, 1), (4, 2), (4, 3), (4, 3)):
+        assert sched.schedule().requests == [a, b] and waiting in sched.waiting
+        assert in_l1(cache, DOC) == [True] * warmed + [False] * (8 - warmed)
+        assert plans.count(DOC) == looked_up  # the third finds no room left, the fourth no lookup
+    sched.finish(a, "stop")  # it fits now; b still runs, so the rest comes in slices too
+    sched.schedule()
+    assert in_l1(cache, DOC) == [True] * 6 + [False] * 2 and waiting in sched.waiting
+    step = sched.schedule()  # the last slice loads as it is admitted
+    assert waiting in step.requests and waiting.seq.num_cached_tokens == 32
+    waiting.seq.wait()
+    assert torch.equal(read_slots(cache, waiting.seq, 32), prefix_kv(LAYOUT, DOC)[:, :, :32])
     cache.close()

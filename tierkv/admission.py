@@ -380,13 +380,14 @@ class Admission(Lookups):
         return seq
 
     @guarded
-    def warm(self, match: Match, keep: int = 0) -> int:
+    def warm(self, match: Match, keep: int = 0, limit: int | None = None) -> int:
         """Start loading the L2 blocks of `match` into L1 before its `allocate`, leaving at least
-        `keep` of L1's room (free slots and unpinned blocks) to others. For a request that waits
-        for room while others run: most of its prefix lands meanwhile, and its `allocate` finds it
-        in L1 (loads perhaps still in flight, which the sequence waits for as for its own) and
-        loads only the rest. The blocks stay cached, not held: room a running sequence needs
-        evicts them again at no cost, L2 keeping its copies; their first use counts as L2 hits.
+        `keep` of L1's room (free slots and unpinned blocks) to others, `limit` loads at most. For a
+        request that waits for room while others run, or whose load the scheduler spreads over
+        steps: most of its prefix lands meanwhile, and its `allocate` finds it in L1 (loads perhaps
+        still in flight, which the sequence waits for as for its own) and loads only the rest. The
+        blocks stay cached, not held: room a running sequence needs evicts them again at no cost,
+        L2 keeping its copies; their first use counts as L2 hits.
         The blocks `allocate` would load whole, first ones first; its L1 hits are not evicted
         for them. None where the engine owns L1, or once an entry of the match left the index.
         Returns how many loads started."""
@@ -405,7 +406,8 @@ class Admission(Lookups):
         try:
             # (L1's spare slots stay free: warming into them, the next take would evict to free
             # them again, the blocks just warmed first among the victims where little else is)
-            todo = in_l2[: max(0, self.tiers.l1_room() - self.tiers.spare - keep)]
+            room = self.tiers.l1_room() - self.tiers.spare - keep
+            todo = in_l2[: max(0, room if limit is None else min(room, limit))]
             if not todo:
                 return 0
             slots = self.tiers.take_l1(len(todo), partial=True, loads=len(todo))

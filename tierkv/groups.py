@@ -163,6 +163,10 @@ class GroupedPlan:
         return all(p.room_decides for p in self.plans)
 
     @property
+    def l2_tokens(self) -> int:
+        return sum(p.l2_tokens for p in self.plans)
+
+    @property
     def fetch(self) -> list[tuple[int, int] | None] | None:
         fetches = [p.fetch for p in self.plans]
         return None if all(f is None for f in fetches) else fetches
@@ -326,9 +330,10 @@ class KVGroups:
         return GroupedPrefetch([c.prefetch(m, deadline_s, priority=priority, blocks=b) if b is not None else None
                                 for c, m, b in zip(self.caches, matches, blocks)])
 
-    def warm(self, matches: list[Match], keep: int = 0) -> int:
-        """Each group's `warm` (TieredKVCache.warm), leaving `keep` of its room to others."""
-        return sum(c.warm(m, keep) for c, m in zip(self.caches, matches))
+    def warm(self, matches: list[Match], keep: int = 0, limit: int | None = None) -> int:
+        """Each group's `warm` (TieredKVCache.warm), leaving `keep` of its room to others, `limit`
+        loads at most."""
+        return sum(c.warm(m, keep, limit) for c, m in zip(self.caches, matches))
 
     def allocate(self, tokens=None, salt: str | None = None, *, priority: int = 0, match: list[Match],
                  stream: bool = False, reserve: list[int | None] | None = None) -> GroupedSequence:

@@ -74,6 +74,11 @@ class AdmissionPlan:
         by the step's budget (so a plan refused at some room is refused again until it grows)."""
         return self.reserve is None
 
+    @property
+    def l2_tokens(self) -> int:
+        """Prompt tokens whose blocks admission loads from L2 (`allocate`, or `warm` before it)."""
+        return self.match.by_tier["l2"]
+
 
 def worth_loading(tiers: Tiering, blocks: list[BlockEntry], usable: int, per_block: float) -> list[BlockEntry]:
     """The leading `blocks` (L1/L2 hits, in order, out of `usable` blocks of the prompt) worth

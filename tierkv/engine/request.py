@@ -51,6 +51,7 @@ class Request:
     prefetch: Prefetch | None = None  # L3 blocks on their way into L2 before admission
     prefetch_until: float = 0.0
     refused_at_room: int | None = None  # L1's room when admission last found it did not fit (cache.l1_room())
+    l2_left: int | None = None  # its plan's tokens still in L2 after the last slice warmed for it (Scheduler)
     tail: Prefetch | None = None  # the end of its L3 hit, read into L2 while the start is computed
     adopt_at: int | None = None  # prompt position where that tail is taken
     tail_tokens: int = 0  # the tokens taking that tail saves computing (it waits no longer than they take)

@@ -3,7 +3,8 @@
 Continuous batching under a per-step token budget. Running requests go first (a decode costs
 one token), then prompts continue in chunks, then waiting requests are admitted by priority and
 arrival while L1 can hold them. Admission goes through the cache: L1 hits are shared, L2 hits
-load while other requests compute (a step waits for one request's loads at most, layer by
+load while other requests compute (a long one a slice a step before its admission, so that no
+step waits for the host to issue it all; a step waits for one request's loads at most, layer by
 layer, when nothing else can run and that load is long), and L3 hits are prefetched into L2
 first (the request waits for them up to a deadline, then recomputes what has not arrived;
 when loading all of it first would be slower than recomputing, the end of the L3 part is read
@@ -58,6 +59,16 @@ OFFLOAD_BATCH_BLOCKS = 64
 # A long load (a 100K-token history: ~0.25 s) still starts layer by layer: its first layers
 # compute while the later ones are on their way.
 LAYER_BY_LAYER_MIN_S = 0.05
+
+# While others compute, a request admitted loads at most this many L2 blocks in that step; the
+# rest is warmed into L1 beforehand, this many a step (`Admission.warm`). Admitting costs the
+# host per block loaded (eviction, index, DMA launches: ~11 us on the H100's host, bench_admission
+# at 81f5540), and the step launches only after that: a whole 8K-token Llama-3.1-8B history (~500
+# blocks, ~15 ms with its lookup) kept the GPU idle ~9 ms after each decode step (~8 ms) of a
+# turnover, ~40 steps a hit round of bench_rounds (acbb6f8 step log). A slice of 256 should stay
+# within a step, and 256 such blocks (512 MiB) keep PCIe busy for that step, so the load is not
+# slower. (Not yet measured on a GPU.)
+LOAD_SLICE_BLOCKS = 256
 
 
 class Scheduler:
@@ -286,8 +297,13 @@ class Scheduler:
                 if plan.room_decides:  # (never a streamed plan: that reserves a chunk)
                     # its L2 blocks load into the room there is while others run: once one ends,
                     # it loads the rest only, instead of all of them while the batch is one short
-                    self.cache.warm(plan.match, keep=len(self.running))
+                    # (a slice a step: where the room holds more, it is looked at again next step)
+                    warmed = self.cache.warm(plan.match, keep=len(self.running), limit=LOAD_SLICE_BLOCKS)
+                    if warmed >= LOAD_SLICE_BLOCKS:
+                        req.refused_at_room = None
                 break  # first come first served: nobody overtakes a request that does not fit yet
+            if step.requests and self._warm_a_slice(req, plan):
+                break  # its next blocks load while the others compute; admitted once the rest is a slice
             try:
                 req.seq = self.cache.allocate(None, req.salt, priority=req.priority, match=plan.match,
                                               stream=plan.stream, reserve=plan.reserve)
@@ -325,6 +341,20 @@ class Scheduler:
             step.requests.append(req)
             step.num_new.append(n)
             budget -= n
+
+    def _warm_a_slice(self, req: Request, plan) -> bool:
+        """Whether a slice of `req`'s L2 blocks started loading into L1 instead of `req` being
+        admitted now: where more than LOAD_SLICE_BLOCKS of them are to load (those warm can bring;
+        allocate loads the rest), and the last slice made progress (others' room may evict warmed
+        blocks again: then it is admitted at once rather than warmed forever). Not for a streamed
+        plan, whose L2 blocks stay in L2."""
+        left = plan.l2_tokens
+        if plan.stream or left <= LOAD_SLICE_BLOCKS * self.cache.block_size:
+            return False
+        if req.l2_left is not None and left >= req.l2_left:
+            return False  # no nearer than after the last slice
+        req.l2_left = left
+        return self.cache.warm(plan.match, keep=len(self.running), limit=LOAD_SLICE_BLOCKS) > 0
 
     def _plan(self, req: Request, budget: int):
         return self.cache.plan(req.all_ids, req.salt, budget=budget, prefix_caching=self.prefix_caching,
@@ -371,7 +401,7 @@ class Scheduler:
         req.status = Status.WAITING
         req.num_computed = 0
         req.tail, req.adopt_at = None, None  # what of its tail landed, its next admission finds
-        req.refused_at_room = None
+        req.refused_at_room = req.l2_left = None
         self.waiting.append(req)
         self.num_preemptions += 1
 
