@@ -6,7 +6,8 @@
 #          at fcee72c "-n 8" failed 9 tests that passed alone: the LLMs sizing L1 by default (80% of the free memory) and the 128K tests ran out of GPU memory beside each other, so use -n 4; TESTS_LIMIT s allowed, 480), kernels, throughput, latency,
 #          gemv (bench_gemv --sweep: batch-1 linears vs cuBLAS, ~2 min), steps (bench_step_graphs: a step's launch, eager and as a graph),
 #          planes (bench_planes: copy_planes vs memcpy, and a move over PCIe on 4..all programs beside a decode step's linears),
-#          long_context, serving, rounds (bench_rounds: hit rounds against their bound), rounds_ab (bench_rounds with,
+#          long_context, serving, admission (bench_admission: the host's ms to admit an 8K-token L2 hit, ~30 s),
+#          rounds (bench_rounds: hit rounds against their bound), rounds_ab (bench_rounds with,
 #          without and again with the change in AB_PATCH, ~3 x 130 s), tiers (bench_tiers: disk, and Redis/S3 when .devsvc/ is carried),
 #          families (bench_families: MoE / sliding-window shapes, decode and a 100K L2 hit), moe, mla,
 #          fleet (bench_routers --gpu: replicas on one GPU behind vllm-router; carry .fleet from
@@ -15,7 +16,7 @@
 # (carry it, with the .whl/ files of boto3, botocore, s3transfer, jmespath and redis).
 # Usage (device tool, carry [".whl"]): TIERKV_COMMIT=<sha sent> bash scripts/gpu_check.sh tests kernels throughput
 # (the device's copy of .git can lag the tree it runs: without TIERKV_COMMIT the JSONs may name an older commit)
-# Extra arguments per part: TESTS_ARGS (e.g. "-n 6 --dist loadfile" with pytest-xdist's wheels in .whl/), KERNELS_ARGS, THROUGHPUT_ARGS, LATENCY_ARGS, GEMV_ARGS, STEPS_ARGS, PLANES_ARGS, LONG_ARGS, SERVING_ARGS, ROUNDS_ARGS, FLEET_ARGS.
+# Extra arguments per part: TESTS_ARGS (e.g. "-n 6 --dist loadfile" with pytest-xdist's wheels in .whl/), KERNELS_ARGS, THROUGHPUT_ARGS, LATENCY_ARGS, GEMV_ARGS, STEPS_ARGS, PLANES_ARGS, LONG_ARGS, SERVING_ARGS, ADMISSION_ARGS, ROUNDS_ARGS, FLEET_ARGS.
 # throughput with its HF peer on all 256 prompts takes ~6 min: give it a call of its own.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -83,6 +84,7 @@ part() {  # part NAME SECONDS COMMAND...
       planes) part planes 300 python3 benchmarks/bench_planes.py --out "$OUT" ${PLANES_ARGS:-} ;;
       long_context) part long_context 420 python3 benchmarks/bench_long_context.py --out "$OUT" ${LONG_ARGS:-} ;;
       serving) part serving 540 python3 benchmarks/bench_serving.py --out "$OUT" ${SERVING_ARGS:-} ;;
+      admission) part admission 180 python3 benchmarks/bench_admission.py --out "$OUT" ${ADMISSION_ARGS:-} ;;
       rounds) part rounds 540 python3 benchmarks/bench_rounds.py --out "$OUT" ${ROUNDS_ARGS:---profile-seconds 2} ;;
       # the same bench_rounds with the change in AB_PATCH (a `git diff base branch` file, carried: the
       # tree sent is the branch), without it (reverted here), and with it again, one after the other on
