@@ -85,18 +85,23 @@ class StagingBuffer:
         host, staged = l2_rows.data_ptr() + offset, self.tensor.data_ptr() + half * self.half_bytes
         slots = np.asarray(l2_slots, dtype=np.int64)                     # [n]
         if width == self.row:  # whole rows: one DMA a run
-            pos = np.flatnonzero(np.diff(slots, prepend=-2) != 1)         # [runs] where each run starts
-            sizes = np.diff(pos, append=len(slots)) * width               # [runs] its bytes
+            pos, length = run_starts(slots)
+            sizes = length * width                                         # [runs] its bytes
         else:  # parts: one DMA a block
             pos, sizes = np.arange(len(slots)), np.full(len(slots), width, dtype=np.int64)
         on_device, in_l2 = staged + pos * width, host + slots[pos] * self.row
         return (in_l2, on_device, sizes) if to_l2 else (on_device, in_l2, sizes)
 
 
+def run_starts(slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Where each run of consecutive numbers in `slots` ([n] int64) starts, and its length: two
+    [runs] arrays."""
+    pos = np.flatnonzero(np.diff(slots, prepend=slots[:1] - 2) != 1)
+    return pos, np.diff(pos, append=len(slots))
+
+
 def runs(slots: list[int]):
-    """Split `slots` into runs of consecutive numbers: yields (position in slots, first slot, length)."""
-    start = 0
-    for i in range(1, len(slots) + 1):
-        if i == len(slots) or slots[i] != slots[i - 1] + 1:
-            yield start, slots[start], i - start
-            start = i
+    """Split `slots` into runs of consecutive numbers: (position in slots, first slot, length) of each."""
+    s = np.asarray(slots, dtype=np.int64)
+    pos, length = run_starts(s)
+    return zip(pos.tolist(), s[pos].tolist(), length.tolist())
