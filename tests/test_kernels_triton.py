@@ -130,7 +130,10 @@ def test_decode_automatic_launch(tk, monkeypatch):
     cpu, launch = torch.device("cpu"), tk.decode.decode_launch
     assert launch(1, 8, 128, 128, cpu) == (1, 128)            # one tile: not split
     assert launch(1, 8, 512, 128, cpu) == (8, 64)             # short: one 64-token tile a split
-    assert launch(1, 8, 131072, 128, cpu) == (33, 128)        # long: ~2 programs per SM, 128-token tiles
+    # long: ~2 programs per SM (33 asked), 128-token tiles; 33 splits of whole tiles fill only 32 of
+    # them (1024 tiles, 32 a split), so 32 launch, and no split is left empty
+    assert launch(1, 8, 131072, 128, cpu) == (32, 128)
+    assert launch(1, 8, 131072 - 128 * 31, 128, cpu) == (33, 128)  # 993 tiles: 31 a split leaves none empty
     assert launch(8, 8, 32768, 128, cpu) == (4, 128)
     assert launch(128, 8, 2048, 128, cpu) == (1, 64)          # the batch alone fills the GPU
     assert launch(1, 8, 131072, 256, cpu) == (33, 32)         # wide heads keep small tiles
