@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import io
 import pstats
 import random
@@ -26,10 +27,10 @@ from pathlib import Path
 import torch
 
 from common import RESULTS, machine_tag, write_results
+from shapes import LLAMA_3_1_8B  # bench_rounds' model
 from tierkv import CacheConfig, KVLayout, TieredKVCache, transfer
 
-LLAMA_8B = dict(num_layers=32, num_kv_heads=8, head_dim=128)  # bench_rounds' model
-SMOKE_SHAPE = dict(num_layers=2, num_kv_heads=1, head_dim=8)
+SMOKE_SHAPE = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -51,9 +52,9 @@ def main(argv: list[str] | None = None) -> None:
     if a.staging_mib:
         transfer.STAGING_BYTES = a.staging_mib << 20
     device = "cpu" if a.smoke or not torch.cuda.is_available() else "cuda"
-    shape = SMOKE_SHAPE if a.smoke else LLAMA_8B
+    shape = SMOKE_SHAPE if a.smoke else LLAMA_3_1_8B
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    layout = KVLayout(**shape, dtype=dtype, block_size=a.block_size)
+    layout = dataclasses.replace(shape, dtype=dtype, block_size=a.block_size)
     blocks = -(-(a.context_tokens + a.question_tokens) // a.block_size)
     l1 = a.l1_histories * blocks * layout.bytes_per_block
     l2 = int(a.users * blocks * 1.25) * layout.bytes_per_block
@@ -110,7 +111,9 @@ def main(argv: list[str] | None = None) -> None:
     prof_path = out / "profiles" / f"bench_admission-{machine_tag()}.txt"
     prof_path.write_text(text.getvalue())
     path = write_results("bench_admission", dict(
-        argv=sys.argv[1:], device=device, layout=dict(shape, block_size=a.block_size, dtype=str(dtype)),
+        argv=sys.argv[1:], device=device,
+        layout=dict(num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
+                    block_size=a.block_size, dtype=str(dtype)),
         staging_mib=transfer.STAGING_BYTES >> 20, users=a.users, l1_histories=a.l1_histories,
         context_tokens=a.context_tokens, question_tokens=a.question_tokens, rounds=a.rounds, median_ms=ms,
         l2_tokens_loaded=loaded,

@@ -30,9 +30,10 @@ import time
 import torch
 
 from common import write_results
-from tierkv import CacheConfig, KVLayout, TieredKVCache, transfer
+from shapes import LLAMA_3_1_8B
+from tierkv import CacheConfig, TieredKVCache, transfer
 
-LAYOUT = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, block_size=16)
+LAYOUT = LLAMA_3_1_8B
 L, _, BS, H, D = LAYOUT.block_shape
 
 

@@ -35,16 +35,16 @@ sys.path.insert(0, str(ROOT / "tests"))  # the same service launchers the tests 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from common import machine_tag  # noqa: E402
-from services import RedisClusterNodes, RedisServer, SeaweedFS, block_chain  # noqa: E402
+from shapes import LLAMA_3_1_8B, SMOLLM2_135M  # noqa: E402
 
 from tierkv.layout import KVLayout  # noqa: E402
+from services import RedisClusterNodes, RedisServer, SeaweedFS, block_chain  # noqa: E402
+
 from tierkv.tiers.open import open_store  # noqa: E402
 
 LAYOUTS = {
-    # Llama-3.1-8B: 32 layers, 8 KV heads, d=128, bf16, 16 tokens = 2 MiB a block
-    "llama3.1-8b": KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, block_size=16),
-    # SmolLM2-135M: 30 layers, 3 KV heads, d=64, bf16, 16 tokens = 360 KiB a block
-    "smollm2-135m": KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, dtype=torch.bfloat16, block_size=16),
+    "llama3.1-8b": LLAMA_3_1_8B,
+    "smollm2-135m": SMOLLM2_135M,
 }
 
 

@@ -27,6 +27,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_results  # noqa: E402
+from shapes import LLAMA_3_1_8B  # noqa: E402
 
 from tierkv.config import CacheConfig  # noqa: E402
 from tierkv.engine.head_exchange import (  # noqa: E402
@@ -38,10 +39,9 @@ from tierkv.engine.head_exchange import (  # noqa: E402
 )
 from tierkv.engine.parallel import TensorParallel  # noqa: E402
 from tierkv.heads import HeadSplit  # noqa: E402
-from tierkv.layout import KVLayout  # noqa: E402
 from tierkv.tiering import Tiering  # noqa: E402
 
-WHOLE = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, block_size=16)
+WHOLE = LLAMA_3_1_8B
 
 
 def split(size: int) -> HeadSplit:

@@ -17,14 +17,15 @@ import time
 import torch
 
 from common import write_results
+from shapes import LLAMA_3_1_8B, QWEN3_0_6B, SMOLLM2_135M
 from tierkv import KVLayout
 from tierkv.tiers import DevicePool, HostPool
 from tierkv.transfer import BlockMover
 
 LAYOUTS = {
-    "llama-3.1-8b": KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, block_size=16),
-    "qwen3-0.6b": KVLayout(num_layers=28, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, block_size=16),
-    "smollm2-135m": KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, dtype=torch.bfloat16, block_size=16),
+    "llama-3.1-8b": LLAMA_3_1_8B,
+    "qwen3-0.6b": QWEN3_0_6B,
+    "smollm2-135m": SMOLLM2_135M,
 }
 
 

@@ -31,12 +31,13 @@ import torch
 
 from bench_custom_engine import memcpy_seconds
 from common import RESULTS, write_results
-from tierkv import CacheConfig, KVLayout, TieredKVCache
+from shapes import LLAMA_3_1_8B
+from tierkv import CacheConfig, TieredKVCache
 from tierkv.integrations.vllm.options import ConnectorOptions
 from tierkv.integrations.vllm.records import StepWork
 from tierkv.integrations.vllm.worker_side import WorkerSide
 
-LAYOUT = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, block_size=16)
+LAYOUT = LLAMA_3_1_8B
 L, _, BS, H, D = LAYOUT.block_shape
 
 
