@@ -115,10 +115,11 @@ def choose_launch(batch: int, kv_heads: int, max_tokens: int, head_dim: int, dev
     costs less than a program reading tiles one after another (batch 1, 512 tokens: 4.9 us with 8
     splits against 9.2 us unsplit); tiles are 128 tokens once a split reads more than 64. A
     sequence that fits one 128-token tile is not split (4.0 us against 4.8).
-    Long contexts (sweep_decode_long, H100 at b439937): at 1x128K this launch reads at the d2d copy
-    rate, at 0.983x the speed of SDPA; none of 50 launches (splits, tiles, warps, stages) passes
-    0.988x, nor do the same K/V with their blocks in order or head-major, and a merge fused into
-    the split kernel (its last program merging) was 2-7 us slower than the second kernel.
+    Long contexts (H100): at 1x128K this launch runs at 0.983x the speed of SDPA, its split kernel
+    alone at the d2d copy rate (bench_kernels at acbb6f8); none of 50 launches (splits, tiles, warps,
+    stages) passes 0.988x, nor do the same K/V with their blocks in order or head-major
+    (sweep_decode_long at b439937), and a merge fused into the split kernel (its last program
+    merging) was 2-7 us slower than the second kernel.
     """
     programs = batch * kv_heads
     slots = 2 * sm_count(device)
