@@ -104,6 +104,21 @@ def test_warm_keeps_the_prompts_own_l1_hits_and_its_l2_blocks():
     cache.close()
 
 
+def test_after_a_warm_the_prompts_blocks_give_way_tail_first():
+    # as after free(): a prompt whose tail blocks are evicted keeps a shorter hit, one whose head
+    # goes keeps none in L1
+    cache = cache_with_doc_in_l2()
+    head = cache.allocate(DOC[:13])  # DOC's first three blocks back in L1
+    cache.free(head)
+    other = running(cache, 5000, 7)  # 2 free slots left
+    assert cache.warm(cache.match(DOC), limit=2) == 2  # its blocks 3 and 4, its L1 hits kept
+    assert in_l1(cache, DOC) == [True] * 5 + [False] * 3
+    cache.append(other, 4 * LAYOUT.block_size)  # four of the five go again
+    assert in_l1(cache, DOC) == [True] + [False] * 7
+    cache.free(other)
+    cache.close()
+
+
 def test_nothing_to_warm_where_l1_has_no_room_or_every_block_is_there():
     cache = cache_with_doc_in_l2()
     other = running(cache, 5000, 12)  # all of L1

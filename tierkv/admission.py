@@ -420,7 +420,7 @@ class Admission(Lookups):
             return len(todo)
         finally:
             self.index.release_l2(in_l2)
-            for e in l1_hits:
+            for e in reversed(l1_hits):  # tail first, as free() does: the head stays most recent
                 self.index.unpin(e)
 
     def _allocate_in_engine_blocks(self, m: Match, blocks: list[BlockEntry], slots, computed: int,
