@@ -139,13 +139,14 @@ def decode_launch(batch: int, kv_heads: int, max_tokens: int, head_dim: int, dev
     caller's where given, with no more splits than whole tiles of the longest possible sequence."""
     auto_splits, auto_block_n = choose_launch(batch, kv_heads, max_tokens, head_dim, device)
     block_n = block_n or auto_block_n
-    splits = max(1, min(num_splits or auto_splits, triton.cdiv(max(max_tokens, 1), block_n)))
+    tokens = max(max_tokens, 1)
+    splits = max(1, min(num_splits or auto_splits, triton.cdiv(tokens, block_n)))
     # A sequence divides its range into splits of whole tiles (the kernel's per_split), so the
     # longest one may leave the last splits empty (1x128K: 33 asked, but splits of 32 whole tiles
     # cover its 1024 tiles in 32): those would still launch and be merged (1x128K in graphs: 179.3 us
     # with 33, 178.0 with 32, H100).
-    per_split = triton.cdiv(triton.cdiv(max(max_tokens, 1), splits), block_n) * block_n
-    return triton.cdiv(max(max_tokens, 1), per_split), block_n
+    per_split = triton.cdiv(triton.cdiv(tokens, splits), block_n) * block_n
+    return triton.cdiv(tokens, per_split), block_n
 
 
 _BOTH_KERNELS = ("split", "merge")

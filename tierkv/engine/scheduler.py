@@ -299,8 +299,7 @@ class Scheduler:
                     # its L2 blocks load into the room there is while others run: once one ends,
                     # it loads the rest only, instead of all of them while the batch is one short
                     # (a slice a step: where the room holds more, it is looked at again next step)
-                    warmed = self.cache.warm(plan.match, keep=len(self.running), limit=LOAD_SLICE_BLOCKS)
-                    if warmed >= LOAD_SLICE_BLOCKS:
+                    if self._warm(plan) >= LOAD_SLICE_BLOCKS:
                         req.refused_at_room = None
                 break  # first come first served: nobody overtakes a request that does not fit yet
             if step.requests and self._warm_a_slice(req, plan):
@@ -355,7 +354,12 @@ class Scheduler:
         if req.l2_left is not None and left >= req.l2_left:
             return False  # no nearer than after the last slice
         req.l2_left = left
-        return self.cache.warm(plan.match, keep=len(self.running), limit=LOAD_SLICE_BLOCKS) > 0
+        return self._warm(plan) > 0
+
+    def _warm(self, plan) -> int:
+        """Start one slice of `plan`'s L2 blocks loading into L1, leaving a block of room for each
+        running request's next token; returns how many started."""
+        return self.cache.warm(plan.match, keep=len(self.running), limit=LOAD_SLICE_BLOCKS)
 
     def _plan(self, req: Request, budget: int):
         return self.cache.plan(req.all_ids, req.salt, budget=budget, prefix_caching=self.prefix_caching,
