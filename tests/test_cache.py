@@ -45,33 +45,6 @@ def test_salts_isolate_tenants():
     assert cache.match(tokens).tokens == 0
 
 
-def test_a_prompt_looked_up_again_reuses_its_hashes_and_nothing_leaks_between_lookups(monkeypatch):
-    from tierkv import lookup
-    from tierkv.hashing import hash_blocks, token_bytes
-
-    hashed = []
-    monkeypatch.setattr(lookup, "hash_blocks", lambda tb, *a, **kw: hashed.append(len(tb)) or hash_blocks(tb, *a, **kw))
-    cache = make()
-    tokens = list(range(30))  # 7 full blocks of 4; L1 holds 8
-    store(cache, tokens, salt="a")
-    want = hash_blocks(token_bytes(tokens), LAYOUT.block_size, cache.namespace("a"))
-    first = cache.match(tokens, "a")
-    assert first.hashes == want and first.tokens == 28
-    first.hashes.append(123)  # a caller extending its own list
-    hashed.clear()
-    again = cache.match(tokens, "a")
-    assert again.hashes == want and again.tokens == 28  # the kept chain, not the list handed out
-    assert hashed == []  # and not hashed again
-    # the namespace is part of what is kept: another tenant's lookup of the same ids finds nothing
-    other = cache.match(tokens, "b")
-    assert other.tokens == 0 and other.hashes != want
-    assert cache.match(tokens[:21], "a").tokens == 20  # a shorter prompt: its own chain
-    for n in range(10):  # only the last few lookups are kept
-        cache.match([n] * 20)
-    assert len(cache.recent_chains) == lookup.RECENT_CHAINS
-    assert cache.match(tokens, "a").hashes == want
-
-
 def test_models_and_tp_ranks_do_not_share():
     a = TieredKVCache(LAYOUT, CacheConfig(l1=8 * BPB), device="cpu", model="m1")
     b_hashes = TieredKVCache(LAYOUT, CacheConfig(l1=8 * BPB), device="cpu", model="m2").namespace()

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
 
 import torch
 
@@ -131,7 +130,6 @@ class TieredKVCache(LayerMoves):
         self._shared: dict[int, int] = {}
         self._engine_saving: set[int] = set()  # engine-owned L1: hashes being copied into L2 (paged.commit)
         self._live: dict[SequenceBlocks, None] = {}  # sequences allocated and not freed, oldest first
-        self.recent_chains = OrderedDict()  # (namespace, token bytes) -> hashes, of the last lookups (lookup.py)
 
     def __enter__(self) -> TieredKVCache:
         return self

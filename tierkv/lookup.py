@@ -10,7 +10,6 @@ nothing but lookups' own work (hits are counted when blocks are used: `Admission
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 
 from .errors import UsageError
 from .guard import guarded
@@ -24,11 +23,6 @@ from .tiers import DevicePool
 from .tiers.codec import BlockId
 
 
-# Hash chains `match` keeps for prompts looked up again (`Lookups._chain`): the scheduler's head
-# request and a few behind it. Each holds its token bytes (4 a token) and its hashes.
-RECENT_CHAINS = 4
-
-
 class Lookups:
     """Lookups of prompts in the tiers. Mixed into Admission (TieredKVCache's base), which builds these:"""
 
@@ -40,7 +34,6 @@ class Lookups:
     l1: DevicePool
     index: BlockIndex
     lets_go: bool  # (Admission's: every layer slides and L1 holds a window beside a chunk)
-    recent_chains: OrderedDict[tuple[bytes, bytes], list[int]]  # (empty at first: `_chain`)
 
     def namespace(self, salt: str | None = None) -> bytes:
         # the format L3 stores: an fp8 cache and a bf16 one name their objects apart, and a
@@ -74,7 +67,7 @@ class Lookups:
         limit = max(n - 1, 0) if limit is None else max(0, min(limit, n))
         ns = self.namespace(salt)
         # limit=0 is how an engine with prefix caching off allocates: nothing to hash or look up
-        hashes = self._chain(tb, ns) if limit else []
+        hashes = hash_blocks(tb, self.block_size, ns) if limit else []
         usable = hashes[: limit // self.block_size]
         window_hits = window_hits and self.lets_go
         blocks = self._walk(usable, ns, tb, window_hits)
@@ -101,21 +94,6 @@ class Lookups:
         matched = (len(blocks) + l3_blocks) * self.block_size
         return Match(matched, by_tier, ns, tb, hashes, blocks, self.index.removals, tail, owner=self,
                      query_tokens=limit, in_l3=in_l3, window_hits=window_hits)
-
-    def _chain(self, tb: bytes, ns: bytes) -> list[int]:
-        """The chained hashes of `tb`'s full blocks in namespace `ns`, from the last RECENT_CHAINS
-        hashed where `tb` is one of them: a waiting request is looked up again at every step that
-        warms a slice of it (engine/scheduler.py), and an 8K-token prompt's ~500 hashes cost
-        ~0.2-0.3 ms each time (bench_admission's profile). A copy: callers may extend theirs."""
-        key = (ns, tb)
-        chain = self.recent_chains.get(key)
-        if chain is None:
-            chain = self.recent_chains[key] = hash_blocks(tb, self.block_size, ns)
-            if len(self.recent_chains) > RECENT_CHAINS:
-                self.recent_chains.popitem(last=False)
-        else:
-            self.recent_chains.move_to_end(key)
-        return list(chain)
 
     def _walk(self, hashes: list[int], ns: bytes, tb: bytes, window_hits: bool) -> list[BlockEntry | None]:
         """Entries of the longest prefix of `hashes` the tiers hold. With `window_hits` (every
