@@ -201,6 +201,16 @@ def test_block_table_pads_with_minus_one():
     assert table[0].tolist() == a.slots and table[1].tolist() == b.slots + [-1, -1]
 
 
+def test_a_stored_prompt_gives_way_tail_first_where_its_head_was_cached_before():
+    # as after free(): the head goes last, so pressure leaves a shorter hit rather than none
+    cache = make(l1=8)
+    doc = list(range(100, 132))  # 8 full blocks
+    store(cache, doc[:12])  # its first three
+    store(cache, doc)  # the other five join them: all of L1
+    store(cache, list(range(500, 524)))  # 6 blocks of another prompt evict 6 of doc's
+    assert cache.match(doc).tokens == 2 * LAYOUT.block_size
+
+
 def test_store_rejects_wrong_shape_and_dtype_naming_the_expected_shape():
     cache = make()
     tokens = list(range(8))

@@ -190,7 +190,7 @@ class TieredKVCache(LayerMoves):
             if rest and self.l2 is not None:
                 self._spill(by_block, hashes, tb, ns, rest, priority, held=in_l2)
         finally:
-            for e in in_l1:
+            for e in reversed(in_l1):  # tail first, as free() does: the head stays most recent
                 self.index.unpin(e)
             self.index.release_l2(in_l2)
         found = self.index.walk(hashes, ns, tb, bs)
