@@ -7,6 +7,7 @@ Two questions behind issue 40 item 4 (>= 1.0x SDPA at 1x128K):
   among the other heads' rows) and a sequence's blocks lie anywhere. The chosen launch also reads
   the same K/V with its blocks in order, and head-major ([blocks, 2, Hkv, 16, D] in memory, passed
   as strides: the kernel is unchanged), to tell what the layout costs against SDPA's streams.
+- the merge's launch: after the split kernel, or while it runs (programmatic dependent launch).
 Every output is checked against SDPA's. GPU only; ~2 min on an H100.
     python3 benchmarks/sweep_decode_long.py [--out DIR]
 """
@@ -74,14 +75,20 @@ def sweep_shape(batch: int, length: int, gen: torch.Generator) -> dict:
     # the same shape, [.., Hkv, 16, D] in memory
     head_major = kv.permute(0, 1, 3, 2, 4).contiguous().permute(0, 1, 3, 2, 4)
     head_major_ordered = ordered.permute(0, 1, 3, 2, 4).contiguous().permute(0, 1, 3, 2, 4)
+    # the merge launched after the split kernel or while it runs (programmatic dependent launch),
+    # each twice, interleaved
+    pdl = {}
+    for on in (False, True) * 2:
+        pdl.setdefault("on" if on else "off", []).append(timed(kv, tables, pdl=on))
     layouts = dict(engine=timed(kv, tables), blocks_in_order=timed(ordered, in_order),
                    head_major=timed(head_major, tables), head_major_in_order=timed(head_major_ordered, in_order))
     print(f"B={batch} L={length}: sdpa {sdpa_us:.1f} us; chosen launch {chosen}: "
           + ", ".join(f"{name} {r['us']:.1f} us ({r['vs_sdpa']:.3f}x)" for name, r in layouts.items())
+          + "; pdl " + ", ".join(f"{m} " + "/".join(f"{r['us']:.1f}" for r in rs) for m, rs in pdl.items())
           + f"; best of {len(ok)} launches {ok[0]['us']:.1f} us ({ok[0]['vs_sdpa']:.3f}x) "
           + str({k: ok[0][k] for k in ('num_splits', 'block_n', 'num_warps', 'num_stages')}), flush=True)
     return dict(batch=batch, length=length, kv_bytes=2 * batch * length * bk.HKV * bk.D * 2, sdpa_graph_us=sdpa_us,
-                chosen=chosen, layouts=layouts, launches=ok + [r for r in grid if "error" in r])
+                chosen=chosen, layouts=layouts, pdl=pdl, launches=ok + [r for r in grid if "error" in r])
 
 
 if __name__ == "__main__":

@@ -24,6 +24,14 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+@functools.lru_cache(maxsize=None)
+def dependent_launch(device: torch.device) -> bool:
+    """Whether a kernel on `device` may be launched before the one ahead of it ends (programmatic
+    dependent launch: Hopper and later, never under the interpreter). Such a kernel waits for its
+    predecessor (gdc_wait) before it reads anything; only its launch overlaps."""
+    return device.type == "cuda" and not INTERPRETING and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def pow2(n: int, at_least: int = 1) -> int:
     return max(at_least, triton.next_power_of_2(max(1, n)))
 

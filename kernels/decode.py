@@ -14,9 +14,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from . import _checks
-from ._launch import check_triton_device, dot_precision, pow2, sm_count
+from ._launch import check_triton_device, dependent_launch, dot_precision, pow2, sm_count, split_partials
 from .merge import add_sink, merge_splits_kernel
 
 _LOG2E = 1.4426950408889634
@@ -38,8 +39,10 @@ def _decode_split_kernel(
     qk_scale, window, num_splits,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, DIRECT: tl.constexpr,
-    HAS_SINKS: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_SINKS: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:
+        gdc_launch_dependents()  # the merge may launch now: it waits on the GPU for this kernel's end
     # kv head varies fastest across the grid: the programs running side by side read the
     # neighbouring head slices of the same pages ([bs, Hkv, D] rows), not far-apart sequences
     hkv = tl.program_id(0)
@@ -119,7 +122,10 @@ def choose_launch(batch: int, kv_heads: int, max_tokens: int, head_dim: int, dev
     alone at the d2d copy rate (bench_kernels at acbb6f8); none of 50 launches (splits, tiles, warps,
     stages) passes 0.988x, nor do the same K/V with their blocks in order or head-major
     (sweep_decode_long at b439937), and a merge fused into the split kernel (its last program
-    merging) was 2-7 us slower than the second kernel.
+    merging) was 2-7 us slower than the second kernel. Launching the merge while the split kernel
+    runs (`dependent_launch`) takes 1.2 us off (179.2 -> 178.0 us; SDPA 175.6), and the split
+    kernel's launch behind the kernel before it another 0.6 us (measured behind the previous call's
+    merge, not adopted: in a model that kernel is rope_kv_write; sweep_decode_long at e65b05d).
     """
     programs = batch * kv_heads
     slots = 2 * sm_count(device)
@@ -153,9 +159,12 @@ _BOTH_KERNELS = ("split", "merge")
 
 
 def _paged_decode(q, kv, block_tables, seq_lens, scale, sliding_window=None, sinks=None, *,
-                  num_splits=None, block_n=None, num_warps=None, num_stages=None, kernels=_BOTH_KERNELS):
+                  num_splits=None, block_n=None, num_warps=None, num_stages=None, kernels=_BOTH_KERNELS,
+                  pdl=None):
     """paged_decode with its launch choices exposed (tests and benchmarks sweep them).
 
+    `pdl`: whether the merge is launched while the split kernel runs (programmatic dependent
+    launch; None: where the device has it, `dependent_launch`).
     `kernels`: which of the two to launch (benchmarks time them apart). Either alone leaves the
     output unwritten where the launch splits: the merge alone reads partials never written."""
     # (checked only when a caller chose: every decode launch passes here, eager ones once a layer)
@@ -173,13 +182,8 @@ def _paged_decode(q, kv, block_tables, seq_lens, scale, sliding_window=None, sin
         return out
     splits, block_n = decode_launch(batch, hkv, block_tables.shape[1] * page, d, q.device, num_splits, block_n)
     direct = splits == 1
-    if direct:
-        part, lse = out, out  # unused placeholders
-        part_strides, lse_strides = (0, 0, 0), (0, 0)
-    else:
-        part = torch.empty(batch, hq, splits, d, dtype=torch.float32, device=q.device)
-        lse = torch.empty(batch, hq, splits, dtype=torch.float32, device=q.device)
-        part_strides, lse_strides = part.stride()[:3], lse.stride()[:2]
+    pdl = not direct and (dependent_launch(q.device) if pdl is None else pdl)
+    part, lse, part_strides, lse_strides = split_partials(out, batch, hq, splits, d)
     block_d = pow2(d, 16)
     has_sinks = sinks is not None
     sinks = sinks if has_sinks else seq_lens  # an unused placeholder pointer
@@ -191,12 +195,14 @@ def _paged_decode(q, kv, block_tables, seq_lens, scale, sliding_window=None, sin
             scale * _LOG2E, sliding_window or 0, splits,
             GROUP=group, BLOCK_G=pow2(group, 16), HEAD_D=d, BLOCK_D=block_d, PAGE=page, BLOCK_N=block_n,
             HAS_WINDOW=sliding_window is not None, DIRECT=direct, HAS_SINKS=has_sinks,
-            DOT_PREC=dot_precision(q.dtype), num_warps=num_warps or 4, num_stages=num_stages or 3,
+            DOT_PREC=dot_precision(q.dtype), PDL=pdl,
+            num_warps=num_warps or 4, num_stages=num_stages or 3,
         )
     if not direct and "merge" in kernels:
         merge_splits_kernel[(batch, hq)](
-            part, lse, out, sinks, *part.stride()[:3], *lse.stride()[:2], *out.stride(), splits,
-            HEAD_D=d, BLOCK_D=block_d, BLOCK_S=pow2(splits), HAS_SINKS=has_sinks, num_warps=4,
+            part, lse, out, sinks, *part_strides, *lse_strides, *out.stride(), splits,
+            HEAD_D=d, BLOCK_D=block_d, BLOCK_S=pow2(splits), HAS_SINKS=has_sinks, PDL=pdl, launch_pdl=pdl,
+            num_warps=4,
         )
     return out
 

@@ -3,7 +3,9 @@
 Decode (one query per sequence) and prefill (short extends over long prefixes) both split a row's
 keys among programs; each split writes its normalised partial output [rows, Hq, S, D] and its
 log2-sum-exp [rows, Hq, S]. One program per (row, head) weighs the splits and writes the result.
-A split that saw no key has lse = -inf and weight 0. Never launched on its own by users.
+A split that saw no key has lse = -inf and weight 0. Never launched on its own by users. On
+Hopper and later it is launched while the split kernel runs (`dependent_launch`), and waits on the
+GPU for it: 1.2 us less at 1x128K decode (H100, sweep_decode_long), the launch gap gone.
 
 Attention sinks (gpt-oss: a logit per query head that joins the softmax's denominator and adds
 no value) join here once, at the merge, never in a split: a split's partial is normalised over its
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 
 LOG2E = tl.constexpr(1.4426950408889634)  # sinks are natural-log logits; the kernels work in log2
@@ -38,7 +41,12 @@ def merge_splits_kernel(
     stride_ob, stride_oh, stride_od,
     num_splits,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, HAS_SINKS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:
+        # launched while the split kernel still runs (programmatic dependent launch): its programs
+        # are resident when it ends; wait until then for its partials
+        gdc_wait()
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)

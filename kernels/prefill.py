@@ -20,9 +20,10 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from . import _checks, dense
-from ._launch import INTERPRETING, check_triton_device, dot_precision, pow2, sm_count
+from ._launch import INTERPRETING, check_triton_device, dependent_launch, dot_precision, pow2, sm_count, split_partials
 from .merge import add_sink, merge_splits_kernel
 
 _LOG2E = 1.4426950408889634
@@ -67,8 +68,10 @@ def _prefill_kernel(
     qk_scale, window, num_seqs, num_splits,
     GROUP: tl.constexpr, PACK: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    DIRECT: tl.constexpr, HAS_SINKS: tl.constexpr, DOT_PREC: tl.constexpr,
+    DIRECT: tl.constexpr, HAS_SINKS: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:
+        gdc_launch_dependents()  # the merge may launch now: it waits on the GPU for this kernel's end
     # heads vary fastest: the programs sharing a kv head (one, when packed) run side by side and
     # read the same K/V tiles (hits in L2), rather than each streaming them at different times
     heads_at = tl.program_id(0) * PACK                      # first query head of this program
@@ -329,13 +332,8 @@ def _paged_prefill(q, kv, block_tables, cu_seqlens_q, seq_lens, scale, sliding_w
         plan = plans[key] = _plan(cu_seqlens_q, *shape, **choices)
     launch, seq_of_tile, tile_in_seq, grid = plan.launch, plan.seq_of_tile, plan.tile_in_seq, plan.grid
     direct = launch.num_splits == 1
-    if direct:
-        part, lse = out, out  # unused placeholders
-        part_strides, lse_strides = (0, 0, 0), (0, 0)
-    else:
-        part = torch.empty(num_tokens, hq, launch.num_splits, d, dtype=torch.float32, device=q.device)
-        lse = torch.empty(num_tokens, hq, launch.num_splits, dtype=torch.float32, device=q.device)
-        part_strides, lse_strides = part.stride()[:3], lse.stride()[:2]
+    part, lse, part_strides, lse_strides = split_partials(out, num_tokens, hq, launch.num_splits, d)
+    pdl = not direct and dependent_launch(q.device)  # the merge launched while the splits run
     block_d = pow2(d, 16)
     has_sinks = sinks is not None
     sinks = sinks if has_sinks else seq_lens  # an unused placeholder pointer
@@ -345,13 +343,14 @@ def _paged_prefill(q, kv, block_tables, cu_seqlens_q, seq_lens, scale, sliding_w
         scale * _LOG2E, sliding_window or 0, num_seqs, launch.num_splits,
         GROUP=hq // hkv, PACK=launch.pack, HEAD_D=d, BLOCK_D=block_d, PAGE=page, BLOCK_M=launch.block_m,
         BLOCK_N=launch.block_n, HAS_WINDOW=sliding_window is not None, DIRECT=direct, HAS_SINKS=has_sinks,
-        DOT_PREC=dot_precision(q.dtype), num_warps=launch.num_warps, num_stages=num_stages or 3,
+        DOT_PREC=dot_precision(q.dtype), PDL=pdl, num_warps=launch.num_warps, num_stages=num_stages or 3,
     )
     if not direct:
         # one row per new token: [T, Hq, S, D] partials
         merge_splits_kernel[(num_tokens, hq)](
             part, lse, out, sinks, *part_strides, *lse_strides, *out.stride(), launch.num_splits,
-            HEAD_D=d, BLOCK_D=block_d, BLOCK_S=pow2(launch.num_splits), HAS_SINKS=has_sinks, num_warps=4,
+            HEAD_D=d, BLOCK_D=block_d, BLOCK_S=pow2(launch.num_splits), HAS_SINKS=has_sinks, PDL=pdl, launch_pdl=pdl,
+            num_warps=4,
         )
     return out
 

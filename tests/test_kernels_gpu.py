@@ -448,6 +448,30 @@ def test_rope_kv_write_cuda_graph_replay():
         assert torch.equal(pool, want_pool)
 
 
+@pytest.mark.parametrize("pdl", [False, True])
+def test_decode_cuda_graph_replay(pdl):
+    """Split decode replayed in a graph with new queries, K/V and lengths, its merge launched after
+    the split kernel or while it runs (programmatic dependent launch: the merge must still wait for
+    every partial)."""
+    decode = _kernels()[0]
+    dtype, hkv, group, d, bs = torch.bfloat16, 8, 4, 128, 16
+    lens = [9000, 300, 4097]
+    pb = make_paged(lens, hkv, d, bs, dtype=dtype, device="cuda", generator=torch.Generator().manual_seed(22),
+                    table_fill=FAR)
+    q = _randn(len(lens), hkv * group, d, dtype=dtype, seed=23)              # static inputs of the graph
+    kv, seq_lens = pb.kv, pb.seq_lens
+    graph, out = _capture(lambda: decode._paged_decode(q, kv, pb.block_tables, seq_lens, d**-0.5, pdl=pdl))
+    for seed, new_lens in ((24, [8999, 17, 4097]), (25, [1, 300, 4000])):  # (each within its blocks)
+        q.copy_(_randn(*q.shape, dtype=dtype, seed=seed))
+        owned = torch.isfinite(kv)  # (slots no sequence owns stay NaN)
+        kv.copy_(torch.where(owned, _randn(*kv.shape, dtype=dtype, seed=seed + 1), kv))
+        seq_lens.copy_(torch.tensor(new_lens))
+        graph.replay()
+        want = ref.paged_decode(q.float(), kv.float(), pb.block_tables, seq_lens, d**-0.5)
+        torch.cuda.synchronize()
+        _close(out, want, dtype)
+
+
 def test_silu_mul_cuda_graph_replay():
     activation = _fused()[2]
     dtype = torch.bfloat16
