@@ -343,8 +343,7 @@ class Admission(Lookups):
         l1_hits = [e for e in cached if e.l1 >= 0]
         l2_hits = [e for i, e in enumerate(cached, start=k + gone) if e.l1 < 0 and i >= window]
         behind = [e for i, e in enumerate(cached, start=k + gone) if e.l1 < 0 and i < window]
-        for e in l1_hits:
-            self.index.pin(e)
+        self.index.pin_all(l1_hits)
         self.index.hold_l2(l2_hits + behind)  # the evictions below must not drop what we are about to load
         fresh = self.tiers.take_l1(self.blocks_needed(reserved) - k - gone - len(l1_hits),
                                    loads=len(l2_hits) + len(behind))
@@ -400,8 +399,7 @@ class Admission(Lookups):
         l1_hits = [e for e in blocks if e is not None and e.l1 >= 0]
         # while room is made: its L1 hits out of L1's eviction order, and all its L2 blocks out of
         # L2's (evicted blocks written down must not drop those left for allocate either)
-        for e in l1_hits:
-            self.index.pin(e)
+        self.index.pin_all(l1_hits)
         self.index.hold_l2(in_l2)
         try:
             # (L1's spare slots stay free: warming into them, the next take would evict to free
@@ -413,15 +411,14 @@ class Admission(Lookups):
             slots = self.tiers.take_l1(len(todo), partial=True, loads=len(todo))
             todo = todo[: len(slots)]
             self.tiers.load_pinned(todo, slots)
-            for e in reversed(todo):  # cached like any block, the prompt's head evicted last
-                self.index.unpin(e)
+            self.index.unpin_all(todo)  # cached like any block, the prompt's head evicted last
+            for e in todo:
                 e.brought_from = e.brought_from or "l2"  # (one read up from L3 first stays an L3 hit)
             self.counters.warmed_blocks += len(todo)
             return len(todo)
         finally:
             self.index.release_l2(in_l2)
-            for e in reversed(l1_hits):  # tail first, as free() does: the head stays most recent
-                self.index.unpin(e)
+            self.index.unpin_all(l1_hits)
 
     def _allocate_in_engine_blocks(self, m: Match, blocks: list[BlockEntry], slots, computed: int,
                                    priority: int) -> SequenceBlocks:

@@ -175,8 +175,7 @@ class TieredKVCache(LayerMoves):
         # this chain's blocks stay where they are while room is made for the rest of it
         in_l1 = [e for e in present if e.l1 >= 0]
         in_l2 = [e for e in present if e.l2 >= 0]
-        for e in in_l1:
-            self.index.pin(e)
+        self.index.pin_all(in_l1)
         self.index.hold_l2(in_l2)
         # [layers, 2, tokens, h, d] -> [blocks, layers, 2, bs, h, d]
         L, _, _, H, D = kv.shape
@@ -190,8 +189,7 @@ class TieredKVCache(LayerMoves):
             if rest and self.l2 is not None:
                 self._spill(by_block, hashes, tb, ns, rest, priority, held=in_l2)
         finally:
-            for e in reversed(in_l1):  # tail first, as free() does: the head stays most recent
-                self.index.unpin(e)
+            self.index.unpin_all(in_l1)
             self.index.release_l2(in_l2)
         found = self.index.walk(hashes, ns, tb, bs)
         return (len(found) + self.tiers.l3_present(hashes[len(found) :], len(found))) * bs

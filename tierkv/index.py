@@ -185,6 +185,16 @@ class BlockIndex:
         if entry.ref == 0:
             self.policies["l1"].unpin(entry.hash)
 
+    def pin_all(self, entries: list[BlockEntry]) -> None:
+        for e in entries:
+            self.pin(e)
+
+    def unpin_all(self, entries: list[BlockEntry]) -> None:
+        """Unpin a chain's `entries` tail first: an unpin counts as a use, so the chain's head ends
+        up most recent and pressure evicts its tail before its head (a shorter hit, not none)."""
+        for e in reversed(entries):
+            self.unpin(e)
+
     def hold_l2(self, entries: list[BlockEntry]) -> None:
         """Keep `entries` in L2 (out of its eviction order) until as many `release_l2` calls."""
         for e in entries:
