@@ -62,3 +62,23 @@ def split_partials(out: torch.Tensor, rows: int, heads: int, splits: int, width:
     part = torch.empty(rows, heads, splits, width, dtype=torch.float32, device=out.device)
     lse = torch.empty(rows, heads, splits, dtype=torch.float32, device=out.device)
     return part, lse, part.stride()[:3], lse.stride()[:2]
+
+
+TICKETS = 4096  # ticket counters per (device, stream): a split launch of more (sequence, kv head) pairs never steals
+_tickets: dict[tuple, torch.Tensor] = {}
+
+
+def ticket_counters(device: torch.device, count: int) -> torch.Tensor | None:
+    """Zeroed int32 counters [TICKETS] on `device` for the current stream, kept across calls: a
+    kernel that takes tickets from them leaves them zero when it ends. One set per stream, so two
+    launches running at once never share one. None where `count` of them would not fit."""
+    if count > TICKETS:
+        return None
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream)
+    counters = _tickets.get(key)
+    if counters is None:
+        # made once per stream; inside a CUDA graph's capture the zeroing is captured too, harmless
+        counters = _tickets[key] = torch.zeros(TICKETS, dtype=torch.int32, device=device)
+    return counters
+

@@ -17,10 +17,44 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
 from . import _checks
-from ._launch import check_triton_device, dependent_launch, dot_precision, pow2, sm_count, split_partials
+from ._launch import (TICKETS, check_triton_device, dependent_launch, dot_precision, pow2, sm_count, split_partials,
+                      ticket_counters)
 from .merge import add_sink, merge_splits_kernel
 
 _LOG2E = 1.4426950408889634
+
+
+# Work stealing of long split launches (see the kernel): (the percent of a sequence's tiles read
+# in fixed shares, tiles a ticket, the fewest tiles a split for a sequence to steal at all: shorter
+# ones split statically, as a ticket costs an atomic's round trip)
+STEAL_LAUNCH = (80, 2, 16)
+
+
+@triton.jit
+def _attend(q, KV, bt_row, head_off, lo, hi, m_i, l_i, acc, qk_scale, offs_d, d_mask,
+            stride_kvb, stride_kvs, stride_kvt, stride_kvd, stride_btn,
+            PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Online softmax of the query heads q [BLOCK_G, BLOCK_D] over positions [lo, hi) of one
+    sequence and kv head: the running max m_i, sum l_i [BLOCK_G] and output acc [BLOCK_G, BLOCK_D]
+    carried on."""
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)                     # [BLOCK_N] token positions
+        n_mask = offs_n < hi
+        # block-table entries are read only for positions < hi <= seq_len
+        blk = tl.load(bt_row + (offs_n // PAGE) * stride_btn, mask=n_mask, other=0).to(tl.int64)
+        row = blk * stride_kvb + (offs_n % PAGE) * stride_kvt + head_off      # [BLOCK_N]
+        ld_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(KV + row[:, None] + offs_d[None, :] * stride_kvd, mask=ld_mask, other=0.0)
+        v = tl.load(KV + stride_kvs + row[:, None] + offs_d[None, :] * stride_kvd, mask=ld_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale     # [BLOCK_G, BLOCK_N], log2 units
+        qk = tl.where(n_mask[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
+        m_i = m_new
+    return m_i, l_i, acc
 
 
 # integers that change from step to step are not specialised on (1, multiples of 16): each new
@@ -29,7 +63,7 @@ _LOG2E = 1.4426950408889634
 @triton.jit(do_not_specialize=["stride_btb", "window", "num_splits", "stride_pb", "stride_ph",
                                "stride_lb", "stride_lh"])
 def _decode_split_kernel(
-    Q, KV, BT, SL, Sinks, Out, Part, Lse,
+    Q, KV, BT, SL, Sinks, Tickets, Out, Part, Lse,
     stride_qb, stride_qh, stride_qd,
     stride_kvb, stride_kvs, stride_kvt, stride_kvh, stride_kvd,
     stride_btb, stride_btn,
@@ -39,7 +73,8 @@ def _decode_split_kernel(
     qk_scale, window, num_splits,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, DIRECT: tl.constexpr,
-    HAS_SINKS: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr,
+    HAS_SINKS: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr, STEAL: tl.constexpr,
+    STEAL_PCT: tl.constexpr, STEAL_CHUNK: tl.constexpr, STEAL_MIN: tl.constexpr,
 ):
     if PDL:
         gdc_launch_dependents()  # the merge may launch now: it waits on the GPU for this kernel's end
@@ -55,7 +90,15 @@ def _decode_split_kernel(
         first = tl.maximum(seq_len - window, 0)
     # Each sequence divides its own range into the splits (whole tiles each), so a short one in
     # a wide block table (a CUDA graph sized for max_model_len) still spreads over all of them.
-    per_split = tl.cdiv(tl.cdiv(seq_len - first, num_splits), BLOCK_N) * BLOCK_N
+    tiles = tl.cdiv(seq_len - first, BLOCK_N)
+    per_split = tl.cdiv(tiles, num_splits) * BLOCK_N
+    # A long sequence's programs read a fixed share each, then steal the rest (STEAL_CHUNK tiles a
+    # ticket): programs read at different rates (1x128K, H100: static shares ended 145-175 us), so
+    # static shares leave the HBM half idle while the slowest finish. Decided from the sequence's
+    # own length, so all its programs agree.
+    stealing = STEAL and tiles >= STEAL_MIN * num_splits
+    if stealing:
+        per_split = (tiles * STEAL_PCT // 100) // num_splits * BLOCK_N
     lo = first + split * per_split
     hi = tl.minimum(seq_len, lo + per_split)
 
@@ -72,23 +115,26 @@ def _decode_split_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     bt_row = BT + b.to(tl.int64) * stride_btb
     head_off = hkv.to(tl.int64) * stride_kvh
-    for start in range(lo, hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)                     # [BLOCK_N] token positions
-        n_mask = offs_n < hi
-        # block-table entries are read only for positions < seq_len
-        blk = tl.load(bt_row + (offs_n // PAGE) * stride_btn, mask=n_mask, other=0).to(tl.int64)
-        row = blk * stride_kvb + (offs_n % PAGE) * stride_kvt + head_off      # [BLOCK_N]
-        ld_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(KV + row[:, None] + offs_d[None, :] * stride_kvd, mask=ld_mask, other=0.0)
-        v = tl.load(KV + stride_kvs + row[:, None] + offs_d[None, :] * stride_kvd, mask=ld_mask, other=0.0)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale     # [BLOCK_G, BLOCK_N], log2 units
-        qk = tl.where(n_mask[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
-        m_i = m_new
+    m_i, l_i, acc = _attend(q, KV, bt_row, head_off, lo, hi, m_i, l_i, acc, qk_scale, offs_d, d_mask,
+                            stride_kvb, stride_kvs, stride_kvt, stride_kvd, stride_btn,
+                            PAGE=PAGE, BLOCK_N=BLOCK_N, DOT_PREC=DOT_PREC)
+    if stealing:
+        # tickets c = 0, 1, ... name the chunks left after the shares; every program ends on one
+        # ticket past them, so the one holding the last ticket is the last to touch the counter
+        # and zeroes it for the next launch (ordering: none needed, the kernel's end publishes it)
+        left = first + num_splits * per_split
+        chunks = tl.cdiv(seq_len - left, STEAL_CHUNK * BLOCK_N)
+        ticket = Tickets + b * tl.num_programs(0) + hkv
+        c = tl.atomic_add(ticket, 1, sem="relaxed")
+        while c < chunks:
+            start = left + c * (STEAL_CHUNK * BLOCK_N)
+            m_i, l_i, acc = _attend(q, KV, bt_row, head_off, start, tl.minimum(seq_len, start + STEAL_CHUNK * BLOCK_N),
+                                    m_i, l_i, acc, qk_scale, offs_d, d_mask,
+                                    stride_kvb, stride_kvs, stride_kvt, stride_kvd, stride_btn,
+                                    PAGE=PAGE, BLOCK_N=BLOCK_N, DOT_PREC=DOT_PREC)
+            c = tl.atomic_add(ticket, 1, sem="relaxed")
+        if c == chunks + num_splits - 1:
+            tl.atomic_xchg(ticket, 0, sem="relaxed")
 
     out_mask = g_mask[:, None] & d_mask[None, :]
     if DIRECT:
@@ -160,11 +206,14 @@ _BOTH_KERNELS = ("split", "merge")
 
 def _paged_decode(q, kv, block_tables, seq_lens, scale, sliding_window=None, sinks=None, *,
                   num_splits=None, block_n=None, num_warps=None, num_stages=None, kernels=_BOTH_KERNELS,
-                  pdl=None):
+                  pdl=None, steal=None, steal_launch=STEAL_LAUNCH):
     """paged_decode with its launch choices exposed (tests and benchmarks sweep them).
 
     `pdl`: whether the merge is launched while the split kernel runs (programmatic dependent
     launch; None: where the device has it, `dependent_launch`).
+    `steal`: whether a split launch's programs steal the last of a long sequence's tiles from each
+    other (None: wherever the launch splits and its ticket counters fit, `ticket_counters`), and
+    `steal_launch` how (STEAL_LAUNCH's three numbers).
     `kernels`: which of the two to launch (benchmarks time them apart). Either alone leaves the
     output unwritten where the launch splits: the merge alone reads partials never written."""
     # (checked only when a caller chose: every decode launch passes here, eager ones once a layer)
@@ -183,19 +232,23 @@ def _paged_decode(q, kv, block_tables, seq_lens, scale, sliding_window=None, sin
     splits, block_n = decode_launch(batch, hkv, block_tables.shape[1] * page, d, q.device, num_splits, block_n)
     direct = splits == 1
     pdl = not direct and (dependent_launch(q.device) if pdl is None else pdl)
+    tickets = None if direct or steal is False else ticket_counters(q.device, batch * hkv)
+    if steal and tickets is None:
+        raise ValueError(f"steal=True needs a split launch of at most {TICKETS} (sequence, kv head) pairs")
     part, lse, part_strides, lse_strides = split_partials(out, batch, hq, splits, d)
     block_d = pow2(d, 16)
     has_sinks = sinks is not None
     sinks = sinks if has_sinks else seq_lens  # an unused placeholder pointer
     if "split" in kernels:
         _decode_split_kernel[(hkv, splits, batch)](
-            q, kv, block_tables, seq_lens, sinks, out, part, lse,
+            q, kv, block_tables, seq_lens, sinks, seq_lens if tickets is None else tickets, out, part, lse,
             *q.stride(), *kv.stride(), *block_tables.stride(), *out.stride(),
             *part_strides, *lse_strides,
             scale * _LOG2E, sliding_window or 0, splits,
             GROUP=group, BLOCK_G=pow2(group, 16), HEAD_D=d, BLOCK_D=block_d, PAGE=page, BLOCK_N=block_n,
             HAS_WINDOW=sliding_window is not None, DIRECT=direct, HAS_SINKS=has_sinks,
-            DOT_PREC=dot_precision(q.dtype), PDL=pdl,
+            DOT_PREC=dot_precision(q.dtype), PDL=pdl, STEAL=tickets is not None,
+            STEAL_PCT=steal_launch[0], STEAL_CHUNK=steal_launch[1], STEAL_MIN=steal_launch[2],
             num_warps=num_warps or 4, num_stages=num_stages or 3,
         )
     if not direct and "merge" in kernels:

@@ -447,11 +447,12 @@ def test_rope_kv_write_cuda_graph_replay():
         assert torch.equal(pool, want_pool)
 
 
-@pytest.mark.parametrize("pdl", [False, True])
-def test_decode_cuda_graph_replay(pdl):
+@pytest.mark.parametrize("pdl,steal", [(False, False), (True, False), (True, True)])
+def test_decode_cuda_graph_replay(pdl, steal):
     """Split decode replayed in a graph with new queries, K/V and lengths, its merge launched after
     the split kernel or while it runs (programmatic dependent launch: the merge must still wait for
-    every partial)."""
+    every partial); and with the programs stealing tiles (forced down to one tile a split): each
+    replay must find its ticket counters zeroed by the one before."""
     decode = _kernels()[0]
     dtype, hkv, group, d, bs = torch.bfloat16, 8, 4, 128, 16
     lens = [9000, 300, 4097]
@@ -459,7 +460,8 @@ def test_decode_cuda_graph_replay(pdl):
                     table_fill=FAR)
     q = _randn(len(lens), hkv * group, d, dtype=dtype, seed=23)              # static inputs of the graph
     kv, seq_lens = pb.kv, pb.seq_lens
-    graph, out = _capture(lambda: decode._paged_decode(q, kv, pb.block_tables, seq_lens, d**-0.5, pdl=pdl))
+    launch = dict(pdl=pdl, steal=steal, steal_launch=(80, 1, 1))
+    graph, out = _capture(lambda: decode._paged_decode(q, kv, pb.block_tables, seq_lens, d**-0.5, **launch))
     for seed, new_lens in ((24, [8999, 17, 4097]), (25, [1, 300, 4000])):  # (each within its blocks)
         q.copy_(_randn(*q.shape, dtype=dtype, seed=seed))
         owned = torch.isfinite(kv)  # (slots no sequence owns stay NaN)

@@ -293,6 +293,20 @@ def test_dispatch_env_forces_triton(tk, monkeypatch):
     assert K.backend_for(q) == "reference"
 
 
+@pytest.mark.parametrize("window", [None, 900])
+def test_decode_programs_steal_the_tiles_of_long_sequences(tk, window):
+    """A split launch's programs read a share of a long sequence's tiles, then take the rest by
+    ticket (1100 tokens: 69 tiles of 16 over 3 splits, >= 16 tiles a split); the short ones split
+    statically. Twice in a row, so the second call finds the ticket counters zeroed by the first."""
+    lens, hkv = [1100, 37, 0, 803], 2
+    for seed in (0, 1):
+        _decode_case(tk, lens, hkv, 4, 16, 16, torch.float32, window, seed=seed, num_splits=3, block_n=16, steal=True)
+    counters = tk.decode.ticket_counters(torch.device("cpu"), len(lens) * hkv)
+    assert counters.abs().sum().item() == 0
+    with pytest.raises(ValueError, match="steal=True needs a split launch"):
+        _decode_case(tk, lens, hkv, 4, 16, 16, torch.float32, num_splits=1, block_n=16, steal=True)
+
+
 def test_decode_kernels_launched_apart(tk):
     # (bench_kernels times the split kernel and the merge apart) unsplit, the split kernel alone
     # is the whole attention; a kernel of another name is refused before any launch
