@@ -13,7 +13,7 @@ Two questions behind issue 40 item 4 (>= 1.0x SDPA at 1x128K):
   chunk sizes.
 Every output is checked against SDPA's. GPU only; ~2 min on an H100 (--no-grid: the chosen
 launch's variants only, ~30 s).
-    python3 benchmarks/sweep_decode_long.py [--out DIR] [--no-grid]
+    python3 benchmarks/sweep_decode_long.py [--out DIR] [--no-grid] [--shapes 1x131072,...]
 """
 
 from __future__ import annotations
@@ -39,9 +39,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     ap.add_argument("--no-grid", action="store_true", help="skip the grid of launches")
+    ap.add_argument("--shapes", default=",".join(f"{b}x{n}" for b, n in SHAPES), help="e.g. 1x131072,2x65536")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    results = [sweep_shape(batch, length, gen, not args.no_grid) for batch, length in SHAPES]
+    shapes = [tuple(int(x) for x in shape.split("x")) for shape in args.shapes.split(",")]
+    results = [sweep_shape(batch, length, gen, not args.no_grid) for batch, length in shapes]
     path = os.path.join(args.out, f"sweep_decode_long-{machine_tag()}.json")
     with open(path, "w") as f:
         json.dump(dict(environment=environment(), shapes=results), f, indent=1)
