@@ -1,6 +1,7 @@
-"""Launch helpers shared by the Triton kernel modules: device facts and tile-size arithmetic.
+"""Launch helpers shared by the Triton kernel modules: device facts, tile-size arithmetic and the
+buffers a launch needs beside its inputs (split partials, ticket counters).
 
-Holds no kernels. Must never import triton.language or launch anything itself, so that the
+Holds no kernels. Must never import triton.language or launch a Triton kernel itself, so that the
 kernel modules stay the only place where a kernel is defined.
 """
 

@@ -26,7 +26,8 @@ _LOG2E = 1.4426950408889634
 
 # Work stealing of long split launches (see the kernel): (the percent of a sequence's tiles read
 # in fixed shares, tiles a ticket, the fewest tiles a split for a sequence to steal at all: shorter
-# ones split statically, as a ticket costs an atomic's round trip)
+# ones split statically, as a ticket costs an atomic's round trip). Off unless a caller asks
+# (steal=True): not yet timed on a GPU; sweep_decode_long times it against fixed splits.
 STEAL_LAUNCH = (80, 2, 16)
 
 
@@ -92,10 +93,10 @@ def _decode_split_kernel(
     # a wide block table (a CUDA graph sized for max_model_len) still spreads over all of them.
     tiles = tl.cdiv(seq_len - first, BLOCK_N)
     per_split = tl.cdiv(tiles, num_splits) * BLOCK_N
-    # A long sequence's programs read a fixed share each, then steal the rest (STEAL_CHUNK tiles a
-    # ticket): programs read at different rates (1x128K, H100: static shares ended 145-175 us), so
-    # static shares leave the HBM half idle while the slowest finish. Decided from the sequence's
-    # own length, so all its programs agree.
+    # Where asked (STEAL), a long sequence's programs read a fixed share each, then steal the rest
+    # (STEAL_CHUNK tiles a ticket): programs read at different rates (1x128K, H100: equal static
+    # splits ended 145-175 us after the launch, the median at 168-170), so the HBM is under-used
+    # while the slowest finish. Decided from the sequence's own length: all its programs agree.
     stealing = STEAL and tiles >= STEAL_MIN * num_splits
     if stealing:
         per_split = (tiles * STEAL_PCT // 100) // num_splits * BLOCK_N
@@ -206,14 +207,13 @@ _BOTH_KERNELS = ("split", "merge")
 
 def _paged_decode(q, kv, block_tables, seq_lens, scale, sliding_window=None, sinks=None, *,
                   num_splits=None, block_n=None, num_warps=None, num_stages=None, kernels=_BOTH_KERNELS,
-                  pdl=None, steal=None, steal_launch=STEAL_LAUNCH):
+                  pdl=None, steal=False, steal_launch=STEAL_LAUNCH):
     """paged_decode with its launch choices exposed (tests and benchmarks sweep them).
 
     `pdl`: whether the merge is launched while the split kernel runs (programmatic dependent
     launch; None: where the device has it, `dependent_launch`).
     `steal`: whether a split launch's programs steal the last of a long sequence's tiles from each
-    other (None: wherever the launch splits and its ticket counters fit, `ticket_counters`), and
-    `steal_launch` how (STEAL_LAUNCH's three numbers).
+    other (its ticket counters: `ticket_counters`), and `steal_launch` how (STEAL_LAUNCH's numbers).
     `kernels`: which of the two to launch (benchmarks time them apart). Either alone leaves the
     output unwritten where the launch splits: the merge alone reads partials never written."""
     # (checked only when a caller chose: every decode launch passes here, eager ones once a layer)
@@ -232,7 +232,7 @@ def _paged_decode(q, kv, block_tables, seq_lens, scale, sliding_window=None, sin
     splits, block_n = decode_launch(batch, hkv, block_tables.shape[1] * page, d, q.device, num_splits, block_n)
     direct = splits == 1
     pdl = not direct and (dependent_launch(q.device) if pdl is None else pdl)
-    tickets = None if direct or steal is False else ticket_counters(q.device, batch * hkv)
+    tickets = ticket_counters(q.device, batch * hkv) if steal and not direct else None
     if steal and tickets is None:
         raise ValueError(f"steal=True needs a split launch of at most {TICKETS} (sequence, kv head) pairs")
     part, lse, part_strides, lse_strides = split_partials(out, batch, hq, splits, d)
