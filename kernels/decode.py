@@ -95,7 +95,7 @@ def _decode_split_kernel(
     per_split = tl.cdiv(tiles, num_splits) * BLOCK_N
     # Where asked (STEAL), a long sequence's programs read a fixed share each, then steal the rest
     # (STEAL_CHUNK tiles a ticket): programs read at different rates (1x128K, H100: equal static
-    # splits ended 145-175 us after the launch, the median at 168-170), so the HBM is under-used
+    # splits ended 142-176 us after the first start, the median 167-170), so the HBM is under-used
     # while the slowest finish. Decided from the sequence's own length: all its programs agree.
     stealing = STEAL and tiles >= STEAL_MIN * num_splits
     if stealing:
