@@ -72,7 +72,9 @@ _tickets: dict[tuple, torch.Tensor] = {}
 def ticket_counters(device: torch.device, count: int) -> torch.Tensor | None:
     """Zeroed int32 counters [TICKETS] on `device` for the current stream, kept across calls: a
     kernel that takes tickets from them leaves them zero when it ends. One set per stream, so two
-    launches running at once never share one. None where `count` of them would not fit."""
+    launches running at once never share one; a CUDA graph keeps the set of the stream it was
+    captured on, so two graphs replayed at once on different streams must have been captured on
+    different streams. None where `count` of them would not fit."""
     if count > TICKETS:
         return None
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
@@ -82,4 +84,3 @@ def ticket_counters(device: torch.device, count: int) -> torch.Tensor | None:
         # made once per stream; inside a CUDA graph's capture the zeroing is captured too, harmless
         counters = _tickets[key] = torch.zeros(TICKETS, dtype=torch.int32, device=device)
     return counters
-
