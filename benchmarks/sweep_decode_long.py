@@ -98,15 +98,14 @@ def sweep_shape(batch: int, length: int, gen: torch.Generator, grid_too: bool = 
         steal.setdefault("on" if on else "off", []).append(
             dict(timed(kv, tables, steal=on), split_us=split_only(steal=on)))
     for launch in STEAL_LAUNCHES:
-        steal[str(launch)] = dict(timed(kv, tables, steal=True, steal_launch=launch),
-                                  split_us=split_only(steal=True, steal_launch=launch))
+        steal[str(launch)] = [dict(timed(kv, tables, steal=True, steal_launch=launch),
+                                   split_us=split_only(steal=True, steal_launch=launch))]
     layouts = dict(engine=timed(kv, tables), blocks_in_order=timed(ordered, in_order),
                    head_major=timed(head_major, tables), head_major_in_order=timed(head_major_ordered, in_order))
     print(f"B={batch} L={length}: sdpa {sdpa_us:.1f} us; chosen launch {chosen}: "
           + ", ".join(f"{name} {r['us']:.1f} us ({r['vs_sdpa']:.3f}x)" for name, r in layouts.items())
           + "; pdl " + ", ".join(f"{m} " + "/".join(f"{r['us']:.1f}" for r in rs) for m, rs in pdl.items())
-          + "; steal " + ", ".join(f"{m} " + "/".join(f"{r['us']:.1f} (split {r['split_us']:.1f})"
-                                                      for r in (rs if isinstance(rs, list) else [rs]))
+          + "; steal " + ", ".join(f"{m} " + "/".join(f"{r['us']:.1f} (split {r['split_us']:.1f})" for r in rs)
                                    for m, rs in steal.items())
           + (f"; best of {len(ok)} launches {ok[0]['us']:.1f} us ({ok[0]['vs_sdpa']:.3f}x) "
              + str({k: ok[0][k] for k in ('num_splits', 'block_n', 'num_warps', 'num_stages')}) if ok else ""),

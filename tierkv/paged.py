@@ -417,14 +417,10 @@ class PagedCache(Admission):
             seq.slots, seq.entries, seq.freed = [], [], True
             del self._live[seq]
             return
-        private = []
         held = max(k, seq.released)  # (a sequence either streams or lets go of blocks: never both)
-        for slot, entry in zip(reversed(seq.slots[held:]), reversed(seq.entries[held:])):
-            if entry is None:
-                private.append(slot)
-            else:
-                self.index.unpin(entry)
-        self._give_private(private)
+        slots, entries = seq.slots[held:], seq.entries[held:]
+        self.index.unpin_all([e for e in entries if e is not None])
+        self._give_private([s for s, e in zip(reversed(slots), reversed(entries)) if e is None])
         for slot, entry in zip(reversed(seq.l2_slots), reversed(seq.entries[:k])):
             if entry is None:
                 self.tiers.give_l2([slot])
