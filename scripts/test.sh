@@ -14,6 +14,16 @@ if ! command -v redis-server >/dev/null 2>&1; then
   fi
 fi
 
+# The whole suite (no arguments) ends with the vLLM connector's tests, whose venv takes ~2 min to
+# make on a fresh machine (mostly downloads): make it in the background while the other tests run.
+# Their fixture runs scripts/vllm_env.sh again, which waits for this one and then reuses its venv
+# (or, had this one failed, makes it itself and reports why).
+if [ "$#" -eq 0 ]; then
+  bash scripts/vllm_env.sh >"${TMPDIR:-/tmp}/tierkv-vllm-env.log" 2>&1 &
+  prefetch=$!
+  trap 'kill "$prefetch" 2>/dev/null || true' EXIT
+fi
+
 set +e
 $PY -m pytest -m "not gpu" --durations=25 "$@"
 rc=$?

@@ -22,6 +22,12 @@ VLLM_VERSION=0.32.0
 # second transformers and triton into vLLM's pins.
 TIERKV_DEPS=("xxhash>=3.0" "msgpack>=1.0" "redis>=5.3" "boto3>=1.28")
 
+# One maker at a time: scripts/test.sh starts this script in the background while the suite runs,
+# and the suite's vLLM fixture runs it again; the second waits here, then finds the stamp.
+mkdir -p "$VENV"
+exec 9>"$VENV/.tierkv-vllm-lock"
+flock 9
+
 STAMP="$VENV/.tierkv-vllm-stamp"
 want=$(cat "$SELF" pyproject.toml | sha256sum | cut -d' ' -f1)
 vpy="$VENV/bin/python"
