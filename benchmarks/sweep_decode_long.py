@@ -51,6 +51,9 @@ def main() -> None:
 
 
 STEAL_LAUNCHES = [(90, 1, 1), (80, 1, 1), (80, 2, 1), (65, 2, 1), (80, 4, 1), (50, 4, 1)]
+# split counts tried with stealing (STEAL_LAUNCH's numbers): with the tail evened out, more programs
+# than two an SM may no longer leave a straggler behind
+STEAL_SPLITS = (24, 40, 48, 64)
 
 
 def sweep_shape(batch: int, length: int, gen: torch.Generator, grid_too: bool = True) -> dict:
@@ -100,6 +103,9 @@ def sweep_shape(batch: int, length: int, gen: torch.Generator, grid_too: bool = 
     for launch in STEAL_LAUNCHES:
         steal[str(launch)] = [dict(timed(kv, tables, steal=True, steal_launch=launch),
                                    split_us=split_only(steal=True, steal_launch=launch))]
+    for splits in STEAL_SPLITS:
+        steal[f"{splits} splits"] = [dict(timed(kv, tables, steal=True, num_splits=splits),
+                                          split_us=split_only(steal=True, num_splits=splits))]
     layouts = dict(engine=timed(kv, tables), blocks_in_order=timed(ordered, in_order),
                    head_major=timed(head_major, tables), head_major_in_order=timed(head_major_ordered, in_order))
     print(f"B={batch} L={length}: sdpa {sdpa_us:.1f} us; chosen launch {chosen}: "
