@@ -381,17 +381,18 @@ def test_package_dispatches_fused_kernels_to_triton():
     assert K._impl("silu_mul", x) is activation.silu_mul
 
 
-def _capture(fn):
+def _capture(fn, side: torch.cuda.Stream | None = None):
     """fn() captured in a CUDA graph after a warm-up run on a side stream (which compiles the
-    kernel); returns (graph, what the captured call returned: its static outputs). A host sync
-    (reading a tensor) inside fn makes the capture itself fail."""
-    side = torch.cuda.Stream()
+    kernel), the capture on that same stream (what a launch keeps per stream, made in the warm-up,
+    is not made again inside the graph); returns (graph, what the captured call returned: its
+    static outputs). A host sync (reading a tensor) inside fn makes the capture itself fail."""
+    side = side or torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=side):
         out = fn()
     return graph, out
 
@@ -461,7 +462,8 @@ def test_decode_cuda_graph_replay(pdl, steal):
     q = _randn(len(lens), hkv * group, d, dtype=dtype, seed=23)              # static inputs of the graph
     kv, seq_lens = pb.kv, pb.seq_lens
     launch = dict(pdl=pdl, steal=steal, steal_launch=(80, 1, 1))
-    graph, out = _capture(lambda: decode._paged_decode(q, kv, pb.block_tables, seq_lens, d**-0.5, **launch))
+    side = torch.cuda.Stream()  # its ticket counters are made (zeroed) by the warm-up, outside the graph
+    graph, out = _capture(lambda: decode._paged_decode(q, kv, pb.block_tables, seq_lens, d**-0.5, **launch), side)
     for seed, new_lens in ((24, [8999, 17, 4097]), (25, [1, 300, 4000])):  # (each within its blocks)
         q.copy_(_randn(*q.shape, dtype=dtype, seed=seed))
         owned = torch.isfinite(kv)  # (slots no sequence owns stay NaN)
@@ -471,6 +473,9 @@ def test_decode_cuda_graph_replay(pdl, steal):
         want = ref.paged_decode(q.float(), kv.float(), pb.block_tables, seq_lens, d**-0.5)
         torch.cuda.synchronize()
         _close(out, want, dtype)
+    if steal:
+        with torch.cuda.stream(side):  # the graph's counters: left zero by its last replay
+            assert not decode.ticket_counters(q.device, 1).any()
 
 
 def test_silu_mul_cuda_graph_replay():
