@@ -26,8 +26,10 @@ _LOG2E = 1.4426950408889634
 
 # Work stealing of long split launches (see the kernel): (the percent of a sequence's tiles read
 # in fixed shares, tiles a ticket, the fewest tiles a split for a sequence to steal at all: shorter
-# ones split statically, as a ticket costs an atomic's round trip). Off unless a caller asks
-# (steal=True): not yet timed on a GPU; sweep_decode_long times it against fixed splits.
+# ones split statically, as a ticket costs an atomic's round trip). On by default where a sequence
+# as long as the block table would steal: 1x128K 177.5-177.8 -> 176.5-176.7 us, 2x64K 177.1-177.3
+# -> 176.5-176.6 (SDPA 175.4 and 174.6; H100, CUDA graphs, sweep_decode_long at 82058ea). Of six
+# other (share, chunk) settings and 24-64 splits none was faster by more than 0.6 us at both.
 STEAL_LAUNCH = (80, 2, 16)
 
 
@@ -173,6 +175,7 @@ def choose_launch(batch: int, kv_heads: int, max_tokens: int, head_dim: int, dev
     runs (`dependent_launch`) takes 1.2 us off (179.2 -> 178.0 us; SDPA 175.6), and the split
     kernel's launch behind the kernel before it another 0.6 us (measured behind the previous call's
     merge, not adopted: in a model that kernel is rope_kv_write; sweep_decode_long at e65b05d).
+    Work stealing (STEAL_LAUNCH) takes another 0.7-1.1 us off at 1x128K and 2x64K.
     """
     programs = batch * kv_heads
     slots = 2 * sm_count(device)
@@ -207,13 +210,14 @@ _BOTH_KERNELS = ("split", "merge")
 
 def _paged_decode(q, kv, block_tables, seq_lens, scale, sliding_window=None, sinks=None, *,
                   num_splits=None, block_n=None, num_warps=None, num_stages=None, kernels=_BOTH_KERNELS,
-                  pdl=None, steal=False, steal_launch=STEAL_LAUNCH):
+                  pdl=None, steal=None, steal_launch=STEAL_LAUNCH):
     """paged_decode with its launch choices exposed (tests and benchmarks sweep them).
 
     `pdl`: whether the merge is launched while the split kernel runs (programmatic dependent
     launch; None: where the device has it, `dependent_launch`).
     `steal`: whether a split launch's programs steal the last of a long sequence's tiles from each
-    other (its ticket counters: `ticket_counters`), and `steal_launch` how (STEAL_LAUNCH's numbers).
+    other (its ticket counters: `ticket_counters`), and `steal_launch` how (STEAL_LAUNCH's numbers);
+    None: where a sequence as long as the block table would (then each sequence decides for itself).
     `kernels`: which of the two to launch (benchmarks time them apart). Either alone leaves the
     output unwritten where the launch splits: the merge alone reads partials never written."""
     # (checked only when a caller chose: every decode launch passes here, eager ones once a layer)
@@ -232,6 +236,9 @@ def _paged_decode(q, kv, block_tables, seq_lens, scale, sliding_window=None, sin
     splits, block_n = decode_launch(batch, hkv, block_tables.shape[1] * page, d, q.device, num_splits, block_n)
     direct = splits == 1
     pdl = not direct and (dependent_launch(q.device) if pdl is None else pdl)
+    if steal is None:  # the kernel's own rule (`stealing`), for a sequence filling the table
+        steal = (not direct and batch * hkv <= TICKETS
+                 and triton.cdiv(block_tables.shape[1] * page, block_n) >= steal_launch[2] * splits)
     tickets = ticket_counters(q.device, batch * hkv) if steal and not direct else None
     if steal and tickets is None:
         raise ValueError(f"steal=True needs a split launch of at most {TICKETS} (sequence, kv head) pairs")
@@ -272,6 +279,8 @@ def paged_decode(
     """q [B, Hq, D] attends to its sequence in kv [num_blocks, 2, bs, Hkv, D]; see reference.paged_decode.
 
     seq_lens[b] must not exceed block_tables.shape[1] * block_size; that is not checked here, as
-    checking would read seq_lens on the host (a sync per layer).
+    checking would read seq_lens on the host (a sync per layer). A long split launch counts tickets
+    in memory kept per stream (`ticket_counters`): two CUDA graphs captured on one stream must not
+    replay at the same time on different streams.
     """
     return _paged_decode(q, kv, block_tables, seq_lens, scale, sliding_window, sinks)

@@ -307,6 +307,26 @@ def test_decode_programs_steal_the_tiles_of_long_sequences(tk, window):
         _decode_case(tk, lens, hkv, 4, 16, 16, torch.float32, num_splits=1, block_n=16, steal=True)
 
 
+def test_decode_steals_by_default_where_the_table_is_long(tk):
+    """With tickets already past every chunk, a launch that steals leaves the chunks unread: the
+    default launch does so for a table as long as 16 tiles a split (3 splits of 16-token tiles: 768
+    tokens), and keeps static splits for a shorter one."""
+    hkv, cpu = 2, torch.device("cpu")
+    for lens, steals in (([800, 37], True), ([700, 37], False)):
+        g = torch.Generator().manual_seed(2)
+        pb = make_paged(lens, hkv, 16, 16, dtype=torch.float32, generator=g)
+        q = torch.randn(len(lens), hkv * 4, 16, generator=g)
+        counters = tk.decode.ticket_counters(cpu, len(lens) * hkv)
+        counters.fill_(1 << 20)
+        try:
+            got = tk.decode._paged_decode(q, pb.kv, pb.block_tables, pb.seq_lens, 0.25, num_splits=3, block_n=16)
+        finally:
+            counters.zero_()
+        want = ref.paged_decode(q, pb.kv, pb.block_tables, pb.seq_lens, 0.25)
+        assert torch.allclose(got[1], want[1], **TOL[torch.float32])  # 37 tokens: never steals
+        assert torch.allclose(got[0], want[0], **TOL[torch.float32]) != steals, lens
+
+
 def test_decode_kernels_launched_apart(tk):
     # (bench_kernels times the split kernel and the merge apart) unsplit, the split kernel alone
     # is the whole attention; a kernel of another name is refused before any launch
