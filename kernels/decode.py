@@ -3,10 +3,10 @@
 One query token per sequence reads its K/V through a block table. Each program owns one
 (sequence, kv head, split) and loads every K/V tile once for all the query heads of that kv head
 (GQA); the programs of a long sequence take its last tiles from each other by ticket (work
-stealing), so none is left reading alone. A second small kernel merges the splits. Attention sinks (gpt-oss), where given, join each
-head's softmax once: in the kernel when it runs unsplit, else at the merge. This file must never
-read a block-table entry past a sequence's length, and never syncs the host (the split count
-comes from tensor shapes only).
+stealing), so none is left reading alone. A second small kernel merges the splits. Attention
+sinks (gpt-oss), where given, join each head's softmax once: in the kernel when it runs unsplit,
+else at the merge. This file must never read a block-table entry past a sequence's length, and
+never syncs the host (the split count comes from tensor shapes only).
 """
 
 from __future__ import annotations
