@@ -237,10 +237,10 @@ def _paged_decode(q, kv, block_tables, seq_lens, scale, sliding_window=None, sin
     splits, block_n = decode_launch(batch, hkv, block_tables.shape[1] * page, d, q.device, num_splits, block_n)
     direct = splits == 1
     pdl = not direct and (dependent_launch(q.device) if pdl is None else pdl)
-    if steal is None:  # the kernel's own rule (`stealing`), for a sequence filling the table
-        steal = (not direct and batch * hkv <= TICKETS
-                 and triton.cdiv(block_tables.shape[1] * page, block_n) >= steal_launch[2] * splits)
-    tickets = ticket_counters(q.device, batch * hkv) if steal and not direct else None
+    # by default, the kernel's own rule (`stealing`) for a sequence filling the table; too many
+    # (sequence, kv head) pairs for the counters then split statically, and only an explicit ask fails
+    wanted = triton.cdiv(block_tables.shape[1] * page, block_n) >= steal_launch[2] * splits if steal is None else steal
+    tickets = ticket_counters(q.device, batch * hkv) if wanted and not direct else None
     if steal and tickets is None:
         raise ValueError(f"steal=True needs a split launch of at most {TICKETS} (sequence, kv head) pairs")
     part, lse, part_strides, lse_strides = split_partials(out, batch, hq, splits, d)
