@@ -226,7 +226,9 @@ class StepGraphs:
             self._forward(rows, meta())
         torch.cuda.current_stream().wait_stream(self._side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # Captured on the warm-up's stream: what the kernels keep per stream (the decode's work
+        # tickets) was made while warming up, outside the graph, not inside it.
+        with torch.cuda.graph(graph, pool=self._pool, stream=self._side):
             self._forward(rows, meta())
         return graph
 
