@@ -348,9 +348,10 @@ def bench_mixed_step(copy_gbps: float, sweep: bool) -> list[dict]:
     """Attention of a mixed step (decodes beside one prompt chunk) laid out as a mixed-step graph
     replays it: T' = the next graph size >= the step's tokens, one padding sequence of the T' - T
     spare tokens over itself (block 0), empty sequences up to the next power of two. Contenders, all
-    replayed in CUDA graphs: the one prefill launch the engine makes (and its tile sweep), the
-    decodes through paged_decode plus the chunk alone through paged_prefill (two launches, unpadded),
-    SDPA for the same two parts, and the HBM floor of the KV bytes read."""
+    replayed in CUDA graphs: the one prefill launch the engine makes (and its tile sweep), the same
+    launch with the decodes on its tall tiles too (prefill.short_rows off), the decodes through
+    paged_decode plus the chunk alone through paged_prefill (two launches, unpadded), SDPA for the
+    same two parts, and the HBM floor of the KV bytes read."""
     from tierkv.engine.graphs import MIXED_TOKENS
 
     rows = []
@@ -374,6 +375,8 @@ def bench_mixed_step(copy_gbps: float, sweep: bool) -> list[dict]:
         cu = torch.tensor([0] + list(range(1, decodes + 1)) + [t] + [tokens] * (seqs - live), dtype=torch.int32,
                           device="cuda")
         engine = lambda: prefill._paged_prefill(q, kv, table, cu, lens, scale)  # noqa: E731
+        # the same launch with every sequence on the launch's tiles (before short_rows)
+        tall = lambda: prefill._paged_prefill(q, kv, table, cu, lens, scale, short=False)  # noqa: E731
         launch = prefill.choose_launch(tokens, seqs, HQ, HKV, table.shape[1] * PAGE, D, q.device)
         # two launches: the decodes' own kernel over their rows, the chunk alone
         qd, qc = q[:decodes], q[decodes:t]
@@ -401,13 +404,17 @@ def bench_mixed_step(copy_gbps: float, sweep: bool) -> list[dict]:
         want = sdpa_parts().float()
         err = (engine()[:t].float() - want).abs().max().item()
         err_two = (two_launches().float() - want).abs().max().item()
+        err_tall = (tall()[:t].float() - want).abs().max().item()
         kv_bytes = 2 * (decodes * (ctx + 1) + ctx + chunk) * HKV * D * kv.element_size()
-        t_engine, t_two, t_sdpa = graph_ms(engine), graph_ms(two_launches), graph_ms(sdpa_parts)
+        t_engine, t_tall = graph_ms(engine), graph_ms(tall)
+        t_two, t_sdpa = graph_ms(two_launches), graph_ms(sdpa_parts)
         t_floor = kv_bytes / (copy_gbps * GB) * 1e3
         row = dict(decodes=decodes, chunk=chunk, context=ctx, graph_tokens=tokens, graph_seqs=seqs,
-                   kv_bytes=kv_bytes, launch=dataclasses.asdict(launch), engine_ms=t_engine,
-                   two_launches_ms=t_two, sdpa_parts_ms=t_sdpa, hbm_floor_ms=t_floor,
+                   kv_bytes=kv_bytes, launch=dataclasses.asdict(launch), short_rows=prefill.short_rows(launch),
+                   engine_ms=t_engine, all_tall_tiles_ms=t_tall, two_launches_ms=t_two, sdpa_parts_ms=t_sdpa,
+                   hbm_floor_ms=t_floor,
                    max_abs_diff_vs_sdpa=err, two_launches_max_abs_diff_vs_sdpa=err_two,
+                   all_tall_tiles_max_abs_diff_vs_sdpa=err_tall, speedup_vs_all_tall=t_tall / t_engine,
                    ratio_vs_sdpa=t_sdpa / t_engine, two_launches_ratio_vs_sdpa=t_sdpa / t_two,
                    ratio_vs_floor=t_floor / t_engine)
         if sweep:
@@ -427,7 +434,8 @@ def bench_mixed_step(copy_gbps: float, sweep: bool) -> list[dict]:
             row["sweep_best"] = best
         rows.append(row)
         print(f"mixed step {decodes} decodes + {chunk}-token chunk over {ctx} (graph {tokens}x{seqs}): engine "
-              f"{1e3 * t_engine:6.1f} us  two launches {1e3 * t_two:6.1f} us  sdpa {1e3 * t_sdpa:6.1f} us  floor "
+              f"{1e3 * t_engine:6.1f} us  all tall tiles {1e3 * t_tall:6.1f} us  two launches {1e3 * t_two:6.1f} us  "
+              f"sdpa {1e3 * t_sdpa:6.1f} us  floor "
               f"{1e3 * t_floor:5.1f} us  tile {launch.block_m}x{launch.block_n} pack {launch.pack} splits "
               f"{launch.num_splits}  (max|diff| {err:.1e} / {err_two:.1e})"
               + (f"  sweep best {row['sweep_best']}" if sweep else ""), flush=True)

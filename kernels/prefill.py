@@ -69,6 +69,7 @@ def _prefill_kernel(
     GROUP: tl.constexpr, PACK: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
     DIRECT: tl.constexpr, HAS_SINKS: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr,
+    SHORT_M: tl.constexpr,
 ):
     if PDL:
         gdc_launch_dependents()  # the merge may launch now: it waits on the GPU for this kernel's end
@@ -83,9 +84,46 @@ def _prefill_kernel(
     t = tl.load(TileIdx + tile)
     q_start = tl.load(CU + b)
     q_len = tl.load(CU + b + 1) - q_start
-    seq_len = tl.load(SL + b)
-    ctx = seq_len - q_len                                   # position of the first new token
+    ctx = tl.load(SL + b) - q_len                           # position of the first new token
+    bt_row = BT + b.to(tl.int64) * stride_btb
+    head_off = (heads_at // GROUP).to(tl.int64) * stride_kvh
+    # SHORT_M (0: none): rows of the tile a sequence of few new tokens takes instead of BLOCK_M
+    if SHORT_M > 0:
+        if q_len * PACK <= SHORT_M:
+            # a decode beside a prompt chunk, say: each K/V tile costs it a SHORT_M-row product
+            # rather than a BLOCK_M-row one of which it fills a few rows
+            _attend_tile(Q, KV, Sinks, Out, Part, Lse, bt_row, head_off, heads_at, t, q_start, q_len, ctx, split,
+                         stride_qt, stride_qh, stride_qd, stride_kvs, stride_kvb, stride_kvt, stride_kvd, stride_btn,
+                         stride_ot, stride_oh, stride_od, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
+                         qk_scale, window, num_splits,
+                         PACK, HEAD_D, BLOCK_D, PAGE, SHORT_M, BLOCK_N, HAS_WINDOW, DIRECT, HAS_SINKS, DOT_PREC)
+        else:
+            _attend_tile(Q, KV, Sinks, Out, Part, Lse, bt_row, head_off, heads_at, t, q_start, q_len, ctx, split,
+                         stride_qt, stride_qh, stride_qd, stride_kvs, stride_kvb, stride_kvt, stride_kvd, stride_btn,
+                         stride_ot, stride_oh, stride_od, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
+                         qk_scale, window, num_splits,
+                         PACK, HEAD_D, BLOCK_D, PAGE, BLOCK_M, BLOCK_N, HAS_WINDOW, DIRECT, HAS_SINKS, DOT_PREC)
+    else:
+        _attend_tile(Q, KV, Sinks, Out, Part, Lse, bt_row, head_off, heads_at, t, q_start, q_len, ctx, split,
+                     stride_qt, stride_qh, stride_qd, stride_kvs, stride_kvb, stride_kvt, stride_kvd, stride_btn,
+                     stride_ot, stride_oh, stride_od, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
+                     qk_scale, window, num_splits,
+                     PACK, HEAD_D, BLOCK_D, PAGE, BLOCK_M, BLOCK_N, HAS_WINDOW, DIRECT, HAS_SINKS, DOT_PREC)
 
+
+@triton.jit
+def _attend_tile(
+    Q, KV, Sinks, Out, Part, Lse, bt_row, head_off, heads_at, t, q_start, q_len, ctx, split,
+    stride_qt, stride_qh, stride_qd, stride_kvs, stride_kvb, stride_kvt, stride_kvd, stride_btn,
+    stride_ot, stride_oh, stride_od, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
+    qk_scale, window, num_splits,
+    PACK: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, DIRECT: tl.constexpr, HAS_SINKS: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """Query tile `t` of one sequence (its new tokens [q_start, q_start + q_len) at positions ctx
+    on) against its keys: this split's share of the fully visible ones, and the causal part where
+    this is the last split; writes the output (DIRECT) or this split's partial and log-sum-exp."""
     # row r of the tile is (new token r // PACK, query head heads_at + r % PACK); PACK is 1 (one
     # head, a token a row) or the GQA group (short extends: the group shares every K/V tile)
     TOKENS: tl.constexpr = BLOCK_M // PACK                  # new tokens per tile
@@ -118,8 +156,6 @@ def _prefill_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    bt_row = BT + b.to(tl.int64) * stride_btb
-    head_off = (heads_at // GROUP).to(tl.int64) * stride_kvh
     for phase in tl.static_range(2):
         start_at = visible_lo if phase == 0 else causal_lo
         end_at = visible_hi if phase == 0 else hi
@@ -220,6 +256,20 @@ class Launch:
         return self.block_m // self.pack
 
 
+# Rows of the tile a sequence of few new tokens takes where the launch's tiles are taller (the
+# fewest tl.dot takes): in a mixed step, four decodes beside a 140-token chunk over 8K-token
+# histories, the chunk's 128-row tiles made each decode's 4 rows (its query heads) cost as much as
+# a full tile, ~44% of the kernel's products (bench_rounds' programs at 4b5c5db: _prefill_kernel
+# 4.7 ms of a 17 ms mixed step).
+SHORT_ROWS = 16
+
+
+def short_rows(launch: Launch) -> int:
+    """The rows a short sequence's tile takes in this launch (0: none fewer than block_m): a
+    sequence whose new tokens times `pack` fit them, where they are fewer than block_m."""
+    return SHORT_ROWS if launch.pack <= SHORT_ROWS < launch.block_m else 0
+
+
 def _choose_tiles(num_tokens: int, num_seqs: int, num_heads: int, group: int, head_dim: int,
                   device: torch.device) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, pack) from shapes only (no host sync).
@@ -312,8 +362,9 @@ def _plan(cu_seqlens_q, num_tokens, num_seqs, hq, hkv, max_tokens, d, device, **
 
 def _paged_prefill(q, kv, block_tables, cu_seqlens_q, seq_lens, scale, sliding_window=None, sinks=None, *,
                    block_m=None, block_n=None, num_warps=None, num_stages=None, num_splits=None,
-                   pack=None, plans: dict | None = None):
-    """paged_prefill with its launch choices exposed (tests and benchmarks sweep them)."""
+                   pack=None, plans: dict | None = None, short: bool = True):
+    """paged_prefill with its launch choices exposed (tests and benchmarks sweep them).
+    `short`: whether sequences of few new tokens take tiles of fewer rows (`short_rows`)."""
     hq, hkv, d = _checks.check_prefill(q, kv, block_tables, cu_seqlens_q, seq_lens, sliding_window, sinks)
     check_triton_device(q, kv, block_tables, cu_seqlens_q, seq_lens)
     out = torch.empty_like(q)
@@ -343,7 +394,8 @@ def _paged_prefill(q, kv, block_tables, cu_seqlens_q, seq_lens, scale, sliding_w
         scale * _LOG2E, sliding_window or 0, num_seqs, launch.num_splits,
         GROUP=hq // hkv, PACK=launch.pack, HEAD_D=d, BLOCK_D=block_d, PAGE=page, BLOCK_M=launch.block_m,
         BLOCK_N=launch.block_n, HAS_WINDOW=sliding_window is not None, DIRECT=direct, HAS_SINKS=has_sinks,
-        DOT_PREC=dot_precision(q.dtype), PDL=pdl, num_warps=launch.num_warps, num_stages=num_stages or 3,
+        DOT_PREC=dot_precision(q.dtype), PDL=pdl, SHORT_M=short_rows(launch) if short else 0,
+        num_warps=launch.num_warps, num_stages=num_stages or 3,
     )
     if not direct:
         # one row per new token: [T, Hq, S, D] partials

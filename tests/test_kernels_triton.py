@@ -124,6 +124,21 @@ def test_prefill_splits_across_pages_and_tiles(tk, bs, bm, bn, window):
                   num_splits=2, pack=True, block_m=bm, block_n=bn)
 
 
+# Sequences of few new tokens beside longer ones (a mixed step's decodes beside a prompt chunk)
+# take 16-row tiles where the launch's are taller: with a group of 4 packed, 1 to 4 tokens (4 is
+# exactly 16 rows), unpacked up to 16 tokens; 5 packed tokens and the others take the launch's.
+@pytest.mark.parametrize("pack,bm,window,splits", [(True, 64, None, 2), (True, 128, 37, 3), (True, 32, None, 1),
+                                                    (False, 32, None, 2)])
+def test_prefill_short_sequences_take_short_tiles(tk, pack, bm, window, splits):
+    lens, q_lens = [70, 40, 50, 33, 9, 60], [1, 4, 5, 16, 9, 40]
+    launch = tk.prefill.choose_launch(sum(q_lens), len(lens), 4, 1, 80, 32, torch.device("cpu"), block_m=bm,
+                                      block_n=16, pack=pack, num_splits=splits)
+    assert tk.prefill.short_rows(launch) == 16
+    for short in (True, False):
+        _prefill_case(tk, lens, q_lens, 1, 4, 32, 16, torch.float16, window, num_splits=splits, pack=pack,
+                      block_m=bm, block_n=16, short=short)
+
+
 def test_decode_automatic_launch(tk, monkeypatch):
     """The measured rule (kernels/decode.py choose_launch) on the Llama-3.1-8B layer of an H200."""
     monkeypatch.setattr(tk.decode, "sm_count", lambda device: 132)
