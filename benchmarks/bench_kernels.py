@@ -324,7 +324,12 @@ def bench_extend(copy_gbps: float, sweep: bool) -> list[dict]:
         t_sdpa = min(t_exp, t_gqa)
         t_floor = kv_bytes / (copy_gbps * GB) * 1e3
         launch = prefill.choose_launch(batch * new, batch, HQ, HKV, tables.shape[1] * PAGE, D, q.device)
+        # where the launch compiles short tiles in (prefill.short_rows), the kernel without them:
+        # what carrying that second path costs the tall one (no sequence here is short)
+        t_tall_only = (graph_ms(lambda: prefill._paged_prefill(q, kv, tables, cu, lens, scale, short=False))
+                       if prefill.short_rows(launch) else None)
         row = dict(batch=batch, new_tokens=new, context=ctx, kv_bytes=kv_bytes, launch=dataclasses.asdict(launch),
+                   without_short_tiles_ms=t_tall_only,
                    tierkv_ms=t_ours, tierkv_eager_ms=t_ours_eager, one_split_128_rows_ms=t_before, sdpa_ms=t_sdpa, sdpa_expanded_ms=t_exp,
                    sdpa_gqa_ms=t_gqa, hbm_floor_ms=t_floor, max_abs_diff_vs_sdpa=err,
                    one_split_max_abs_diff_vs_sdpa=err_before,
@@ -338,6 +343,7 @@ def bench_extend(copy_gbps: float, sweep: bool) -> list[dict]:
               f"{1e3 * t_before:7.1f} us  sdpa {1e3 * t_sdpa:7.1f} us  floor {1e3 * t_floor:6.1f} us  "
               f"x{row['ratio_vs_sdpa']:.2f} sdpa  {100 * row['ratio_vs_floor']:.0f}% floor  "
               f"splits {launch.num_splits} tile {launch.block_m}x{launch.block_n} pack {launch.pack}"
+              + (f"  without short tiles {1e3 * t_tall_only:7.1f} us" if t_tall_only else "") +
               f"  (max|diff| {err:.1e})", flush=True)
         del kv, tables, k, v, ke, ve
         torch.cuda.empty_cache()

@@ -256,18 +256,23 @@ class Launch:
         return self.block_m // self.pack
 
 
-# Rows of the tile a sequence of few new tokens takes where the launch's tiles are taller (the
-# fewest tl.dot takes): in a mixed step, four decodes beside a 140-token chunk over 8K-token
-# histories, the chunk's 128-row tiles made each decode's 4 rows (its query heads) cost as much as
-# a full tile, ~44% of the kernel's products (bench_rounds' programs at 4b5c5db: _prefill_kernel
-# 4.7 ms of a 17 ms mixed step).
+# Rows of the tile a sequence of few new tokens takes in a packed launch whose tiles are taller
+# (the fewest tl.dot takes). In a mixed step, four decodes beside a 140-token chunk over 8K-token
+# histories, the chunk's 128-row tiles made each decode's 4 rows (its query heads) cost a full
+# tile's products: that step's attention took 203 us a layer, 159 us with the decodes on 16-row
+# tiles (H100, bench_kernels mixed_step at 32de91c; 4 of its 9 tiles are decodes). Unpacked
+# launches (cold prompts: 128- and 256-row tiles of one head) keep the one tile size: with the
+# second path compiled in, their Triton prefill of 4K-32K tokens measured 276-456 TFLOP/s against
+# 323-462 on another H100 before (eager; not yet A/B'd in one run), and a decode beside them is
+# rare (a prompt chunk over a history is packed: PACKED_EXTEND_TOKENS).
 SHORT_ROWS = 16
 
 
 def short_rows(launch: Launch) -> int:
-    """The rows a short sequence's tile takes in this launch (0: none fewer than block_m): a
-    sequence whose new tokens times `pack` fit them, where they are fewer than block_m."""
-    return SHORT_ROWS if launch.pack <= SHORT_ROWS < launch.block_m else 0
+    """The rows a short sequence's tile takes in this launch (0: none fewer than block_m): in a
+    packed launch, a sequence whose new tokens times `pack` fit them, where they are fewer than
+    block_m."""
+    return SHORT_ROWS if 1 < launch.pack <= SHORT_ROWS < launch.block_m else 0
 
 
 def _choose_tiles(num_tokens: int, num_seqs: int, num_heads: int, group: int, head_dim: int,
@@ -290,14 +295,17 @@ def _choose_tiles(num_tokens: int, num_seqs: int, num_heads: int, group: int, he
     over 8K-token histories spend 10-13 ms of their 21-24 ms here, the tiles 128 rows of one head
     each, a decode's tile one row full and a 140-token chunk's second tile 12: ~2.3x the rows
     the tokens need, each K/V tile read once per query head instead of once per kv head.
+    That holds from 33 tokens a sequence on (the group of 4 no longer fits 128 rows), not from 65:
+    a mixed graph's step of 2 decodes and a 140-token chunk over 32K-token histories, padded to 256
+    tokens over 4 sequences (64 a sequence), took 749-776 us a layer on unpacked 64-row tiles and
+    365 us on packed 128-row ones (H100, bench_kernels mixed_step --sweep at 32de91c).
     """
     per_seq = triton.cdiv(num_tokens, num_seqs)             # average new tokens of a sequence
-    if per_seq * group <= 128 or per_seq <= 64:
-        pack = group if per_seq * group <= 128 else 1
-        block_m = pow2(per_seq * pack, 16)                  # tl.dot needs at least 16 rows
-        return block_m, 32 if head_dim > 128 else 64, 4, pack
+    if per_seq * group <= 128:
+        block_m = pow2(per_seq * group, 16)                 # tl.dot needs at least 16 rows
+        return block_m, 32 if head_dim > 128 else 64, 4, group
     if head_dim > 128:
-        return 64, 32, 4, 1
+        return min(pow2(per_seq, 16), 64), 32, 4, 1
     if per_seq <= PACKED_EXTEND_TOKENS and group <= 128:
         return 128, 64, 4, group
     big_programs = triton.cdiv(num_tokens, 256) * num_heads   # about; spare programs exit at once

@@ -125,17 +125,16 @@ def test_prefill_splits_across_pages_and_tiles(tk, bs, bm, bn, window):
 
 
 # Sequences of few new tokens beside longer ones (a mixed step's decodes beside a prompt chunk)
-# take 16-row tiles where the launch's are taller: with a group of 4 packed, 1 to 4 tokens (4 is
-# exactly 16 rows), unpacked up to 16 tokens; 5 packed tokens and the others take the launch's.
-@pytest.mark.parametrize("pack,bm,window,splits", [(True, 64, None, 2), (True, 128, 37, 3), (True, 32, None, 1),
-                                                    (False, 32, None, 2)])
-def test_prefill_short_sequences_take_short_tiles(tk, pack, bm, window, splits):
+# take 16-row tiles where a packed launch's are taller: with a group of 4, 1 to 4 tokens (4 is
+# exactly 16 rows); 5 tokens and more take the launch's.
+@pytest.mark.parametrize("bm,window,splits", [(64, None, 2), (128, 37, 3), (32, None, 1)])
+def test_prefill_short_sequences_take_short_tiles(tk, bm, window, splits):
     lens, q_lens = [70, 40, 50, 33, 9, 60], [1, 4, 5, 16, 9, 40]
     launch = tk.prefill.choose_launch(sum(q_lens), len(lens), 4, 1, 80, 32, torch.device("cpu"), block_m=bm,
-                                      block_n=16, pack=pack, num_splits=splits)
+                                      block_n=16, pack=True, num_splits=splits)
     assert tk.prefill.short_rows(launch) == 16
     for short in (True, False):
-        _prefill_case(tk, lens, q_lens, 1, 4, 32, 16, torch.float16, window, num_splits=splits, pack=pack,
+        _prefill_case(tk, lens, q_lens, 1, 4, 32, 16, torch.float16, window, num_splits=splits, pack=True,
                       block_m=bm, block_n=16, short=short)
 
 
@@ -179,6 +178,16 @@ def test_prefill_automatic_launch_splits_only_short_extends(tk, monkeypatch):
     # up to 512 new tokens a sequence; longer ones take one head a tile
     assert choose(512, 1, 32, 8, 8192, 128, cpu).pack == 4
     assert choose(513, 1, 32, 8, 8192, 128, cpu).pack == 1
+    # a mixed graph's padded step, 64 tokens a sequence (2 decodes and a 140-token chunk in a
+    # 256-token graph of 4 sequences): packed 128-row tiles too, not 64-row tiles of one head
+    padded = choose(256, 4, 32, 8, 32768, 128, cpu)
+    assert (padded.block_m, padded.pack) == (128, 4) and tk.prefill.short_rows(padded) == 16
+    # where the group fits 128 rows the tiles fit the rows; wide heads stay unpacked past that
+    assert (choose(32, 1, 32, 8, 8192, 128, cpu).block_m, choose(32, 1, 32, 8, 8192, 128, cpu).pack) == (128, 4)
+    wide = choose(64, 1, 32, 8, 8192, 256, cpu)
+    assert (wide.block_m, wide.block_n, wide.pack) == (64, 32, 1) and tk.prefill.short_rows(wide) == 0
+    # cold prompts (unpacked tall tiles) take no short tiles: one tile size in their kernel
+    assert tk.prefill.short_rows(choose(4096, 1, 32, 8, 4096, 128, cpu)) == 0
 
 
 def test_prefill_automatic_splits_match_reference(tk, monkeypatch):
