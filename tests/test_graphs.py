@@ -34,7 +34,7 @@ def test_capture_sizes():
 
 def test_mixed_shapes():
     """Token sizes up to the step budget; sequence counts hold the batch and its padding sequence."""
-    assert mixed_shapes(8, 8192) == [(t, b) for t in (64, 128, 256, 512) for b in (2, 4, 8, 16)]
+    assert mixed_shapes(8, 8192) == [(t, b) for t in (64, 128, 192, 256, 512) for b in (2, 4, 8, 16)]
     assert mixed_shapes(7, 100) == [(64, b) for b in (2, 4, 8)]
     assert mixed_shapes(256, 512)[-1] == (512, 512) and (64, 256) not in mixed_shapes(256, 512)
     assert mixed_shapes(4, 32) == []

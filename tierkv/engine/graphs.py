@@ -44,11 +44,14 @@ SHORT_CONTEXTS = (512, 2048)
 # Mixed steps of at most the last of these many new tokens replay graphs, padded up to the next
 # size. An eager step launches ~300 kernels: with the Llama-3.1-8B shape on an H100 that took the
 # host 23-37 ms, against 17 ms of GPU work for four decodes and a 132-token chunk at 8K tokens, so
-# such a step kept the GPU waiting (bench_step_graphs). Padding costs little: up to a few hundred
-# rows the linear layers read their weights once whatever the row count (their cost), and the
-# padding sequence attends over its own few tokens only. Longer chunks launch eagerly: their work
+# such a step kept the GPU waiting (bench_step_graphs). Padding costs little while the linear
+# layers read their weights once whatever the row count, and the padding sequence attends over its
+# own few tokens only; but at 256 rows Llama-8B's linears on an H100 are past that (2 x 8e9 x 256
+# FLOP take longer than reading 16 GB): bench_rounds' hit-round mixed steps, four decodes and a
+# 140-token chunk (144 tokens), spent ~7.0 ms in their GEMMs against ~5.4 ms for a decode step's
+# (trace at 4b5c5db), so 192 sits between 128 and 256. Longer chunks launch eagerly: their work
 # hides the launch.
-MIXED_TOKENS = (64, 128, 256, 512)
+MIXED_TOKENS = (64, 128, 192, 256, 512)
 
 
 def mixed_shapes(max_batch: int, max_tokens: int) -> list[tuple[int, int]]:
