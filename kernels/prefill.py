@@ -296,9 +296,10 @@ def _choose_tiles(num_tokens: int, num_seqs: int, num_heads: int, group: int, he
     each, a decode's tile one row full and a 140-token chunk's second tile 12: ~2.3x the rows
     the tokens need, each K/V tile read once per query head instead of once per kv head.
     That holds from 33 tokens a sequence on (the group of 4 no longer fits 128 rows), not from 65:
-    a mixed graph's step of 2 decodes and a 140-token chunk over 32K-token histories, padded to 256
-    tokens over 4 sequences (64 a sequence), took 749-776 us a layer on unpacked 64-row tiles and
-    365 us on packed 128-row ones (H100, bench_kernels mixed_step --sweep at 32de91c).
+    a mixed graph's step of a 140-token chunk beside 1 or 2 decodes, padded to 256 tokens over 4
+    sequences (64 a sequence), took 154 us a layer over 8K-token histories and 749-776 us over 32K
+    on unpacked 64-row tiles (2 splits), 131 and 367 us on packed 128-row ones with the 4 splits
+    this rule gives them (H100, bench_kernels mixed_step --sweep at 32de91c).
     """
     per_seq = triton.cdiv(num_tokens, num_seqs)             # average new tokens of a sequence
     if per_seq * group <= 128:
