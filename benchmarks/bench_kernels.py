@@ -7,8 +7,6 @@ decode:  paged_decode vs SDPA on the same K/V made contiguous, Llama-3.1-8B laye
 decode_mixed: a serving batch of mixed lengths against the copy bandwidth, with a grid of launches.
 prefill: paged_prefill of one sequence (cold, and long chunks over a cached prefix) as the engine
          calls it, and its Triton kernel alone, vs SDPA causal on contiguous K/V, TFLOP/s and ratio.
-mixed_step: a graph's mixed step (decodes beside a prompt chunk over cached histories): the one
-         prefill launch the engine makes vs the decodes and the chunk launched apart, SDPA, the floor.
 extend:  paged_prefill of a few new tokens over a long cached prefix (a prefix-cache hit) vs SDPA
          with a bottom-right causal mask on contiguous K/V, vs the one-split 128-row launch it
          replaces, and vs the HBM floor (the KV bytes at the d2d copy bandwidth of this run).
@@ -51,10 +49,6 @@ MIXED_BATCH, MIXED_LENS, MIXED_WIDTH = 139, (100, 2048), 4096
 PREFILL_SHAPES = [(4096, 0), (8192, 0), (16384, 0), (32768, 0), (8192, 32768), (8192, 90112)]
 # (sequences, new tokens each, cached tokens each): prefix-cache hits of one request, and a batch
 EXTEND_SHAPES = [(1, n, ctx) for ctx in (12288, 102400) for n in (1, 3, 16, 128)] + [(8, 16, 8192)]
-# (decodes, chunk tokens, cached tokens each): a mixed step as the engine's graphs run it, decodes
-# first and one prompt chunk last (bench_rounds' hit rounds: 4 decodes and a 140-token chunk over
-# 8K-token histories), padded to the graph's tokens and sequences (engine/graphs.py)
-MIXED_STEPS = [(4, 140, 8000), (1, 140, 8000), (2, 140, 32000), (16, 128, 4096), (60, 64, 2048)]
 GB = 1e9
 
 
@@ -350,106 +344,6 @@ def bench_extend(copy_gbps: float, sweep: bool) -> list[dict]:
     return rows
 
 
-def bench_mixed_step(copy_gbps: float, sweep: bool) -> list[dict]:
-    """Attention of a mixed step (decodes beside one prompt chunk) laid out as a mixed-step graph
-    replays it: T' = the next graph size >= the step's tokens, one padding sequence of the T' - T
-    spare tokens over itself (block 0), empty sequences up to the next power of two. Contenders, all
-    replayed in CUDA graphs: the one prefill launch the engine makes (and its tile sweep), the same
-    launch with the decodes on its tall tiles too (prefill.short_rows off), the decodes through
-    paged_decode plus the chunk alone through paged_prefill (two launches, unpadded), SDPA for the
-    same two parts, and the HBM floor of the KV bytes read."""
-    from tierkv.engine.graphs import MIXED_TOKENS
-
-    rows = []
-    gen = torch.Generator(device="cuda").manual_seed(3)
-    scale = D**-0.5
-    for decodes, chunk, ctx in MIXED_STEPS:
-        live = decodes + 1
-        t = decodes + chunk
-        tokens = next(n for n in MIXED_TOKENS if n >= t)
-        seqs = 2
-        while seqs <= live:                       # one more than the live ones holds the padding
-            seqs *= 2
-        pad = tokens - t
-        kv, tables, _, k, v = paged_pool(live, ctx + chunk, gen)
-        lens_live = [ctx + 1] * decodes + [ctx + chunk]
-        q = torch.randn(tokens, HQ, D, device="cuda", dtype=DT, generator=gen)
-        # the graph's batch: live sequences, the padding one (block 0), empty ones
-        table = torch.zeros(seqs, tables.shape[1], dtype=torch.int32, device="cuda")
-        table[:live] = tables
-        lens = torch.tensor(lens_live + [pad] + [0] * (seqs - live - 1), dtype=torch.int32, device="cuda")
-        cu = torch.tensor([0] + list(range(1, decodes + 1)) + [t] + [tokens] * (seqs - live), dtype=torch.int32,
-                          device="cuda")
-        engine = lambda: prefill._paged_prefill(q, kv, table, cu, lens, scale)  # noqa: E731
-        # the same launch with every sequence on the launch's tiles (before short_rows)
-        tall = lambda: prefill._paged_prefill(q, kv, table, cu, lens, scale, short=False)  # noqa: E731
-        launch = prefill.choose_launch(tokens, seqs, HQ, HKV, table.shape[1] * PAGE, D, q.device)
-        # two launches: the decodes' own kernel over their rows, the chunk alone
-        qd, qc = q[:decodes], q[decodes:t]
-        cu_c = torch.tensor([0, chunk], dtype=torch.int32, device="cuda")
-        lens_d, lens_c = lens[:decodes], lens[decodes:live]
-
-        def two_launches():
-            out = torch.empty_like(q[:t])
-            if decodes:
-                out[:decodes] = decode.paged_decode(qd, kv, tables[:decodes], lens_d, scale)
-            out[decodes:] = prefill._paged_prefill(qc, kv, tables[decodes:], cu_c, lens_c, scale)
-            return out
-        # SDPA: the decodes folded (their query heads as rows), the chunk bottom-right causal
-        kd, vd = k[:decodes, :, : ctx + 1], v[:decodes, :, : ctx + 1]            # [d, Hkv, ctx + 1, D]
-        qf = qd.view(decodes, HKV, HQ // HKV, D)
-        qs = qc.view(1, chunk, HQ, D).transpose(1, 2)                            # [1, Hq, chunk, D]
-        kc = k[decodes:].repeat_interleave(HQ // HKV, 1)
-        vc = v[decodes:].repeat_interleave(HQ // HKV, 1)                         # [1, Hq, ctx + chunk, D]
-        mask = causal_lower_right(chunk, ctx + chunk)
-
-        def sdpa_parts():
-            outs = [sdpa(qf, kd, vd, scale=scale).reshape(decodes, HQ, D)] if decodes else []
-            outs.append(sdpa(qs, kc, vc, attn_mask=mask, scale=scale).transpose(1, 2).reshape(chunk, HQ, D))
-            return torch.cat(outs)
-        want = sdpa_parts().float()
-        err = (engine()[:t].float() - want).abs().max().item()
-        err_two = (two_launches().float() - want).abs().max().item()
-        err_tall = (tall()[:t].float() - want).abs().max().item()
-        kv_bytes = 2 * (decodes * (ctx + 1) + ctx + chunk) * HKV * D * kv.element_size()
-        t_engine, t_tall = graph_ms(engine), graph_ms(tall)
-        t_two, t_sdpa = graph_ms(two_launches), graph_ms(sdpa_parts)
-        t_floor = kv_bytes / (copy_gbps * GB) * 1e3
-        row = dict(decodes=decodes, chunk=chunk, context=ctx, graph_tokens=tokens, graph_seqs=seqs,
-                   kv_bytes=kv_bytes, launch=dataclasses.asdict(launch), short_rows=prefill.short_rows(launch),
-                   engine_ms=t_engine, all_tall_tiles_ms=t_tall, two_launches_ms=t_two, sdpa_parts_ms=t_sdpa,
-                   hbm_floor_ms=t_floor,
-                   max_abs_diff_vs_sdpa=err, two_launches_max_abs_diff_vs_sdpa=err_two,
-                   all_tall_tiles_max_abs_diff_vs_sdpa=err_tall, speedup_vs_all_tall=t_tall / t_engine,
-                   ratio_vs_sdpa=t_sdpa / t_engine, two_launches_ratio_vs_sdpa=t_sdpa / t_two,
-                   ratio_vs_floor=t_floor / t_engine)
-        if sweep:
-            row["sweep"] = []
-            for bm in (16, 32, 64, 128):
-                for mult in (0.5, 1, 2, 4):
-                    splits = max(1, int(launch.num_splits * mult))
-                    cfg = dict(block_m=bm, pack=True, splits=splits)
-                    try:
-                        us = 1e3 * graph_ms(lambda: prefill._paged_prefill(
-                            q, kv, table, cu, lens, scale, block_m=bm, block_n=64, pack=True, num_splits=splits), 20)
-                    except Exception as e:  # a config that does not compile (or fit) is recorded, not fatal
-                        row["sweep"].append(dict(cfg, error=str(e)[:200]))
-                        continue
-                    row["sweep"].append(dict(cfg, us=us))
-            best = min((r for r in row["sweep"] if "us" in r), key=lambda r: r["us"])
-            row["sweep_best"] = best
-        rows.append(row)
-        print(f"mixed step {decodes} decodes + {chunk}-token chunk over {ctx} (graph {tokens}x{seqs}): engine "
-              f"{1e3 * t_engine:6.1f} us  all tall tiles {1e3 * t_tall:6.1f} us  two launches {1e3 * t_two:6.1f} us  "
-              f"sdpa {1e3 * t_sdpa:6.1f} us  floor "
-              f"{1e3 * t_floor:5.1f} us  tile {launch.block_m}x{launch.block_n} pack {launch.pack} splits "
-              f"{launch.num_splits}  (max|diff| {err:.1e} / {err_two:.1e})"
-              + (f"  sweep best {row['sweep_best']}" if sweep else ""), flush=True)
-        del kv, tables, k, v, kc, vc
-        torch.cuda.empty_cache()
-    return rows
-
-
 def sweep_extend(q, kv, tables, cu, lens, scale, launch) -> list[dict]:
     out = []
     for bm, bn, pack in ((16, 64, True), (16, 128, True), (32, 64, True), (64, 64, True), (16, 64, False)):
@@ -550,9 +444,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--quick", action="store_true", help="fewer blocks in the block-copy test")
-    ap.add_argument("--sweep", default="", help="comma list of decode,prefill,extend,mixed_step: also sweep "
-                    "launch configs")
-    ap.add_argument("--only", default="decode,decode_mixed,prefill,extend,mixed_step,blocks")
+    ap.add_argument("--sweep", default="", help="comma list of decode,prefill,extend: also sweep launch configs")
+    ap.add_argument("--only", default="decode,decode_mixed,prefill,extend,blocks")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_kernels needs a CUDA GPU")
@@ -576,7 +469,6 @@ def main() -> None:
                     decode_mixed=lambda: bench_decode_mixed(result["d2d_copy_gbps"]),
                     prefill=lambda: bench_prefill("prefill" in sweeps),
                     extend=lambda: bench_extend(result["d2d_copy_gbps"], "extend" in sweeps),
-                    mixed_step=lambda: bench_mixed_step(result["d2d_copy_gbps"], "mixed_step" in sweeps),
                     blocks=lambda: bench_blocks(args.quick))
     for name, run in sections.items():
         if name not in parts:

@@ -87,7 +87,8 @@ def _prefill_kernel(
     ctx = tl.load(SL + b) - q_len                           # position of the first new token
     bt_row = BT + b.to(tl.int64) * stride_btb
     head_off = (heads_at // GROUP).to(tl.int64) * stride_kvh
-    # SHORT_M (0: none): rows of the tile a sequence of few new tokens takes instead of BLOCK_M
+    # SHORT_M (0: none): rows of the tile a sequence of few new tokens takes instead of BLOCK_M;
+    # tested as a constexpr first, so that a launch without it compiles the BLOCK_M instance alone
     if SHORT_M > 0:
         if q_len * PACK <= SHORT_M:
             # a decode beside a prompt chunk, say: each K/V tile costs it a SHORT_M-row product
@@ -260,11 +261,11 @@ class Launch:
 # (the fewest tl.dot takes). In a mixed step, four decodes beside a 140-token chunk over 8K-token
 # histories, the chunk's 128-row tiles made each decode's 4 rows (its query heads) cost a full
 # tile's products: that step's attention took 203 us a layer, 159 us with the decodes on 16-row
-# tiles (H100, bench_kernels mixed_step at 32de91c; 4 of its 9 tiles are decodes). Unpacked
-# launches (cold prompts: 128- and 256-row tiles of one head) keep the one tile size: with the
-# second path compiled in, their Triton prefill of 4K-32K tokens measured 276-456 TFLOP/s against
-# 323-462 on another H100 before (eager; not yet A/B'd in one run), and a decode beside them is
-# rare (a prompt chunk over a history is packed: PACKED_EXTEND_TOKENS).
+# tiles (H100 at 32de91c, the measure now in bench_mixed_step.py; 4 of its 9 tiles are decodes).
+# Unpacked launches (cold prompts: 128- and 256-row tiles of one head) keep the one tile size: with
+# the second path compiled in, their Triton prefill of 4K-32K tokens measured 276-456 TFLOP/s
+# against 323-462 on another H100 before (eager; not yet A/B'd in one run), and a decode beside
+# them is rare (a prompt chunk over a history is packed: PACKED_EXTEND_TOKENS).
 SHORT_ROWS = 16
 
 
@@ -299,7 +300,7 @@ def _choose_tiles(num_tokens: int, num_seqs: int, num_heads: int, group: int, he
     a mixed graph's step of a 140-token chunk beside 1 or 2 decodes, padded to 256 tokens over 4
     sequences (64 a sequence), took 154 us a layer over 8K-token histories and 749-776 us over 32K
     on unpacked 64-row tiles (2 splits), 131 and 367 us on packed 128-row ones with the 4 splits
-    this rule gives them (H100, bench_kernels mixed_step --sweep at 32de91c).
+    this rule gives them (H100, bench_mixed_step.py --sweep at 32de91c).
     """
     per_seq = triton.cdiv(num_tokens, num_seqs)             # average new tokens of a sequence
     if per_seq * group <= 128:

@@ -10,6 +10,7 @@
 #          rounds (bench_rounds: hit rounds against their bound), rounds_ab (bench_rounds with,
 #          without and again with the change in AB_PATCH, ~3 x 130 s), tiers (bench_tiers: disk, and Redis/S3 when .devsvc/ is carried),
 #          families (bench_families: MoE / sliding-window shapes, decode and a 100K L2 hit), moe, mla,
+#          mixed_step (bench_mixed_step: a mixed step's attention as the engine's graphs run it, ~40 s),
 #          decode_long (sweep_decode_long --no-grid: 1x128K-class decode vs SDPA, PDL and stealing variants),
 #          fleet (bench_routers --gpu: replicas on one GPU behind vllm-router; carry .fleet from
 #          scripts/device_fleet.sh, which holds redis and every wheel it needs; FLEET_LIMIT s, 540)
@@ -17,7 +18,7 @@
 # (carry it, with the .whl/ files of boto3, botocore, s3transfer, jmespath and redis).
 # Usage (device tool, carry [".whl"]): TIERKV_COMMIT=<sha sent> bash scripts/gpu_check.sh tests kernels throughput
 # (the device's copy of .git can lag the tree it runs: without TIERKV_COMMIT the JSONs may name an older commit)
-# Extra arguments per part: TESTS_ARGS (e.g. "-n 6 --dist loadfile" with pytest-xdist's wheels in .whl/), KERNELS_ARGS, THROUGHPUT_ARGS, LATENCY_ARGS, GEMV_ARGS, STEPS_ARGS, PLANES_ARGS, LONG_ARGS, DECODE_LONG_ARGS, SERVING_ARGS, ADMISSION_ARGS, ROUNDS_ARGS, FLEET_ARGS.
+# Extra arguments per part: TESTS_ARGS (e.g. "-n 6 --dist loadfile" with pytest-xdist's wheels in .whl/), KERNELS_ARGS, THROUGHPUT_ARGS, LATENCY_ARGS, GEMV_ARGS, STEPS_ARGS, PLANES_ARGS, LONG_ARGS, DECODE_LONG_ARGS, MIXED_STEP_ARGS, SERVING_ARGS, ADMISSION_ARGS, ROUNDS_ARGS, FLEET_ARGS.
 # throughput with its HF peer on all 256 prompts takes ~6 min: give it a call of its own.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -105,6 +106,7 @@ part() {  # part NAME SECONDS COMMAND...
       families) part families 540 python3 benchmarks/bench_families.py --out "$OUT" ${FAMILIES_ARGS:---hit} ;;
       moe) part moe 240 python3 benchmarks/bench_moe.py --out "$OUT" ${MOE_ARGS:-} ;;
       mla) part mla 240 python3 benchmarks/bench_mla_decode.py --out "$OUT" ${MLA_ARGS:-} ;;
+      mixed_step) part mixed_step 240 python3 benchmarks/bench_mixed_step.py --out "$OUT" ${MIXED_STEP_ARGS:-} ;;
       decode_long) part decode_long 300 python3 benchmarks/sweep_decode_long.py --out "$OUT" ${DECODE_LONG_ARGS:---no-grid} ;;
       # replicas of a Qwen3-0.6B-shaped model behind vllm-router, kv_aware vs round_robin (carry .fleet)
       fleet) if redis_up; then part fleet ${FLEET_LIMIT:-540} python3 benchmarks/bench_routers.py --out "$OUT" ${FLEET_ARGS:---gpu --budget-s 150}

@@ -66,6 +66,13 @@ def mixed_shapes(max_batch: int, max_tokens: int) -> list[tuple[int, int]]:
     return [(t, b) for t in MIXED_TOKENS if t <= max_tokens for b in seqs if b <= 2 * t]
 
 
+def mixed_shape_for(shapes, tokens: int, seqs: int) -> tuple[int, int] | None:
+    """Of the (tokens, sequences) `shapes`, the one a mixed step of `tokens` new tokens over `seqs`
+    sequences replays: the fewest tokens >= tokens, then the fewest sequences > seqs (one more
+    holds the padding); None if none."""
+    return min(((t, b) for t, b in shapes if t >= tokens and b > seqs), default=None)
+
+
 def capture_sizes(max_batch: int) -> list[int]:
     """Batch sizes to capture: 1, 2, 4, 8, then every multiple of 8, then max_batch itself.
 
@@ -266,11 +273,6 @@ class StepGraphs:
         """The narrowest width captured for size `bs` that holds `columns` block-table columns."""
         return next(w for w in self.widths if w >= columns and (bs, w) in self.graphs)
 
-    def mixed_for(self, tokens: int, seqs: int) -> tuple[int, int] | None:
-        """The captured mixed shape for `tokens` new tokens over `seqs` sequences: the fewest tokens
-        >= tokens, then the fewest sequences > seqs (one more holds the padding); None if none."""
-        return min(((t, b) for t, b in self.mixed_graphs if t >= tokens and b > seqs), default=None)
-
     @torch.inference_mode()
     def run(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_pool: torch.Tensor, meta: AttentionMetadata
@@ -309,7 +311,7 @@ class StepGraphs:
 
     def _run_mixed(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
         t, b = input_ids.shape[0], meta.num_seqs
-        shape = self.mixed_for(t, b)
+        shape = mixed_shape_for(self.mixed_graphs, t, b)
         if shape is None:
             return None
         tokens, seqs = shape
